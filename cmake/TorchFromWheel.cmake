@@ -1,0 +1,78 @@
+# Finds LibTorch inside the PyPI wheel torch==2.11.0 installed by scripts/setup.sh (.venv), and
+# defines meshddp::torch (what every target links) plus MESHDDP_WITH_CUDA.
+#
+# With nvcc present, the wheel's own TorchConfig is used (CUDA parts build). Without nvcc, the CUDA
+# wheel's TorchConfig cannot be loaded (it requires a CUDA toolkit of the same major version), so the
+# CPU libraries are imported by hand: the CPU build never needs a GPU, a driver or a toolkit.
+#
+# Pitfalls handled here (see docs/building.md):
+# - TORCH_CUDA_ARCH_LIST is set explicitly (auto-detection fails without a GPU).
+# - CUDA::nvToolsExt (gone in CUDA 13) is defined as the header-only NVTX3 if the config asks for it.
+# - nccl.h is not in the wheel: it comes from the CUDA toolkit here (NCCL stays PRIVATE to plugin code).
+# - Our binaries link with --as-needed so none records a DT_NEEDED on libcuda (stub or real).
+# - gloo's headers are not in the wheel either: third_party/gloo/include has the few that
+#   ProcessGroupGloo.hpp parses (every gloo type there is held by pointer, so only declarations matter).
+
+set(MESHDDP_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+    "Python of the virtualenv that holds torch==2.11.0 (made by scripts/setup.sh)")
+if(NOT EXISTS "${MESHDDP_PYTHON}")
+  message(FATAL_ERROR "meshddp: no Python at MESHDDP_PYTHON='${MESHDDP_PYTHON}'. "
+                      "Run scripts/setup.sh first (it creates .venv with torch==2.11.0).")
+endif()
+execute_process(
+  COMMAND "${MESHDDP_PYTHON}" -c "import torch, os; print(os.path.dirname(torch.__file__)); print(torch.__version__); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
+  OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _torch_rc)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "meshddp: '${MESHDDP_PYTHON} -c \"import torch\"' failed; rerun scripts/setup.sh")
+endif()
+string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+list(GET _torch_info 0 MESHDDP_TORCH_DIR)
+list(GET _torch_info 1 MESHDDP_TORCH_VERSION)
+list(GET _torch_info 2 _torch_cxx11_abi)
+message(STATUS "meshddp: torch ${MESHDDP_TORCH_VERSION} at ${MESHDDP_TORCH_DIR}")
+
+include(CheckLanguage)
+option(MESHDDP_ENABLE_CUDA "Build the CUDA parts when nvcc is found" ON)
+set(MESHDDP_WITH_CUDA OFF)
+if(MESHDDP_ENABLE_CUDA)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(MESHDDP_WITH_CUDA ON)
+  endif()
+endif()
+
+add_library(meshddp_torch INTERFACE)
+add_library(meshddp::torch ALIAS meshddp_torch)
+# Ranks as threads and c10d's Gloo need these; the c10d headers compile to nothing without them.
+target_compile_definitions(meshddp_torch INTERFACE USE_DISTRIBUTED USE_C10D_GLOO)
+target_include_directories(meshddp_torch SYSTEM INTERFACE "${PROJECT_SOURCE_DIR}/third_party/gloo/include")
+target_link_options(meshddp_torch INTERFACE "LINKER:--as-needed")
+
+if(MESHDDP_WITH_CUDA)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
+  enable_language(CUDA)
+  set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake config (no GPU to detect here)")
+  find_package(CUDAToolkit REQUIRED)
+  if(NOT TARGET CUDA::nvToolsExt)
+    # CUDA 13 dropped libnvToolsExt; NVTX3 is header-only.
+    add_library(CUDA::nvToolsExt INTERFACE IMPORTED)
+    set_target_properties(CUDA::nvToolsExt PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${CUDAToolkit_INCLUDE_DIRS}")
+  endif()
+  list(APPEND CMAKE_PREFIX_PATH "${MESHDDP_TORCH_DIR}/share/cmake")
+  find_package(Torch REQUIRED)
+  target_link_libraries(meshddp_torch INTERFACE ${TORCH_LIBRARIES})
+  target_compile_definitions(meshddp_torch INTERFACE MESHDDP_WITH_CUDA USE_C10D_NCCL)
+  # nccl.h for ProcessGroupNCCL.hpp comes from the toolkit, not the wheel.
+  target_include_directories(meshddp_torch SYSTEM INTERFACE "${CUDAToolkit_INCLUDE_DIRS}")
+else()
+  message(STATUS "meshddp: no nvcc (or MESHDDP_ENABLE_CUDA=OFF): CPU-only build against the wheel's torch_cpu")
+  target_include_directories(meshddp_torch SYSTEM INTERFACE
+    "${MESHDDP_TORCH_DIR}/include" "${MESHDDP_TORCH_DIR}/include/torch/csrc/api/include")
+  target_compile_definitions(meshddp_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_torch_cxx11_abi})
+  target_link_libraries(meshddp_torch INTERFACE
+    "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so" "${MESHDDP_TORCH_DIR}/lib/libc10.so" Threads::Threads)
+endif()
+# Binaries find libtorch*.so (and, through its RUNPATH, the wheel's nvidia libraries) at run time.
+set(CMAKE_BUILD_RPATH "${MESHDDP_TORCH_DIR}/lib")

@@ -1,0 +1,95 @@
+// Splits parameters into flat buffers and buckets, in reverse registration order. Pure host logic:
+// no tensors, no CUDA, no communication, so every rank computes the identical layout from the same
+// (params, config) and the rules are unit-testable without a process group.
+//
+// Note [Bucket layout]
+// - One flat buffer per (param dtype, grad dtype, device). Params are placed walking the
+//   registration order backwards (the last-registered param first), which is roughly the order
+//   backward produces gradients, so the first buckets complete first.
+// - A bucket closes as soon as it holds >= bucket_bytes of gradients (it may overshoot by one param);
+//   bucket_bytes == 0 closes a bucket after every param. A param never straddles two buckets.
+// - Buckets get their global index (= launch order) when they close, across all buffers, so a
+//   small buffer's bucket launches as soon as its last gradient is in, not after every bucket of a
+//   bigger buffer. Buckets still open at the end close in buffer order.
+// - With pad_for_reduce_scatter, each param starts at a multiple of kAlignmentElems and each bucket
+//   ends at a multiple of dp_size * kAlignmentElems. So every bucket divides into dp_size equal
+//   shards, and every shard and every param starts 64-element aligned (256 B in fp32, 128 B in
+//   bf16): whole cache lines and vector loads for the optimizer kernels, and the shard boundaries of
+//   one buffer never depend on another buffer. Cost: < kAlignmentElems per param plus
+//   < dp_size * kAlignmentElems per bucket. Without it, params are packed densely (no padding).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshddp {
+
+constexpr int64_t kAlignmentElems = 64;
+// 40 MiB: ~10M fp32 or ~20M bf16 gradients. Large enough that an NCCL/Gloo collective runs near its
+// bandwidth peak (latency terms are small next to the transfer), small enough that a 1B-param model
+// has dozens of buckets to overlap with backward. PyTorch DDP uses 25 MiB, Megatron 40M elements.
+// docs/design.md has the sweep.
+constexpr size_t kDefaultBucketBytes = size_t{40} << 20;
+
+struct ParamSpec {
+  std::string name;  // module path, for messages
+  int64_t numel = 0;
+  c10::ScalarType param_dtype = c10::ScalarType::Float;
+  c10::ScalarType grad_dtype = c10::ScalarType::Float;  // the main grad's dtype (fp32 when reducing in fp32)
+  c10::Device device{c10::DeviceType::CPU};
+};
+
+struct LayoutConfig {
+  size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one param per bucket
+  bool pad_for_reduce_scatter = false;        // align params, pad buckets to dp_size * kAlignmentElems
+  int64_t dp_size = 1;                        // data-parallel group size (>= 1); only used for padding
+};
+
+struct BufferKey {
+  c10::ScalarType param_dtype;
+  c10::ScalarType grad_dtype;
+  c10::Device device;
+  bool operator==(const BufferKey&) const = default;
+};
+
+// Where one param's gradient lives.
+struct ParamSlot {
+  int64_t buffer = -1;  // index into BucketLayout::buffers
+  int64_t bucket = -1;  // global bucket index
+  int64_t offset = 0;   // element offset in its buffer
+  int64_t numel = 0;
+};
+
+struct BucketSpan {
+  int64_t buffer = -1;               // the flat buffer it is a range of
+  int64_t begin = 0;                 // element offset in that buffer
+  int64_t end = 0;                   // one past the last element, padding included
+  int64_t end_unpadded = 0;          // one past the last param element
+  std::vector<int64_t> params;       // param indices, in placement order
+  int64_t numel() const { return end - begin; }
+};
+
+struct BufferSpec {
+  BufferKey key;
+  int64_t numel = 0;             // total elements, padding included
+  std::vector<int64_t> buckets;  // global bucket indices of this buffer, in offset order
+};
+
+struct BucketLayout {
+  std::vector<BufferSpec> buffers;
+  std::vector<BucketSpan> buckets;  // indexed by global bucket index = launch order
+  std::vector<ParamSlot> slots;     // indexed by param index (registration order)
+};
+
+// Throws naming the param or field on: dp_size < 1, a negative numel, an empty name.
+BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutConfig& config);
+
+// Rounds n up to a multiple of m (m >= 1).
+constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+}  // namespace meshddp

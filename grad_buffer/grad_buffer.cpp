@@ -1,0 +1,276 @@
+#include "grad_buffer/grad_buffer.h"
+
+#include "mesh/collectives.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+
+namespace meshddp {
+
+void GradBufferConfig::validate() const {
+  // bucket_bytes is unsigned: every value is meaningful (0 = one bucket per parameter).
+  TORCH_CHECK(bucket_bytes <= (size_t{1} << 40), "GradBufferConfig: bucket_bytes = ", bucket_bytes,
+              " (over 1 TiB) is surely a unit mistake; give bytes, e.g. 40 << 20 for 40 MiB");
+}
+
+struct GradBuffer::HookHandle {
+  std::shared_ptr<torch::autograd::Node> accumulator;  // the param keeps only a weak_ptr to it
+  uintptr_t key = 0;
+};
+
+namespace {
+
+std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
+  std::vector<NamedParam> kept;
+  for (auto& p : params) {
+    TORCH_CHECK(p.param.defined(), "GradBuffer: parameter '", p.name, "' is an undefined tensor");
+    if (!p.param.requires_grad()) continue;
+    TORCH_CHECK(p.param.is_leaf(), "GradBuffer: parameter '", p.name,
+                "' requires grad but is not a leaf tensor; register the parameter itself, not a view or result of it");
+    kept.push_back(std::move(p));
+  }
+  return kept;
+}
+
+c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
+  const auto dtype = p.scalar_type();
+  if (grad_reduce_in_fp32 && (dtype == at::kBFloat16 || dtype == at::kHalf)) return at::kFloat;
+  return dtype;
+}
+
+}  // namespace
+
+GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
+                       GradBufferConfig config)
+    : params_(trainable(std::move(params))), dp_group_(std::move(dp_group)), config_(config) {
+  config_.validate();
+  TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
+  dp_size_ = dp_group_->getSize();
+
+  std::vector<ParamSpec> specs;
+  specs.reserve(params_.size());
+  for (const auto& p : params_) {
+    specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
+                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device()});
+  }
+  layout_ = assign_buckets(specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_});
+
+  for (const auto& spec : layout_.buffers) {
+    buffers_.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
+  }
+  main_grads_.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamSlot& slot = layout_.slots[i];
+    main_grads_.push_back(buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(params_[i].param.sizes()));
+  }
+  ready_.assign(params_.size(), false);
+  buckets_.resize(layout_.buckets.size());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reset_step_state();
+  }
+  point_grads_at_buffer();
+  install_hooks();
+}
+
+GradBuffer::~GradBuffer() {
+  remove_hooks();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& b : buckets_) {
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (const std::exception&) {
+        // Destruction must not throw; the failure was (or will be) reported by finish_grad_sync().
+      }
+    }
+  }
+}
+
+void GradBuffer::install_hooks() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto handle = std::make_unique<HookHandle>();
+    handle->accumulator = torch::autograd::impl::grad_accumulator(params_[i].param);
+    TORCH_INTERNAL_ASSERT(handle->accumulator, "no grad accumulator for ", params_[i].name);
+    const auto index = static_cast<int64_t>(i);
+    handle->key = handle->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          on_grad_accumulated(index);
+          return outputs;
+        }));
+    hooks_.push_back(std::move(handle));
+  }
+}
+
+void GradBuffer::remove_hooks() {
+  for (auto& h : hooks_) h->accumulator->del_post_hook(h->key);
+  hooks_.clear();
+}
+
+void GradBuffer::point_grads_at_buffer() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].param.mutable_grad();
+    if (main_grads_[i].scalar_type() == params_[i].param.scalar_type()) {
+      grad = main_grads_[i];  // autograd accumulates in place into the slot: no copy, ever
+    } else {
+      grad.reset();  // fp32 main grads: the hook adds the low-precision grad in and releases it
+    }
+  }
+}
+
+void GradBuffer::set_is_last_microbatch(bool is_last) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  is_last_microbatch_ = is_last;
+}
+
+bool GradBuffer::is_last_microbatch() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return is_last_microbatch_;
+}
+
+void GradBuffer::on_grad_accumulated(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string& name = params_[index].name;
+  TORCH_CHECK(state_ != StepState::kSynced, "GradBuffer: parameter '", name,
+              "' got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
+              "backward (or finish_grad_sync() only after the last micro-batch)");
+  if (is_last_microbatch_) {
+    TORCH_CHECK(!ready_[index], "GradBuffer: parameter '", name,
+                "' reported ready twice in one step (a second backward before finish_grad_sync()); call ",
+                "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
+                "micro-batches");
+  }
+  // Move the accumulated gradient into its slot unless autograd already put it there.
+  at::Tensor& grad = params_[index].param.mutable_grad();
+  const at::Tensor& slot = main_grads_[index];
+  if (grad.defined() && !grad.is_same(slot)) {
+    if (grad.data_ptr() != slot.data_ptr()) slot.add_(grad);
+    if (slot.scalar_type() == grad.scalar_type()) {
+      grad = slot;  // .grad was replaced (e.g. set to None): point it back at the slot
+    } else {
+      grad.reset();
+    }
+  }
+  if (!is_last_microbatch_) return;
+
+  ready_[index] = true;
+  state_ = StepState::kReducing;
+  BucketState& bucket = buckets_[layout_.slots[index].bucket];
+  TORCH_INTERNAL_ASSERT(bucket.pending > 0);
+  if (--bucket.pending == 0 && config_.overlap_grad_reduce) launch_ready_buckets_in_order();
+}
+
+void GradBuffer::launch_ready_buckets_in_order() {
+  while (next_bucket_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_bucket_].pending == 0) {
+    launch_bucket(next_bucket_++);
+    ++launched_by_hooks_;
+  }
+}
+
+void GradBuffer::launch_bucket(int64_t b) {
+  BucketState& bucket = buckets_[b];
+  TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
+  at::Tensor data = bucket_data(b);
+  if (dp_size_ > 1) {
+    data.div_(static_cast<double>(dp_size_));
+    bucket.work = all_reduce_sum(*dp_group_, data, bucket_description(b));
+  }
+  bucket.launched = true;
+  state_ = StepState::kReducing;
+}
+
+void GradBuffer::wait_launched_buckets() {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].work) {
+      auto work = std::move(buckets_[b].work);
+      buckets_[b].work.reset();
+      wait_collective(work, *dp_group_, bucket_description(static_cast<int64_t>(b)));
+    }
+  }
+}
+
+void GradBuffer::finish_grad_sync() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == StepState::kSynced) return;
+  while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
+  wait_launched_buckets();
+  std::fill(ready_.begin(), ready_.end(), true);
+  state_ = StepState::kSynced;
+}
+
+void GradBuffer::zero_grad_buffer() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t in_flight = 0;
+    for (const auto& b : buckets_) in_flight += b.work ? 1 : 0;
+    TORCH_CHECK(in_flight == 0, "GradBuffer: zero_grad_buffer() called while ", in_flight,
+                " bucket collective(s) of this step are in flight; call finish_grad_sync() first (zeroing a buffer ",
+                "under a running collective corrupts the next step's gradients)");
+    for (auto& buffer : buffers_) buffer.zero_();
+    reset_step_state();
+  }
+  point_grads_at_buffer();
+}
+
+void GradBuffer::reset_step_state() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b] = BucketState{static_cast<int64_t>(layout_.buckets[b].params.size()), false, {}};
+  }
+  next_bucket_ = 0;
+  launched_by_hooks_ = 0;
+  state_ = StepState::kIdle;
+}
+
+void GradBuffer::check_no_sync_pending(const char* who) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != StepState::kReducing, who, ": a new step began before finish_grad_sync() of the previous ",
+              "one (its gradient sync has started). Parameters that have not reported a gradient yet: ",
+              unready_param_names(8), ". Call finish_grad_sync() after the last backward of every step (it also ",
+              "covers parameters that got no gradient), then zero_grad_buffer()");
+}
+
+at::Tensor GradBuffer::bucket_data(int64_t b) const {
+  const BucketSpan& span = layout_.buckets[b];
+  return buffers_[span.buffer].narrow(0, span.begin, span.numel());
+}
+
+int64_t GradBuffer::buckets_launched() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_bucket_;
+}
+
+int64_t GradBuffer::buckets_launched_by_hooks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return launched_by_hooks_;
+}
+
+std::string GradBuffer::bucket_description(int64_t b) const {
+  const BucketSpan& span = layout_.buckets[b];
+  const BufferKey& key = layout_.buffers[span.buffer].key;
+  std::ostringstream out;
+  out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from '"
+      << params_[span.params.front()].name << "', " << span.numel() << " " << key.grad_dtype << " elements on "
+      << key.device << ")";
+  return out.str();
+}
+
+std::string GradBuffer::unready_param_names(size_t limit) const {
+  std::ostringstream out;
+  size_t count = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    if (count < limit) out << (count ? ", " : "") << "'" << params_[i].name << "'";
+    ++count;
+  }
+  if (count > limit) out << " and " << (count - limit) << " more";
+  if (count == 0) out << "(none)";
+  return out.str();
+}
+
+}  // namespace meshddp

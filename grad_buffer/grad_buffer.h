@@ -1,0 +1,135 @@
+// GradBuffer: the flat gradient buffers of a set of parameters, their buckets, the autograd hooks
+// that fill them, and the bucket collectives over the data-parallel group. One instance per wrapped
+// model. It owns no optimizer and no module: it sees parameters and a DP process group.
+//
+// Note [One step, as GradBuffer sees it]
+//   zero_grad_buffer()          state: idle; every slot 0; param.grad() is its slot's view
+//   backward (micro-batches)    hooks accumulate into the slots; only on the last micro-batch does a
+//                               hook mark its param ready (state: reducing). A bucket whose params
+//                               are all ready is ready; ready buckets launch strictly in bucket index
+//                               order (overlap on), so every rank issues the same collectives in the
+//                               same order whatever order its hooks fire in.
+//   finish_grad_sync()          launches, in order, every bucket not yet launched (a param that got
+//                               no gradient contributes its slot as it is: zeros, or what earlier
+//                               micro-batches accumulated), waits for all (state: synced).
+// Each bucket is pre-divided by the DP size and SUM-reduced: a DP mean on every backend (Gloo has
+// no AVG), exact for power-of-two DP sizes.
+#pragma once
+
+#include "grad_buffer/bucket_layout.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace meshddp {
+
+struct GradBufferConfig {
+  size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one bucket per parameter
+  bool overlap_grad_reduce = true;   // launch bucket collectives from the hooks during backward;
+                                     // false = all of them in finish_grad_sync()
+  bool grad_reduce_in_fp32 = false;  // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
+                                     // fp32); param.grad() is released after each hook. No effect on fp32 params
+  bool pad_for_reduce_scatter = false;  // pad buckets to a multiple of the DP size (see bucket_layout.h)
+
+  // Throws naming the field on a bad value. Called by every constructor that takes a config.
+  void validate() const;
+};
+
+struct NamedParam {
+  std::string name;  // module path, e.g. "blocks.3.mlp.fc1.weight"
+  at::Tensor param;  // a leaf that requires grad
+};
+
+class GradBuffer {
+ public:
+  // Lays out `params` (registration order; only the trainable ones: requires_grad), allocates one
+  // zeroed flat buffer per (param dtype, grad dtype, device), points each param's grad at its slot
+  // (same dtype) and installs the hooks. `dp_group` is the group the buckets are reduced over.
+  GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
+             GradBufferConfig config);
+  // Removes the hooks; waits for collectives still in flight (they write into the buffers).
+  ~GradBuffer();
+  GradBuffer(const GradBuffer&) = delete;
+  GradBuffer& operator=(const GradBuffer&) = delete;
+
+  // false: backward only accumulates into the buffer (micro-batches before the last); true (default):
+  // backward marks params ready and, with overlap, launches buckets. Set before backward.
+  void set_is_last_microbatch(bool is_last);
+  bool is_last_microbatch() const;
+
+  // Launches every bucket not launched yet, in order, then waits for all. Afterwards each slot holds
+  // the DP mean. Call once per step, after the last backward; calling it again is a no-op.
+  void finish_grad_sync();
+
+  // Zeroes every buffer and resets bucket state for the next step. Throws if bucket collectives are
+  // in flight (finish_grad_sync() first): zeroing under a running collective corrupts it.
+  void zero_grad_buffer();
+
+  // Throws, naming the params that have not reported a gradient, if this step's sync has begun but
+  // finish_grad_sync() has not run. `who` names the caller in the message.
+  void check_no_sync_pending(const char* who) const;
+
+  // The main gradient of param `index` (registration order among trainable params): a view into its
+  // flat buffer, shaped like the param (fp32 with grad_reduce_in_fp32).
+  const at::Tensor& main_grad(int64_t index) const { return main_grads_[index]; }
+  // Bucket `b`'s range of its flat buffer, padding included.
+  at::Tensor bucket_data(int64_t b) const;
+  const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
+  const BucketLayout& layout() const { return layout_; }
+  const std::vector<NamedParam>& params() const { return params_; }
+  const GradBufferConfig& config() const { return config_; }
+  int64_t dp_size() const { return dp_size_; }
+
+  // Buckets launched so far this step, and how many of those were launched by hooks during backward
+  // (overlap at work). Reset by zero_grad_buffer().
+  int64_t buckets_launched() const;
+  int64_t buckets_launched_by_hooks() const;
+
+  // Called by the autograd hook of param `index` once its gradient has been accumulated.
+  void on_grad_accumulated(int64_t index);
+
+ private:
+  enum class StepState { kIdle, kReducing, kSynced };
+  struct BucketState {
+    int64_t pending = 0;  // params not yet ready
+    bool launched = false;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  void install_hooks();
+  void remove_hooks();
+  void launch_ready_buckets_in_order();  // mutex held
+  void launch_bucket(int64_t b);         // mutex held
+  void wait_launched_buckets();          // mutex held
+  void reset_step_state();               // mutex held
+  void point_grads_at_buffer();
+  std::string bucket_description(int64_t b) const;
+  std::string unready_param_names(size_t limit) const;
+
+  std::vector<NamedParam> params_;
+  c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
+  GradBufferConfig config_;
+  int64_t dp_size_ = 1;
+  BucketLayout layout_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> main_grads_;
+
+  mutable std::mutex mutex_;
+  StepState state_ = StepState::kIdle;
+  bool is_last_microbatch_ = true;
+  std::vector<bool> ready_;
+  std::vector<BucketState> buckets_;
+  int64_t next_bucket_ = 0;
+  int64_t launched_by_hooks_ = 0;
+
+  struct HookHandle;
+  std::vector<std::unique_ptr<HookHandle>> hooks_;
+};
+
+}  // namespace meshddp

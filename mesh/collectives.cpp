@@ -1,0 +1,91 @@
+#include "mesh/collectives.h"
+
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <sstream>
+
+namespace meshddp {
+namespace {
+
+void check_operand(const c10d::ProcessGroup& group, const at::Tensor& t, const char* role, const char* op,
+                   const std::string& what) {
+  TORCH_CHECK(t.defined(), "meshddp ", op, " of ", what, " on ", describe_group(group), ": ", role,
+              " tensor is undefined");
+  TORCH_CHECK(t.layout() == c10::kStrided && t.is_contiguous(), "meshddp ", op, " of ", what, " on ",
+              describe_group(group), ": ", role, " tensor must be dense and contiguous; got sizes ", t.sizes(),
+              " strides ", t.strides());
+}
+
+}  // namespace
+
+std::string describe_group(const c10d::ProcessGroup& group) {
+  std::ostringstream out;
+  out << "group '" << group.getGroupName() << "' (rank " << group.getRank() << " of " << group.getSize() << ")";
+  return out.str();
+}
+
+Work all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {
+  check_operand(group, tensor, "the", "all-reduce", what);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return group.allreduce(tensors, options);
+}
+
+Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                        const std::string& what) {
+  check_operand(group, output, "output", "reduce-scatter", what);
+  check_operand(group, input, "input", "reduce-scatter", what);
+  TORCH_CHECK(input.numel() == output.numel() * group.getSize() && input.scalar_type() == output.scalar_type() &&
+                  input.device() == output.device(),
+              "meshddp reduce-scatter of ", what, " on ", describe_group(group), ": input has ", input.numel(), " ",
+              input.scalar_type(), " elements on ", input.device(), ", expected output.numel() (", output.numel(),
+              ") x group size (", group.getSize(), ") of ", output.scalar_type(), " on ", output.device());
+  at::Tensor out = output;
+  at::Tensor in = input;
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return group._reduce_scatter_base(out, in, options);
+}
+
+Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                     const std::string& what) {
+  check_operand(group, output, "output", "all-gather", what);
+  check_operand(group, input, "input", "all-gather", what);
+  TORCH_CHECK(output.numel() == input.numel() * group.getSize() && input.scalar_type() == output.scalar_type() &&
+                  input.device() == output.device(),
+              "meshddp all-gather of ", what, " on ", describe_group(group), ": output has ", output.numel(), " ",
+              output.scalar_type(), " elements on ", output.device(), ", expected input.numel() (", input.numel(),
+              ") x group size (", group.getSize(), ") of ", input.scalar_type(), " on ", input.device());
+  at::Tensor out = output;
+  at::Tensor in = input;
+  return group._allgather_base(out, in);
+}
+
+Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, const std::string& what) {
+  check_operand(group, tensor, "the", "broadcast", what);
+  TORCH_CHECK(root >= 0 && root < group.getSize(), "meshddp broadcast of ", what, " on ", describe_group(group),
+              ": root ", root, " is not a rank of the group");
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  return group.broadcast(tensors, options);
+}
+
+void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
+  TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group),
+                " failed or timed out: ", e.what(),
+                "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
+                "run every rank with the same model and config, and check the other ranks' errors");
+  }
+}
+
+void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {
+  wait_collective(all_reduce_sum(group, tensor, what), group, what);
+}
+
+}  // namespace meshddp

@@ -1,0 +1,40 @@
+// The one checked path every meshddp collective goes through. Each call checks its operands, says in
+// every error what it was for (e.g. "bucket 3 of the bf16 grad buffer"), on which group and rank,
+// and returns c10d Work to wait on with wait_collective(). No averaging op: Gloo has no AVG, so
+// callers pre-scale and SUM (exact for power-of-two group sizes).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <string>
+
+namespace meshddp {
+
+using Work = c10::intrusive_ptr<c10d::Work>;
+
+// In-place SUM all-reduce of a contiguous dense tensor.
+Work all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
+
+// output (numel n) receives the SUM over the group of input's slice [rank*n, (rank+1)*n);
+// input.numel() must equal n * group size. Both contiguous, same dtype and device.
+Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                        const std::string& what);
+
+// output (numel n * group size) receives every rank's input (numel n) in rank order.
+Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                     const std::string& what);
+
+// tensor on every rank becomes group-rank `root`'s tensor.
+Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, const std::string& what);
+
+// Blocks until `work` finishes. A failure or the group's timeout becomes an error that names `what`.
+void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what);
+
+// Convenience: launch and wait.
+void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
+
+// "group 'dp/ranks=0,2' (rank 1 of 2)" for messages.
+std::string describe_group(const c10d::ProcessGroup& group);
+
+}  // namespace meshddp

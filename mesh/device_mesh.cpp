@@ -1,0 +1,137 @@
+#include "mesh/device_mesh.h"
+
+#include "mesh/mesh_layout.h"
+#include "mesh/process_group_factory.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace meshddp {
+namespace {
+
+std::string require_env(const char* name, const char* what) {
+  const char* value = std::getenv(name);
+  TORCH_CHECK(value != nullptr && *value != '\0', "DeviceMesh::from_env: environment variable ", name,
+              " (", what, ") is not set; launch with torchrun (e.g. torchrun --nproc-per-node 4 --no-python ",
+              "<binary>), or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself");
+  return value;
+}
+
+int64_t require_int_env(const char* name, const char* what) {
+  const std::string text = require_env(name, what);
+  try {
+    size_t used = 0;
+    const int64_t value = std::stoll(text, &used);
+    if (used == text.size()) return value;
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(false, "DeviceMesh::from_env: environment variable ", name, "='", text, "' is not an integer");
+}
+
+c10::Device device_for(c10::DeviceType type, int64_t local_rank) {
+  if (type == c10::DeviceType::CUDA) return c10::Device(type, static_cast<c10::DeviceIndex>(local_rank));
+  return c10::Device(type);
+}
+
+}  // namespace
+
+DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options) {
+  const int64_t rank = require_int_env("RANK", "this process's global rank");
+  const int64_t world_size = require_int_env("WORLD_SIZE", "number of ranks");
+  const std::string host = require_env("MASTER_ADDR", "host of rank 0's TCPStore");
+  const int64_t port = require_int_env("MASTER_PORT", "port of rank 0's TCPStore");
+  validate_mesh(sizes, names, world_size, rank);
+  TORCH_CHECK(port > 0 && port < 65536, "DeviceMesh::from_env: MASTER_PORT=", port, " is not a TCP port");
+  // torchrun's agent already serves a store at MASTER_PORT when it says so; rank 0 must not bind again.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool use_agent_store = agent_store != nullptr && std::string_view(agent_store) == "True";
+
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(port);
+  store_options.isServer = rank == 0 && !use_agent_store;
+  store_options.numWorkers = use_agent_store ? std::nullopt : std::optional<size_t>(world_size);
+  store_options.waitWorkers = !use_agent_store;
+  store_options.timeout = options.timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  DeviceMesh mesh = from_store(store, rank, world_size, std::move(sizes), std::move(names), options);
+  if (options.device_type == c10::DeviceType::CUDA) {
+    mesh.device_ = device_for(options.device_type, require_int_env("LOCAL_RANK", "this process's GPU index"));
+  }
+  return mesh;
+}
+
+DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
+                                  std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options) {
+  TORCH_CHECK(store, "DeviceMesh::from_store: the store is null");
+  validate_mesh(sizes, names, world_size, rank);
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
+  for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
+    const auto ranks = mesh_group_ranks(rank, sizes, d);
+    const std::string key = options.store_prefix + "/" + mesh_group_key(names[d], ranks);
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>(key, store);
+    const auto coords = mesh_coordinates(rank, sizes);
+    groups.push_back(make_process_group(group_store, static_cast<int>(coords[d]), static_cast<int>(sizes[d]),
+                                        options.device_type, options.timeout, key));
+  }
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type);
+  if (options.device_type == c10::DeviceType::CUDA && local_rank != nullptr) {
+    mesh.device_ = device_for(options.device_type, std::atoll(local_rank));
+  }
+  return mesh;
+}
+
+DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
+                                   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
+                                   c10::DeviceType device_type) {
+  int64_t world_size = 1;
+  for (int64_t s : sizes) world_size *= s;
+  validate_mesh(sizes, names, world_size, rank);
+  TORCH_CHECK(groups_by_dim.size() == sizes.size(), "DeviceMesh::from_groups: ", groups_by_dim.size(),
+              " process groups for ", sizes.size(), " dims (", describe_mesh_shape(sizes, names),
+              "); pass one group per dim, in dim order");
+  DeviceMesh mesh;
+  mesh.coords_ = mesh_coordinates(rank, sizes);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    const auto& group = groups_by_dim[d];
+    TORCH_CHECK(group, "DeviceMesh::from_groups: the group for dim '", names[d], "' is null");
+    TORCH_CHECK(group->getSize() == sizes[d], "DeviceMesh::from_groups: the group for dim '", names[d],
+                "' has ", group->getSize(), " ranks, expected ", sizes[d], " in ", describe_mesh_shape(sizes, names));
+    TORCH_CHECK(group->getRank() == mesh.coords_[d], "DeviceMesh::from_groups: rank ", rank, " has coordinate ",
+                mesh.coords_[d], " along dim '", names[d], "' (row-major, last dim innermost) but is rank ",
+                group->getRank(), " of the group given for that dim; build that group from ranks ",
+                mesh_group_key(names[d], mesh_group_ranks(rank, sizes, static_cast<int64_t>(d))), " in that order");
+  }
+  mesh.sizes_ = std::move(sizes);
+  mesh.names_ = std::move(names);
+  mesh.rank_ = rank;
+  mesh.world_size_ = world_size;
+  mesh.device_ = c10::Device(device_type);
+  mesh.groups_ = std::move(groups_by_dim);
+  return mesh;
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& DeviceMesh::operator[](std::string_view dim) const {
+  return groups_[mesh_dim_index(names_, dim)];
+}
+
+int64_t DeviceMesh::size(std::string_view dim) const { return sizes_[mesh_dim_index(names_, dim)]; }
+
+int64_t DeviceMesh::coordinate(std::string_view dim) const { return coords_[mesh_dim_index(names_, dim)]; }
+
+std::vector<int64_t> DeviceMesh::group_ranks(std::string_view dim) const {
+  return mesh_group_ranks(rank_, sizes_, mesh_dim_index(names_, dim));
+}
+
+std::string DeviceMesh::describe() const {
+  std::ostringstream out;
+  out << describe_mesh_shape(sizes_, names_) << ", rank " << rank_ << " at (";
+  for (size_t d = 0; d < names_.size(); ++d) out << (d ? ", " : "") << names_[d] << "=" << coords_[d];
+  out << ")";
+  return out.str();
+}
+
+}  // namespace meshddp

@@ -1,0 +1,77 @@
+// DeviceMesh: an N-D grid of ranks with named dims (row-major, last dim innermost) that gives this
+// rank its coordinates and one c10d process group per dim. Gloo groups for CPU meshes, NCCL for
+// CUDA meshes. It builds groups only; collectives go through mesh/collectives.h.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace meshddp {
+
+struct MeshOptions {
+  // kCPU: Gloo groups, tensors on the CPU. kCUDA: NCCL groups, device cuda:LOCAL_RANK (needs a
+  // build with CUDA). Multi-rank CUDA tensors on one GPU: use kCPU groups (Gloo takes CUDA tensors).
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  // How long a collective or a rendezvous may wait before it fails with an error instead of hanging.
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // Store prefix under which this mesh's groups rendezvous; give two meshes on one store
+  // different prefixes.
+  std::string store_prefix = "meshddp";
+};
+
+class DeviceMesh {
+ public:
+  // From torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for
+  // CUDA). Rank 0 hosts the TCPStore unless TORCHELASTIC_USE_AGENT_STORE=True, in which case every
+  // rank joins the store torchrun's agent already serves. Throws naming a missing variable.
+  static DeviceMesh from_env(std::vector<int64_t> sizes, std::vector<std::string> names,
+                             MeshOptions options = {});
+
+  // From a store the caller gives (tests: one HashStore shared by rank threads, or a FileStore).
+  // Every rank must call this concurrently: group construction blocks until its peers join.
+  static DeviceMesh from_store(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
+                               std::vector<int64_t> sizes, std::vector<std::string> names,
+                               MeshOptions options = {});
+
+  // From process groups the caller already has, one per dim, in dim order. Checks that each group's
+  // size is its dim's size and that its rank is this rank's coordinate along that dim.
+  static DeviceMesh from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
+                                std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
+                                c10::DeviceType device_type = c10::DeviceType::CPU);
+
+  // This rank's process group along `dim` (e.g. mesh["dp"]). Throws on an unknown dim name.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& operator[](std::string_view dim) const;
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  int64_t ndim() const { return static_cast<int64_t>(sizes_.size()); }
+  int64_t size(std::string_view dim) const;
+  int64_t coordinate(std::string_view dim) const;
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<int64_t>& coordinates() const { return coords_; }
+  // Global ranks of this rank's group along `dim`, in group-rank order.
+  std::vector<int64_t> group_ranks(std::string_view dim) const;
+  // Device this rank computes on: CPU, or cuda:LOCAL_RANK for CUDA meshes.
+  c10::Device device() const { return device_; }
+  // "dp(2) x tp(2), rank 3 at (dp=1, tp=1)".
+  std::string describe() const;
+
+ private:
+  DeviceMesh() = default;
+  std::vector<int64_t> sizes_;
+  std::vector<std::string> names_;
+  std::vector<int64_t> coords_;
+  int64_t rank_ = 0;
+  int64_t world_size_ = 1;
+  c10::Device device_{c10::DeviceType::CPU};
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+};
+
+}  // namespace meshddp

@@ -1,0 +1,63 @@
+#include "mesh/process_group_factory.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cstdlib>
+#include <string_view>
+#ifdef MESHDDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace meshddp {
+namespace {
+
+c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // GLOO_SOCKET_IFNAME picks the interface; otherwise loopback while the master is local.
+  // Multi-node runs (MASTER_ADDR not on this host) use the hostname's interface.
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  const bool local_master = master == nullptr || std::string_view(master) == "127.0.0.1" ||
+                            std::string_view(master) == "localhost";
+  if (ifname != nullptr && *ifname != '\0') {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (local_master) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int rank, int size, c10::DeviceType device_type,
+                                                          std::chrono::milliseconds timeout,
+                                                          const std::string& name) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  if (device_type == c10::DeviceType::CPU) {
+    auto gloo = make_gloo(store, rank, size, timeout);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  } else if (device_type == c10::DeviceType::CUDA) {
+#ifdef MESHDDP_WITH_CUDA
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+#else
+    TORCH_CHECK(false, "DeviceMesh: group '", name, "' asks for NCCL (a CUDA mesh) but meshddp was built ",
+                "without CUDA (no nvcc at configure time); build with nvcc or use a CPU mesh");
+#endif
+  } else {
+    TORCH_CHECK(false, "DeviceMesh: group '", name, "' asks for device type ", device_type,
+                "; only CPU (Gloo) and CUDA (NCCL) meshes are supported");
+  }
+  group->setGroupName(name);
+  return group;
+}
+
+}  // namespace meshddp

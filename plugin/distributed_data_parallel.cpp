@@ -1,0 +1,48 @@
+#include "plugin/distributed_data_parallel.h"
+
+#include "plugin/model_sync.h"
+
+namespace meshddp {
+
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
+                     DdpConfig config)
+    : dp_group_(mesh[dp_dim]), config_(config) {
+  init(module, mesh.group_ranks(dp_dim));
+}
+
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
+                     DdpConfig config)
+    : dp_group_(std::move(dp_group)), config_(config) {
+  TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
+  init(module, {});
+}
+
+void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks) {
+  config_.validate();
+  TORCH_CHECK(module, "DistributedDataParallel: the module is null");
+  std::vector<NamedTensor> params;
+  std::vector<NamedTensor> state;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    params.push_back({item.key(), item.value()});
+    state.push_back({item.key(), item.value()});
+  }
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) state.push_back({item.key(), item.value()});
+  if (config_.verify_model_across_ranks) {
+    verify_same_tensors_across_ranks(*dp_group_, params, "parameter", dp_global_ranks);
+  }
+  if (config_.broadcast_from_rank0) broadcast_from_dp_rank0(*dp_group_, state);
+
+  std::vector<NamedParam> named;
+  for (auto& p : params) named.push_back({p.name, p.tensor});
+  buffer_ = std::make_unique<GradBuffer>(std::move(named), dp_group_, static_cast<GradBufferConfig>(config_));
+}
+
+at::Tensor DdpEngine::main_grad(const std::string& name) const {
+  const auto& params = buffer_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].name == name) return buffer_->main_grad(static_cast<int64_t>(i));
+  }
+  TORCH_CHECK(false, "DistributedDataParallel::main_grad: no trainable parameter named '", name, "'");
+}
+
+}  // namespace meshddp

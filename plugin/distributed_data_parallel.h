@@ -1,0 +1,108 @@
+// DistributedDataParallel: wraps a LibTorch module for data parallelism over one dim of a
+// DeviceMesh (or a DP process group). Construction checks that every DP rank holds the same
+// parameters and broadcasts DP rank 0's parameters and buffers; forward passes through; the
+// gradients live in a GradBuffer whose buckets are reduced during backward.
+//
+// A step:
+//   ddp.zero_grad_buffer();
+//   for (micro-batch m of k) {
+//     ddp.set_is_last_microbatch(m == k - 1);   // or: wrap micro-batches 0..k-2 in ddp.no_sync()
+//     auto loss = loss_fn(ddp.forward(x_m), y_m) / k;
+//     loss.backward();
+//   }
+//   ddp.finish_grad_sync();    // param.grad() (or main_grad) now holds the DP mean
+//   optimizer.step();
+#pragma once
+
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/device_mesh.h"
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace meshddp {
+
+struct DdpConfig : GradBufferConfig {
+  // GradBufferConfig: bucket_bytes (40 MiB; 0 = one bucket per parameter), overlap_grad_reduce (true),
+  // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false).
+  bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers
+  bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
+};
+
+// The module-type-independent part. Use DistributedDataParallel<ModuleT>.
+class DdpEngine {
+ public:
+  DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
+            DdpConfig config);
+  DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
+            DdpConfig config);
+
+  // Blocks until every bucket is reduced (launching those not launched yet, in order).
+  void finish_grad_sync() { buffer_->finish_grad_sync(); }
+  // Zeroes the gradient buffers for the next step (and points param.grad() back at them).
+  void zero_grad_buffer() { buffer_->zero_grad_buffer(); }
+  // false for micro-batches before the last: backward only accumulates, no sync. Default true.
+  void set_is_last_microbatch(bool is_last) { buffer_->set_is_last_microbatch(is_last); }
+
+  // RAII scope in which backward only accumulates (PyTorch's no_sync()).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(GradBuffer& buffer) : buffer_(buffer), previous_(buffer.is_last_microbatch()) {
+      buffer_.set_is_last_microbatch(false);
+    }
+    ~NoSyncGuard() { buffer_.set_is_last_microbatch(previous_); }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    GradBuffer& buffer_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*buffer_); }
+
+  // The synced gradient of a trainable parameter by module path (fp32 with grad_reduce_in_fp32).
+  at::Tensor main_grad(const std::string& name) const;
+  GradBuffer& grad_buffer() { return *buffer_; }
+  const GradBuffer& grad_buffer() const { return *buffer_; }
+  c10d::ProcessGroup& dp_group() const { return *dp_group_; }
+  const DdpConfig& config() const { return config_; }
+
+ protected:
+  // Called by forward before running the module.
+  void before_forward() const { buffer_->check_no_sync_pending("DistributedDataParallel::forward"); }
+
+ private:
+  void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
+  DdpConfig config_;
+  std::unique_ptr<GradBuffer> buffer_;
+};
+
+template <typename ModuleT>
+class DistributedDataParallel : public DdpEngine {
+ public:
+  DistributedDataParallel(std::shared_ptr<ModuleT> module, const DeviceMesh& mesh, const std::string& dp_dim = "dp",
+                          DdpConfig config = {})
+      : DdpEngine(module, mesh, dp_dim, config), module_(std::move(module)) {}
+  DistributedDataParallel(std::shared_ptr<ModuleT> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
+                          DdpConfig config = {})
+      : DdpEngine(module, std::move(dp_group), config), module_(std::move(module)) {}
+
+  // The wrapped module's forward, after checking the previous step's sync has finished.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    before_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+  ModuleT& module() { return *module_; }
+  const std::shared_ptr<ModuleT>& module_ptr() const { return module_; }
+
+ private:
+  std::shared_ptr<ModuleT> module_;
+};
+
+}  // namespace meshddp

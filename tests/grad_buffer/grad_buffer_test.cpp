@@ -1,0 +1,199 @@
+// GradBuffer on real Gloo groups (ranks as threads): which group it reduces over, when buckets
+// launch, in what order, and the errors for misuse.
+#include "grad_buffer/grad_buffer.h"
+#include "tests/support/rank_threads.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+using namespace meshddp;
+using ::testing::HasSubstr;
+
+namespace {
+
+// Four params of different sizes, so buckets that were paired wrongly across ranks could not match.
+std::vector<NamedParam> make_params(c10::ScalarType dtype = at::kFloat) {
+  std::vector<NamedParam> params;
+  const std::vector<int64_t> sizes{3, 5, 7, 11};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    params.push_back({"layer" + std::to_string(i) + ".weight",
+                      at::zeros({sizes[i]}, at::TensorOptions().dtype(dtype)).requires_grad_(true)});
+  }
+  return params;
+}
+
+// Backward of sum_i (value_i * p_i).sum(): param i gets gradient value_i everywhere. The terms are
+// built in `order`, which sets the order autograd fires the params' hooks in.
+void backward_with_grads(const std::vector<NamedParam>& params, const std::vector<double>& values,
+                         const std::vector<size_t>& order) {
+  at::Tensor loss;
+  for (size_t i : order) {
+    auto term = (params[i].param * values[i]).sum();
+    loss = loss.defined() ? loss + term : term;
+  }
+  torch::autograd::backward({loss});
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+GradBufferConfig one_bucket_per_param() {
+  GradBufferConfig config;
+  config.bucket_bytes = 0;
+  return config;
+}
+
+}  // namespace
+
+// Rank r writes 2^r into every gradient; after the sync every element must be exactly the mean of
+// 2^r over the ranks of this rank's DP group, which no other group gives.
+TEST(GradBuffer, ReducesOverTheDpGroupOnlyOnTwoByTwoMesh) {
+  test::run_on_mesh({2, 2}, {"dp", "tp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    const double mine = 1 << mesh.rank();
+    backward_with_grads(params, std::vector<double>(4, mine), {0, 1, 2, 3});
+    buffer.finish_grad_sync();
+    double expected = 0;
+    for (int64_t r : mesh.group_ranks("dp")) expected += (1 << r) / 2.0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>())
+          << params[i].name << " on rank " << mesh.rank() << ": " << buffer.main_grad(i) << " expected " << expected;
+      EXPECT_TRUE(params[i].param.grad().is_same(buffer.main_grad(i))) << "grad must be the buffer view";
+    }
+  });
+}
+
+TEST(GradBuffer, LaunchesBucketsDuringBackwardWhenOverlapIsOn) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    for (bool overlap : {true, false}) {
+      auto params = make_params();
+      auto config = one_bucket_per_param();
+      config.overlap_grad_reduce = overlap;
+      GradBuffer buffer(params, mesh["dp"], config);
+      backward_with_grads(params, {1, 2, 3, 4}, {0, 1, 2, 3});
+      // Backward has returned, finish_grad_sync() not called: with overlap, every bucket is already launched.
+      EXPECT_EQ(buffer.buckets_launched_by_hooks(), overlap ? 4 : 0) << "overlap=" << overlap;
+      buffer.finish_grad_sync();
+      EXPECT_EQ(buffer.buckets_launched(), 4);
+      EXPECT_TRUE(at::all(buffer.main_grad(3) == 4.0).item<bool>());
+    }
+  });
+}
+
+// The ranks fire their hooks in opposite orders; buckets still launch in index order on both, so
+// each bucket meets its twin (a mismatch would pair buckets of different sizes and fail or mix).
+TEST(GradBuffer, LaunchesInBucketOrderWhateverOrderHooksFireIn) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    const double scale = 1 << mesh.rank();
+    std::vector<size_t> order = mesh.rank() == 0 ? std::vector<size_t>{0, 1, 2, 3} : std::vector<size_t>{3, 2, 1, 0};
+    backward_with_grads(params, {1 * scale, 2 * scale, 3 * scale, 4 * scale}, order);
+    buffer.finish_grad_sync();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const double expected = (i + 1) * (1 + 2) / 2.0;
+      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>()) << params[i].name << ": " << buffer.main_grad(i);
+    }
+  });
+}
+
+TEST(GradBuffer, ParamWithoutGradientContributesZerosAndBlocksNoOne) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    // Rank 1 leaves layer1 out of its loss.
+    auto used = mesh.rank() == 0 ? std::vector<size_t>{0, 1, 2, 3} : std::vector<size_t>{0, 2, 3};
+    backward_with_grads(params, {2, 2, 2, 2}, used);
+    buffer.finish_grad_sync();
+    EXPECT_TRUE(at::all(buffer.main_grad(1) == 1.0).item<bool>()) << buffer.main_grad(1);  // (2 + 0) / 2
+    EXPECT_TRUE(at::all(buffer.main_grad(0) == 2.0).item<bool>());
+  });
+}
+
+TEST(GradBuffer, AccumulatesMicroBatchesAndSyncsOnceOnTheLast) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    for (int m = 0; m < 4; ++m) {
+      buffer.set_is_last_microbatch(m == 3);
+      backward_with_grads(params, std::vector<double>(4, mesh.rank() + m), {0, 1, 2, 3});
+      EXPECT_EQ(buffer.buckets_launched(), m == 3 ? 4 : 0) << "micro-batch " << m;
+    }
+    buffer.finish_grad_sync();
+    // sum over m of (r + m) = 4r + 6; mean over r in {0, 1} = 8 / 2 = 8.
+    EXPECT_TRUE(at::all(buffer.main_grad(2) == 8.0).item<bool>()) << buffer.main_grad(2);
+  });
+}
+
+TEST(GradBuffer, KeepsFp32MainGradsForBf16ParamsAndReleasesParamGrad) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params(at::kBFloat16);
+    GradBufferConfig config;
+    config.grad_reduce_in_fp32 = true;
+    GradBuffer buffer(params, mesh["dp"], config);
+    backward_with_grads(params, std::vector<double>(4, mesh.rank() == 0 ? 1.0 : 2.0), {0, 1, 2, 3});
+    buffer.finish_grad_sync();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(buffer.main_grad(i).scalar_type(), at::kFloat);
+      EXPECT_FALSE(params[i].param.grad().defined()) << "bf16 grad should be released after the hook";
+      EXPECT_TRUE(at::all(buffer.main_grad(i) == 1.5).item<bool>()) << buffer.main_grad(i);
+    }
+  });
+}
+
+TEST(GradBuffer, ErrorNamesParamReportedReadyTwice) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    backward_with_grads(params, {1, 1, 1, 1}, {0, 1, 2, 3});
+    auto msg = error_of([&] { backward_with_grads(params, {1, 1, 1, 1}, {3}); });
+    EXPECT_THAT(msg, HasSubstr("parameter 'layer3.weight' reported ready twice in one step"));
+    EXPECT_THAT(msg, HasSubstr("zero_grad_buffer()"));
+    buffer.finish_grad_sync();  // both ranks: keep the group's collectives matched
+  });
+}
+
+TEST(GradBuffer, ErrorWhenNewStepBeginsBeforeFinishNamesTheWaitingParams) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], one_bucket_per_param());
+    backward_with_grads(params, {1, 1, 1, 1}, {0, 2, 3});  // layer1 gets no gradient
+    auto msg = error_of([&] { buffer.check_no_sync_pending("DistributedDataParallel::forward"); });
+    EXPECT_THAT(msg, HasSubstr("a new step began before finish_grad_sync()"));
+    EXPECT_THAT(msg, HasSubstr("'layer1.weight'"));
+    EXPECT_THAT(msg, ::testing::Not(HasSubstr("'layer0.weight'")));
+    // zero_grad_buffer() while buckets are in flight is refused too.
+    auto zero_msg = error_of([&] { buffer.zero_grad_buffer(); });
+    EXPECT_THAT(zero_msg, HasSubstr("collective(s) of this step are in flight"));
+    buffer.finish_grad_sync();
+    buffer.zero_grad_buffer();
+    EXPECT_NO_THROW(buffer.check_no_sync_pending("forward"));
+  });
+}
+
+TEST(GradBuffer, ErrorWhenBackwardRunsAfterFinishWithoutZeroing) {
+  test::run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBuffer buffer(params, mesh["dp"], {});
+    backward_with_grads(params, {1, 1, 1, 1}, {0, 1, 2, 3});
+    buffer.finish_grad_sync();
+    auto msg = error_of([&] { backward_with_grads(params, {1, 1, 1, 1}, {0}); });
+    EXPECT_THAT(msg, HasSubstr("parameter 'layer0.weight' got a gradient after finish_grad_sync()"));
+  });
+}
+
+TEST(GradBufferConfig, RejectsAnAbsurdBucketSize) {
+  GradBufferConfig config;
+  config.bucket_bytes = size_t{1} << 50;
+  EXPECT_THAT(error_of([&] { config.validate(); }), HasSubstr("bucket_bytes"));
+}
