@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
       auto global_loss = loss.detach().reshape({1}) / static_cast<double>(dp);
       meshddp::all_reduce_sum_now(*mesh["dp"], global_loss, "the example's loss report");
       if (mesh.rank() == 0) {
-        std::printf("step %d loss %.10g\n", step, global_loss.item<double>());
+        std::printf("step %d loss %#.10g\n", step, global_loss.item<double>());
         std::fflush(stdout);
       }
     }
