@@ -2,6 +2,8 @@
 
 #include "mesh/collectives.h"
 
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
@@ -58,6 +60,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
                               main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device()});
   }
+  if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
   layout_ = assign_buckets(specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_});
 
   for (const auto& spec : layout_.buffers) {
@@ -68,6 +71,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::
     const ParamSlot& slot = layout_.slots[i];
     main_grads_.push_back(buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(params_[i].param.sizes()));
   }
+  if (config_.use_distributed_optimizer) move_params_into_param_buffer();
   ready_.assign(params_.size(), false);
   buckets_.resize(layout_.buckets.size());
   {
@@ -110,6 +114,29 @@ void GradBuffer::install_hooks() {
 void GradBuffer::remove_hooks() {
   for (auto& h : hooks_) h->accumulator->del_post_hook(h->key);
   hooks_.clear();
+}
+
+void GradBuffer::move_params_into_param_buffer() {
+  for (const auto& spec : layout_.buffers) {
+    param_buffers_.push_back(
+        at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.param_dtype).device(spec.key.device)));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamSlot& slot = layout_.slots[i];
+    at::Tensor& param = params_[i].param;
+    at::Tensor view = param_buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(param.sizes());
+    view.copy_(param.detach());
+    // Same TensorImpl (modules, optimizers and autograd keep their references), new storage: the
+    // param all-gather now writes the module's parameters in place.
+    param.set_data(view);
+  }
+  std::vector<ParamGather::Bucket> gather_buckets;
+  for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
+    at::Tensor full = bucket_param_data(b);
+    const int64_t n = full.numel() / dp_size_;
+    gather_buckets.push_back({full, full.narrow(0, dp_rank() * n, n), "param all-gather of " + bucket_description(b)});
+  }
+  param_gather_ = std::make_unique<ParamGather>(dp_group_, std::move(gather_buckets));
 }
 
 void GradBuffer::point_grads_at_buffer() {
@@ -176,9 +203,14 @@ void GradBuffer::launch_bucket(int64_t b) {
   BucketState& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   at::Tensor data = bucket_data(b);
+  if (config_.use_distributed_optimizer) {
+    nonfinite_counts_[b] = at::isfinite(data).logical_not().sum();  // lazy: read only by the optimizer
+  }
   if (dp_size_ > 1) {
     data.div_(static_cast<double>(dp_size_));
-    bucket.work = all_reduce_sum(*dp_group_, data, bucket_description(b));
+    bucket.work = config_.use_distributed_optimizer
+                      ? reduce_scatter_sum(*dp_group_, bucket_shard(b), data, bucket_description(b))
+                      : all_reduce_sum(*dp_group_, data, bucket_description(b));
   }
   bucket.launched = true;
   state_ = StepState::kReducing;
@@ -224,6 +256,10 @@ void GradBuffer::reset_step_state() {
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;
+  if (config_.use_distributed_optimizer) {
+    const c10::Device device = layout_.buffers.empty() ? c10::Device(c10::kCPU) : layout_.buffers[0].key.device;
+    nonfinite_counts_.assign(buckets_.size(), at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device)));
+  }
   state_ = StepState::kIdle;
 }
 
@@ -238,6 +274,24 @@ void GradBuffer::check_no_sync_pending(const char* who) const {
 at::Tensor GradBuffer::bucket_data(int64_t b) const {
   const BucketSpan& span = layout_.buckets[b];
   return buffers_[span.buffer].narrow(0, span.begin, span.numel());
+}
+
+at::Tensor GradBuffer::bucket_shard(int64_t b) const {
+  const int64_t n = layout_.buckets[b].numel();
+  TORCH_INTERNAL_ASSERT(n % dp_size_ == 0, "bucket ", b, " is not padded to a multiple of the DP size");
+  return bucket_data(b).narrow(0, dp_rank() * (n / dp_size_), n / dp_size_);
+}
+
+at::Tensor GradBuffer::bucket_param_data(int64_t b) const {
+  TORCH_CHECK(!param_buffers_.empty(), "GradBuffer: no param buffer; set use_distributed_optimizer");
+  const BucketSpan& span = layout_.buckets[b];
+  return param_buffers_[span.buffer].narrow(0, span.begin, span.numel());
+}
+
+at::Tensor GradBuffer::local_nonfinite_counts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(config_.use_distributed_optimizer, "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
+  return at::stack(nonfinite_counts_);
 }
 
 int64_t GradBuffer::buckets_launched() const {

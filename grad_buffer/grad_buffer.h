@@ -13,10 +13,12 @@
 //                               no gradient contributes its slot as it is: zeros, or what earlier
 //                               micro-batches accumulated), waits for all (state: synced).
 // Each bucket is pre-divided by the DP size and SUM-reduced: a DP mean on every backend (Gloo has
-// no AVG), exact for power-of-two DP sizes.
+// no AVG), exact for power-of-two DP sizes. With use_distributed_optimizer the collective is a
+// reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
 #pragma once
 
 #include "grad_buffer/bucket_layout.h"
+#include "grad_buffer/param_gather.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -36,6 +38,10 @@ struct GradBufferConfig {
   bool grad_reduce_in_fp32 = false;  // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
                                      // fp32); param.grad() is released after each hook. No effect on fp32 params
   bool pad_for_reduce_scatter = false;  // pad buckets to a multiple of the DP size (see bucket_layout.h)
+  bool use_distributed_optimizer = false;  // ZeRO-1: implies the padding; each bucket is reduce-scattered
+                                           // (DP rank r keeps the mean of its 1/DP shard of every bucket),
+                                           // params become views of a flat param buffer laid out like the
+                                           // grad buffer, and each bucket's local non-finite count is kept
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
@@ -78,8 +84,22 @@ class GradBuffer {
   // The main gradient of param `index` (registration order among trainable params): a view into its
   // flat buffer, shaped like the param (fp32 with grad_reduce_in_fp32).
   const at::Tensor& main_grad(int64_t index) const { return main_grads_[index]; }
-  // Bucket `b`'s range of its flat buffer, padding included.
+  // Bucket `b`'s range of its flat grad buffer, padding included.
   at::Tensor bucket_data(int64_t b) const;
+  // This rank's 1/DP shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer).
+  at::Tensor bucket_shard(int64_t b) const;
+  // With the distributed optimizer: the flat param buffer `i` (param dtype), of which every param
+  // is a view, and bucket `b`'s range of it. Undefined otherwise.
+  const at::Tensor& param_buffer(int64_t i) const { return param_buffers_[i]; }
+  at::Tensor bucket_param_data(int64_t b) const;
+  // The all-gather of updated param shards into the param buffer (distributed optimizer only, else null).
+  ParamGather* param_gather() const { return param_gather_.get(); }
+  // Per bucket, the number of non-finite values in this rank's local gradient when the bucket was
+  // launched (before the collective), as lazy int64 scalars (no host sync). With the distributed
+  // optimizer only; zeros for buckets not launched this step.
+  at::Tensor local_nonfinite_counts() const;
+  int64_t dp_rank() const { return dp_group_->getRank(); }
+  c10d::ProcessGroup& dp_group() const { return *dp_group_; }
   const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   const BucketLayout& layout() const { return layout_; }
   const std::vector<NamedParam>& params() const { return params_; }
@@ -109,6 +129,7 @@ class GradBuffer {
   void wait_launched_buckets();          // mutex held
   void reset_step_state();               // mutex held
   void point_grads_at_buffer();
+  void move_params_into_param_buffer();
   std::string bucket_description(int64_t b) const;
   std::string unready_param_names(size_t limit) const;
 
@@ -119,6 +140,9 @@ class GradBuffer {
   BucketLayout layout_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> main_grads_;
+  std::vector<at::Tensor> param_buffers_;
+  std::unique_ptr<ParamGather> param_gather_;
+  std::vector<at::Tensor> nonfinite_counts_;  // per bucket, see local_nonfinite_counts()
 
   mutable std::mutex mutex_;
   StepState state_ = StepState::kIdle;

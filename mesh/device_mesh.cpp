@@ -1,8 +1,10 @@
 #include "mesh/device_mesh.h"
 
+#include "mesh/collectives.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
 
+#include <ATen/ops/ones.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -75,6 +77,19 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     const auto coords = mesh_coordinates(rank, sizes);
     groups.push_back(make_process_group(group_store, static_cast<int>(coords[d]), static_cast<int>(sizes[d]),
                                         options.device_type, options.timeout, key));
+  }
+  // Note [Group warm-up]: one tiny all-reduce per group, in dim order, on this thread. It checks
+  // every group is connected now (an error here names the group, instead of a hang later), and it
+  // makes each group's first FlightRecorder entry on one thread: c10d's recorder inserts a group's
+  // status into a process-global map before taking its lock, so first collectives of several
+  // groups racing from different threads (e.g. TP from the main thread, DP from autograd's) could
+  // corrupt it.
+  for (size_t d = 0; d < groups.size(); ++d) {
+    const auto device = options.device_type == c10::DeviceType::CUDA && std::getenv("LOCAL_RANK")
+                            ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::atoll(std::getenv("LOCAL_RANK"))))
+                            : c10::Device(c10::DeviceType::CPU);
+    at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+    all_reduce_sum_now(*groups[d], one, "the warm-up of mesh dim '" + names[d] + "'");
   }
   const char* local_rank = std::getenv("LOCAL_RANK");
   DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type);

@@ -27,7 +27,8 @@ namespace meshddp {
 
 struct DdpConfig : GradBufferConfig {
   // GradBufferConfig: bucket_bytes (40 MiB; 0 = one bucket per parameter), overlap_grad_reduce (true),
-  // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false).
+  // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), use_distributed_optimizer (false:
+  // set it to pair with DistributedOptimizer, which then owns the param update and all-gather).
   bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers
   bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
 };
@@ -73,6 +74,8 @@ class DdpEngine {
  protected:
   // Called by forward before running the module.
   void before_forward() const { buffer_->check_no_sync_pending("DistributedDataParallel::forward"); }
+  // Open for the duration of forward: ops wait for pending param all-gathers of their own params.
+  ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(buffer_->param_gather()); }
 
  private:
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks);
@@ -96,6 +99,7 @@ class DistributedDataParallel : public DdpEngine {
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     before_forward();
+    auto scope = param_wait_scope();
     return module_->forward(std::forward<Args>(args)...);
   }
   ModuleT& module() { return *module_; }

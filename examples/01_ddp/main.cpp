@@ -5,6 +5,7 @@
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/ddp_example --steps 30
 #include "mesh/collectives.h"
+#include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 
 #include <torch/torch.h>
@@ -25,11 +26,13 @@ struct Flags {
   int64_t hidden = 256;
   int64_t layers = 4;
   double bucket_mb = 40;
+  bool distributed_optimizer = false;  // ZeRO-1: sharded AdamW state, reduce-scatter + param all-gather
 };
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
   std::cerr << "error: " << bad << "\nusage: " << prog
-            << " [--steps N] [--global-batch N] [--seed N] [--lr X] [--hidden N] [--layers N] [--bucket-mb X]\n";
+            << " [--steps N] [--global-batch N] [--seed N] [--lr X] [--hidden N] [--layers N] [--bucket-mb X]"
+               " [--distributed-optimizer]\n";
   std::exit(2);
 }
 
@@ -37,6 +40,10 @@ Flags parse(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--distributed-optimizer") {
+      f.distributed_optimizer = true;
+      continue;
+    }
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string value = argv[++i];
     try {
@@ -95,8 +102,19 @@ int main(int argc, char** argv) {
     Mlp model(kIn, flags.hidden, kOut, flags.layers);
     meshddp::DdpConfig config;
     config.bucket_bytes = static_cast<size_t>(flags.bucket_mb * (1 << 20));
+    config.use_distributed_optimizer = flags.distributed_optimizer;
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(flags.lr));
+    // The same AdamW either way (LibTorch's default weight decay 1e-2): unsharded, or ZeRO-1.
+    std::unique_ptr<torch::optim::AdamW> optimizer;
+    std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    if (flags.distributed_optimizer) {
+      meshddp::DistributedOptimizerConfig opt_config;
+      opt_config.lr = flags.lr;
+      opt_config.weight_decay = 1e-2;
+      zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), opt_config);
+    } else {
+      optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(flags.lr));
+    }
 
     // A fixed random "teacher" makes the targets learnable, so the loss goes down.
     auto teacher_gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed + 1);
@@ -118,8 +136,12 @@ int main(int argc, char** argv) {
       ddp.zero_grad_buffer();
       auto loss = torch::mse_loss(ddp.forward(xs), ys);
       loss.backward();
-      ddp.finish_grad_sync();
-      optimizer.step();
+      if (zero1) {
+        zero1->step();  // finishes the grad sync itself
+      } else {
+        ddp.finish_grad_sync();
+        optimizer->step();
+      }
 
       // Mean over the global batch = DP mean of the local means (equal shards).
       auto global_loss = loss.detach().reshape({1}) / static_cast<double>(dp);

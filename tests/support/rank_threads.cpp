@@ -11,6 +11,12 @@ namespace meshddp::test {
 
 void run_ranks(int world_size, const std::function<void(int rank)>& fn) {
   at::set_num_threads(1);  // ranks are the parallelism; 2 cores on CI
+  // c10d's process-global FlightRecorder inserts each group's status into a map before taking its
+  // lock (torch 2.11, FlightRecorderDetail.hpp), so several ranks' groups recording their first
+  // collectives at once from different threads corrupt it (seen: a segfault in the checkpoint
+  // tests). One rank per process never does that; ranks as threads do, so tests turn it off
+  // before any group exists.
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {

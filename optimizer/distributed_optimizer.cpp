@@ -1,0 +1,265 @@
+#include "optimizer/distributed_optimizer.h"
+
+#include "mesh/collectives.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace meshddp {
+namespace {
+
+// '*' matches any run of characters; everything else matches itself.
+bool glob_match(const std::string& pattern, const std::string& text) {
+  size_t p = 0, t = 0, star = std::string::npos, mark = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = t;
+    } else if (p < pattern.size() && pattern[p] == text[t]) {
+      ++p;
+      ++t;
+    } else if (star != std::string::npos) {
+      p = star + 1;
+      t = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+}  // namespace
+
+void DistributedOptimizerConfig::validate() const {
+  TORCH_CHECK(lr > 0 && std::isfinite(lr), "DistributedOptimizerConfig: lr must be > 0, got ", lr);
+  TORCH_CHECK(weight_decay >= 0, "DistributedOptimizerConfig: weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, "DistributedOptimizerConfig: beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, "DistributedOptimizerConfig: beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps > 0, "DistributedOptimizerConfig: eps must be > 0, got ", eps);
+  TORCH_CHECK(momentum >= 0, "DistributedOptimizerConfig: momentum must be >= 0, got ", momentum);
+  TORCH_CHECK(clip_grad_norm >= 0, "DistributedOptimizerConfig: clip_grad_norm must be >= 0 (0 = off), got ",
+              clip_grad_norm);
+  for (const auto& rule : groups) {
+    TORCH_CHECK(!rule.pattern.empty(), "DistributedOptimizerConfig: a group rule has an empty pattern");
+    TORCH_CHECK(!rule.lr || *rule.lr > 0, "DistributedOptimizerConfig: group '", rule.pattern, "' has lr ", *rule.lr);
+    TORCH_CHECK(!rule.weight_decay || *rule.weight_decay >= 0, "DistributedOptimizerConfig: group '", rule.pattern,
+                "' has weight_decay ", *rule.weight_decay);
+  }
+}
+
+DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimizerConfig config)
+    : buffer_(buffer), config_(std::move(config)) {
+  config_.validate();
+  TORCH_CHECK(buffer_.config().use_distributed_optimizer,
+              "DistributedOptimizer: the gradient buffer was built without use_distributed_optimizer; set it in the "
+              "DdpConfig so buckets are padded and reduce-scattered and params live in the param buffer");
+  shards_ = shard_buckets(buffer_.layout(), buffer_.dp_rank(), buffer_.dp_size());
+
+  // Param groups: the default, then one per rule (unused groups are harmless).
+  groups_.push_back({config_.lr, config_.weight_decay});
+  for (const auto& rule : config_.groups) {
+    groups_.push_back({rule.lr.value_or(config_.lr), rule.weight_decay.value_or(config_.weight_decay)});
+  }
+  const auto& params = buffer_.params();
+  group_of_.assign(params.size(), 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t r = 0; r < config_.groups.size(); ++r) {
+      if (glob_match(config_.groups[r].pattern, params[i].name)) {
+        group_of_[i] = static_cast<int64_t>(r) + 1;
+        break;
+      }
+    }
+  }
+
+  c10::NoGradGuard no_grad;
+  const auto f32 = [](const at::Tensor& like) { return at::TensorOptions().dtype(at::kFloat).device(like.device()); };
+  views_.resize(groups_.size());
+  for (const BucketShard& shard : shards_) {
+    at::Tensor param_shard = buffer_.bucket_param_data(shard.bucket).narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel);
+    const bool fp32_params = param_shard.scalar_type() == at::kFloat;
+    master_is_param_view_.push_back(fp32_params);
+    master_.push_back(fp32_params ? param_shard : param_shard.to(at::kFloat));
+    at::Tensor grad_shard = buffer_.bucket_shard(shard.bucket);
+    grad32_.push_back(grad_shard.scalar_type() == at::kFloat ? grad_shard : at::zeros({shard.numel}, f32(grad_shard)));
+    const int64_t states = num_state_tensors();
+    state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(param_shard)) : at::Tensor());
+    state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(param_shard)) : at::Tensor());
+    const size_t b = master_.size() - 1;
+    for (const ShardSegment& seg : shard.segments) {
+      SegmentViews& v = views_[group_of_[seg.param]];
+      v.master.push_back(master_[b].narrow(0, seg.shard_offset, seg.numel));
+      v.grad.push_back(grad32_[b].narrow(0, seg.shard_offset, seg.numel));
+      if (states >= 1) v.state1.push_back(state1_[b].narrow(0, seg.shard_offset, seg.numel));
+      if (states >= 2) v.state2.push_back(state2_[b].narrow(0, seg.shard_offset, seg.numel));
+    }
+  }
+}
+
+int64_t DistributedOptimizer::num_state_tensors() const {
+  if (config_.kind == OptimizerKind::kAdamW) return 2;
+  return config_.momentum > 0 ? 1 : 0;
+}
+
+void DistributedOptimizer::prepare_grads() {
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    at::Tensor grad_shard = buffer_.bucket_shard(shards_[b].bucket);
+    if (!grad_shard.is_same(grad32_[b]) && grad_shard.data_ptr() != grad32_[b].data_ptr()) grad32_[b].copy_(grad_shard);
+  }
+}
+
+StepResult DistributedOptimizer::step() {
+  buffer_.finish_grad_sync();
+  finish_param_sync();
+  c10::NoGradGuard no_grad;
+  prepare_grads();
+
+  // One all-reduce for both checks: [non-finite values seen by any rank's local gradients, sum of
+  // squares of the reduced shards].
+  const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
+  at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
+  stats[0] += buffer_.local_nonfinite_counts().sum().to(at::kDouble);
+  for (const auto& g : grad32_) {
+    stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
+    stats[1] += at::linalg_vector_norm(g, 2).to(at::kDouble).square();
+  }
+  all_reduce_sum_now(buffer_.dp_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
+  const at::Tensor host = stats.cpu();
+  const double nonfinite = host[0].item<double>();
+  StepResult result;
+  result.grad_norm = std::sqrt(host[1].item<double>());
+  if (nonfinite > 0) {
+    result.skipped = true;
+    result.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    result.report = nonfinite_report();
+    return result;
+  }
+  if (config_.clip_grad_norm > 0) {
+    const double coef = config_.clip_grad_norm / (result.grad_norm + 1e-6);
+    if (coef < 1.0) {
+      for (auto& g : grad32_) g.mul_(coef);
+      result.clipped = true;
+    }
+  }
+  ++step_;
+  if (config_.kind == OptimizerKind::kAdamW) {
+    update_adamw();
+  } else {
+    update_sgd();
+  }
+  write_params_and_gather();
+  return result;
+}
+
+void DistributedOptimizer::update_adamw() {
+  const double b1 = config_.beta1, b2 = config_.beta2;
+  const double bias_correction1 = 1 - std::pow(b1, static_cast<double>(step_));
+  const double bias_correction2 = 1 - std::pow(b2, static_cast<double>(step_));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    SegmentViews& v = views_[g];
+    if (v.master.empty()) continue;
+    const double lr = groups_[g].lr;
+    // Same sequence as torch::optim::AdamW::step (elementwise, so bit-identical per element).
+    at::_foreach_mul_(v.master, 1 - lr * groups_[g].weight_decay);
+    at::_foreach_mul_(v.state1, b1);
+    at::_foreach_add_(v.state1, v.grad, 1 - b1);
+    at::_foreach_mul_(v.state2, b2);
+    at::_foreach_addcmul_(v.state2, v.grad, v.grad, 1 - b2);
+    auto denom = at::_foreach_sqrt(v.state2);
+    at::_foreach_div_(denom, std::sqrt(bias_correction2));
+    at::_foreach_add_(denom, config_.eps);
+    at::_foreach_addcdiv_(v.master, v.state1, denom, -lr / bias_correction1);
+  }
+}
+
+void DistributedOptimizer::update_sgd() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    SegmentViews& v = views_[g];
+    if (v.master.empty()) continue;
+    // Same sequence as torch::optim::SGD::step (dampening 0, no Nesterov).
+    std::vector<at::Tensor> d = v.grad;
+    if (groups_[g].weight_decay != 0) d = at::_foreach_add(v.grad, v.master, groups_[g].weight_decay);
+    if (config_.momentum > 0) {
+      at::_foreach_mul_(v.state1, config_.momentum);  // zero-initialised: step 1 gives buf = d exactly
+      at::_foreach_add_(v.state1, d, 1.0);
+      d = v.state1;
+    }
+    at::_foreach_add_(v.master, d, -1 * groups_[g].lr);
+  }
+}
+
+void DistributedOptimizer::write_params_and_gather() {
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    if (master_is_param_view_[b]) continue;
+    const BucketShard& shard = shards_[b];
+    buffer_.bucket_param_data(shard.bucket)
+        .narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel)
+        .copy_(master_[b]);
+  }
+  buffer_.param_gather()->start(/*async=*/config_.overlap_param_gather);
+}
+
+void DistributedOptimizer::finish_param_sync() { buffer_.param_gather()->wait_all(); }
+
+std::string DistributedOptimizer::nonfinite_report() {
+  // Local: which buckets had non-finite values before the reduction (this rank produced them), and
+  // which owned params have non-finite reduced gradients.
+  const auto& params = buffer_.params();
+  std::ostringstream mine;
+  const at::Tensor counts = buffer_.local_nonfinite_counts().cpu();
+  for (int64_t b = 0; b < counts.numel(); ++b) {
+    const int64_t n = counts[b].item<int64_t>();
+    if (n == 0) continue;
+    mine << "  DP rank " << buffer_.dp_rank() << " produced " << n << " non-finite value(s) in its local gradient of bucket "
+         << b << ", which holds";
+    for (int64_t p : buffer_.layout().buckets[b].params) mine << " '" << params[p].name << "'";
+    mine << "\n";
+  }
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    for (const ShardSegment& seg : shards_[b].segments) {
+      if (at::isfinite(grad32_[b].narrow(0, seg.shard_offset, seg.numel)).all().item<bool>()) continue;
+      mine << "  parameter '" << params[seg.param].name << "' has a non-finite reduced gradient in elements ["
+           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank " << buffer_.dp_rank()
+           << "'s shard)\n";
+    }
+  }
+  // Gather every rank's lines so every rank reports the same.
+  c10d::ProcessGroup& group = buffer_.dp_group();
+  const std::string text = mine.str();
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  at::Tensor lens = at::zeros({group.getSize()}, at::kLong);
+  wait_collective(all_gather_into(group, lens, len, "non-finite report sizes"), group, "non-finite report");
+  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor bytes = at::zeros({max_len}, at::kByte);
+  std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  at::Tensor all = at::zeros({max_len * group.getSize()}, at::kByte);
+  wait_collective(all_gather_into(group, all, bytes, "non-finite report"), group, "non-finite report");
+  std::ostringstream report;
+  report << "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n";
+  for (int64_t r = 0; r < group.getSize(); ++r) {
+    report << std::string(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * max_len, lens[r].item<int64_t>());
+  }
+  return report.str();
+}
+
+MemoryReport DistributedOptimizer::memory() const {
+  MemoryReport m;
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer_.layout().buffers.size()); ++i) {
+    m.param_buffer_bytes += buffer_.param_buffer(i).nbytes();
+    m.grad_buffer_bytes += buffer_.buffer(i).nbytes();
+  }
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    if (!master_is_param_view_[b]) m.master_weight_bytes += master_[b].nbytes();
+    if (state1_[b].defined()) m.optimizer_state_bytes += state1_[b].nbytes();
+    if (state2_[b].defined()) m.optimizer_state_bytes += state2_[b].nbytes();
+    if (grad32_[b].data_ptr() != buffer_.bucket_shard(shards_[b].bucket).data_ptr()) m.grad_scratch_bytes += grad32_[b].nbytes();
+  }
+  return m;
+}
+
+}  // namespace meshddp

@@ -1,0 +1,127 @@
+// DistributedOptimizer: ZeRO-1 over a GradBuffer built with use_distributed_optimizer. Each DP rank
+// keeps, for its 1/DP shard of every bucket only, the fp32 master weights (a view of the param
+// buffer for fp32 params, a copy for bf16/fp16 ones) and the optimizer state; step() updates those
+// shards, writes them into the param buffer and all-gathers every bucket (now, or overlapped with
+// the next forward). Checkpoints: optimizer/checkpoint.cpp.
+//
+// Note [Step order]
+//   1. finish_grad_sync() (idempotent): this rank's shard of each bucket holds the DP-mean gradient.
+//   2. wait for any param all-gather still pending, then one all-reduce of [non-finite count,
+//      sum of squares] over the DP group (each element counted once: DP shards are disjoint).
+//   3. non-finite anywhere -> skip: nothing is updated on any rank, and the result names the
+//      parameters and the DP ranks that produced them.
+//   4. clip: grads *= max_norm / (norm + 1e-6) when that is < 1 (torch's clip_grad_norm_ rule).
+//   5. AdamW / SGD on the shards, with the same arithmetic as torch::optim::AdamW / SGD, so a
+//      shard's update is bit-identical to the unsharded optimizer's given the same gradient.
+//   6. master -> param buffer shard (cast to the param dtype), then the param all-gather.
+#pragma once
+
+#include "grad_buffer/grad_buffer.h"
+#include "optimizer/shard_layout.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace meshddp {
+
+enum class OptimizerKind { kAdamW, kSgd };
+
+// Overrides for the parameters whose module path matches `pattern` ('*' matches any run of
+// characters, e.g. "*.bias", "*norm*"). The first matching rule wins.
+struct ParamGroupRule {
+  std::string pattern;
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+};
+
+struct DistributedOptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  double lr = 1e-3;            // > 0
+  double weight_decay = 0.0;   // AdamW: decoupled (p *= 1 - lr * wd); SGD: L2 added to the gradient
+  double beta1 = 0.9;          // AdamW, in [0, 1)
+  double beta2 = 0.999;        // AdamW, in [0, 1)
+  double eps = 1e-8;           // AdamW, > 0
+  double momentum = 0.0;       // SGD, >= 0 (0 = plain SGD)
+  std::vector<ParamGroupRule> groups;  // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
+  double clip_grad_norm = 0.0;         // > 0: clip the global gradient L2 norm to this; 0 = off
+  bool overlap_param_gather = false;   // all-gathers complete during the next forward (DDP::forward)
+
+  void validate() const;  // throws naming the field
+};
+
+struct StepResult {
+  bool skipped = false;    // true: a non-finite gradient was found; nothing was updated
+  double grad_norm = 0;    // global L2 norm of the gradients before clipping (inf/nan when skipped)
+  bool clipped = false;    // the gradients were scaled down
+  std::string report;      // when skipped: which parameters, which DP ranks
+};
+
+// Bytes held per rank, by component.
+struct MemoryReport {
+  int64_t param_buffer_bytes = 0;     // the flat param buffer (full, not sharded)
+  int64_t grad_buffer_bytes = 0;      // the flat grad buffer (full, not sharded)
+  int64_t master_weight_bytes = 0;    // fp32 master copies (0 for fp32 params: they update in place)
+  int64_t optimizer_state_bytes = 0;  // AdamW moments / SGD momentum, fp32, this rank's shards only
+  int64_t grad_scratch_bytes = 0;     // fp32 copies of bf16/fp16 grad shards (no grad_reduce_in_fp32)
+  int64_t total() const {
+    return param_buffer_bytes + grad_buffer_bytes + master_weight_bytes + optimizer_state_bytes + grad_scratch_bytes;
+  }
+};
+
+class DistributedOptimizer {
+ public:
+  // `buffer` must outlive this optimizer and be built with use_distributed_optimizer.
+  DistributedOptimizer(GradBuffer& buffer, DistributedOptimizerConfig config);
+
+  // One optimizer step (see Note [Step order]). A collective: every DP rank calls it.
+  StepResult step();
+  // Blocks until the params are all-gathered (before evaluation or anything that reads params
+  // outside DistributedDataParallel::forward).
+  void finish_param_sync();
+
+  int64_t steps_taken() const { return step_; }
+  MemoryReport memory() const;
+  const std::vector<BucketShard>& shards() const { return shards_; }
+  const DistributedOptimizerConfig& config() const { return config_; }
+  // Learning rate of param `index` (after group rules), e.g. for checks.
+  double lr_of(int64_t index) const { return groups_[group_of_[index]].lr; }
+
+  // Sharded checkpoints (optimizer/checkpoint.cpp). save: every DP rank writes its shard file, DP
+  // rank 0 then writes the manifest; all writes are atomic (temp file + rename). load: works at the
+  // same or another DP size; checks everything before changing anything; then all-gathers params.
+  void save_checkpoint(const std::string& dir);
+  void load_checkpoint(const std::string& dir);
+
+ private:
+  struct Group {
+    double lr;
+    double weight_decay;
+  };
+  struct SegmentViews {  // per group: the tensors the foreach update runs over
+    std::vector<at::Tensor> master, grad, state1, state2;
+  };
+
+  int64_t num_state_tensors() const;  // 2 for AdamW, 1 for SGD with momentum, 0 for plain SGD
+  void prepare_grads();               // bf16/fp16 grad shards -> fp32 scratch
+  std::string nonfinite_report();     // collective over DP: every rank gets the same text
+  void update_adamw();
+  void update_sgd();
+  void write_params_and_gather();
+
+  GradBuffer& buffer_;
+  DistributedOptimizerConfig config_;
+  std::vector<BucketShard> shards_;
+  std::vector<Group> groups_;
+  std::vector<int64_t> group_of_;   // per param
+  std::vector<at::Tensor> master_;  // per bucket shard, fp32
+  std::vector<at::Tensor> grad32_;  // per bucket shard, fp32 view or scratch
+  std::vector<at::Tensor> state1_, state2_;
+  std::vector<bool> master_is_param_view_;
+  std::vector<SegmentViews> views_;  // per group
+  int64_t step_ = 0;
+};
+
+}  // namespace meshddp

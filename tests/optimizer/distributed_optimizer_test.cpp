@@ -1,0 +1,224 @@
+// DistributedOptimizer (ZeRO-1) against the golden: the same model and optimizer unsharded, in one
+// process, on the whole global batch. Ranks are threads with Gloo groups.
+//
+// Tolerances. fp32: the shard update is the same elementwise arithmetic as torch::optim's, so the
+// only difference is the gradient's summation order (per-rank partial sums, then the DP sum): a few
+// fp32 ulps per step. Measured max |diff| after 20 steps is printed by each test (<= ~2e-7); we
+// allow 2e-6, still far below what a wrong shard, a missed clip or a stale param gives (>= 1e-4).
+// bf16 params with fp32 master weights: the golden's gradients are bf16 GEMM results over the whole
+// batch, the distributed ones fp32 sums of per-rank bf16 results: they differ by ~2^-8 relative each
+// step. Adam normalises the update to ~lr whatever the gradient's size, so for elements whose
+// gradient is near zero a rounding difference can move them by up to lr (1e-2) in the other
+// direction; and a bf16 copy may sit one ulp (<= 2^-7 |w|) away. Measured after 20 steps: max
+// |diff| 0.0088, at most 0.0049 beyond 2^-6 |w|. We allow 2^-6 |golden| + 1e-2 (one step's worth of
+// update); the fp32 tests are the sharp check of the sharded arithmetic.
+#include "tests/support/rank_threads.h"
+#include "tests/support/zero_training.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+using namespace meshddp;
+using namespace meshddp::test;
+using ::testing::HasSubstr;
+
+namespace {
+
+constexpr double kFp32Tol = 2e-6;
+
+void expect_matches_golden(const ZeroScenario& s) {
+  auto golden = train_zero_golden(s);
+  auto zero = train_zero(s);
+  const double diff = max_abs_diff(golden, zero);
+  std::cout << "[ max |zero1 - golden| = " << diff << " ]" << std::endl;
+  if (s.bf16) {
+    for (size_t i = 0; i < golden.size(); ++i) {
+      const double excess = ((zero[i] - golden[i]).abs() - std::ldexp(1.0, -6) * golden[i].abs()).max().item<double>();
+      EXPECT_LE(excess, 1e-2) << "param " << i;
+    }
+  } else {
+    EXPECT_LE(diff, kFp32Tol);
+  }
+  Mlp init = make_mlp(kZeroSeed, kZeroIn, s.hidden, kZeroOut);
+  EXPECT_GT((init->parameters()[0] - golden[0]).abs().max().item<double>(), 1e-2) << "training must move params";
+}
+
+}  // namespace
+
+TEST(DistributedOptimizer, AdamWMatchesGoldenOnTwoRanks) { expect_matches_golden({.world = 2}); }
+
+TEST(DistributedOptimizer, AdamWMatchesGoldenOnFourRanks) { expect_matches_golden({.world = 4}); }
+
+TEST(DistributedOptimizer, SgdWithMomentumMatchesGoldenOnTwoAndFourRanks) {
+  expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd});
+  expect_matches_golden({.world = 4, .kind = OptimizerKind::kSgd});
+}
+
+TEST(DistributedOptimizer, MatchesGoldenWithOverlappedParamGather) {
+  expect_matches_golden({.world = 4, .overlap_param_gather = true});
+  expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true});
+}
+
+TEST(DistributedOptimizer, MatchesGoldenWithFourAccumulatedMicroBatches) {
+  expect_matches_golden({.world = 4, .micro_batches = 4});
+  expect_matches_golden({.world = 2, .micro_batches = 4, .overlap_param_gather = true});
+}
+
+TEST(DistributedOptimizer, MatchesGoldenWithOneBucketPerParamAndWithOneBucket) {
+  expect_matches_golden({.world = 4, .bucket_bytes = 0});
+  expect_matches_golden({.world = 4, .bucket_bytes = size_t{1} << 30});
+}
+
+TEST(DistributedOptimizer, ClipsByTheGlobalNormLikeClipGradNorm) {
+  // max_norm chosen between the run's smallest and largest gradient norms: clipping is active on
+  // some steps only.
+  ZeroScenario s{.world = 4, .clip = 0.35};
+  std::vector<double> golden_norms;
+  auto golden = train_zero_golden(s, &golden_norms);
+  std::vector<std::vector<StepResult>> results;
+  auto zero = train_zero(s, &results);
+  int clipped = 0;
+  for (int step = 0; step < s.steps; ++step) {
+    EXPECT_NEAR(results[0][step].grad_norm, golden_norms[step], 1e-5 * golden_norms[step]) << "step " << step;
+    EXPECT_EQ(results[0][step].clipped, golden_norms[step] > s.clip) << "step " << step;
+    clipped += results[0][step].clipped;
+    EXPECT_EQ(results[3][step].grad_norm, results[0][step].grad_norm) << "every rank reports the same norm";
+  }
+  EXPECT_GT(clipped, 0);
+  EXPECT_LT(clipped, s.steps);
+  const double diff = max_abs_diff(golden, zero);
+  std::cout << "[ clipped " << clipped << "/" << s.steps << " steps; max |zero1 - golden| = " << diff << " ]" << std::endl;
+  EXPECT_LE(diff, kFp32Tol);
+}
+
+TEST(DistributedOptimizer, Bf16ParamsWithFp32MasterWeightsMatchGolden) {
+  expect_matches_golden({.world = 4, .bf16 = true});
+  expect_matches_golden({.world = 2, .overlap_param_gather = true, .clip = 0.35, .bf16 = true});
+}
+
+TEST(DistributedOptimizer, NanOnOneRankSkipsTheStepEverywhereAndNamesParamAndRank) {
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    ZeroScenario s{.world = 2};
+    ZeroRank rank(mesh, s, kZeroSeed);
+    rank.train(0, 3);
+    auto before = rank.params();
+    // Step 3: on DP rank 1 a gradient hook poisons one element of fc2.weight's gradient, as a bad
+    // kernel would: it reaches the buffer before the bucket's reduce-scatter.
+    if (mesh.rank() == 1) {
+      rank.model->fc2->weight.register_hook([](torch::Tensor g) {
+        g = g.clone();
+        g[3][4] = std::numeric_limits<float>::quiet_NaN();
+        return g;
+      });
+    }
+    rank.ddp->zero_grad_buffer();
+    auto x = torch::randn({16, kZeroIn});
+    rank.ddp->forward(x).sum().backward();
+    StepResult r = rank.opt->step();
+    EXPECT_TRUE(r.skipped);
+    EXPECT_THAT(r.report, HasSubstr("DP rank 1 produced 1 non-finite value(s)"));
+    EXPECT_THAT(r.report, HasSubstr("'fc2.weight'"));
+    EXPECT_THAT(r.report, HasSubstr("parameter 'fc2.weight' has a non-finite reduced gradient"));
+    EXPECT_EQ(rank.opt->steps_taken(), 3);
+    auto after = rank.params();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
+    std::cout << r.report;
+  });
+}
+
+// After training with overlapped gathers, rank 0 overwrites every part of its param buffer that it
+// does not own with garbage, launches the all-gathers and runs a forward at once; rank 1 joins the
+// gathers only 300 ms later. So the gathers are in flight when rank 0's forward starts, and the
+// forward is exact only if each op waits for its bucket instead of reading what is in the buffer.
+TEST(DistributedOptimizer, ParamAllGatherOverlapsTheNextForwardAndItsResultIsExact) {
+  ZeroScenario s{.world = 2, .steps = 4, .overlap_param_gather = true, .bucket_bytes = 2048, .hidden = 64};
+  auto golden = train_zero_golden(s);
+  Mlp golden_model = make_mlp(kZeroSeed, kZeroIn, s.hidden, kZeroOut);
+  {
+    torch::NoGradGuard no_grad;
+    auto ps = golden_model->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(golden[i]);
+  }
+  auto probe = torch::randn({8, kZeroIn});
+  auto expected = golden_model->forward(probe).detach();
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    rank.train(0, s.steps);
+    rank.opt->finish_param_sync();
+    GradBuffer& buffer = rank.ddp->grad_buffer();
+    ParamGather* gather = buffer.param_gather();
+    if (mesh.rank() == 0) {
+      torch::NoGradGuard no_grad;
+      for (const BucketShard& shard : rank.opt->shards()) {
+        at::Tensor full = buffer.bucket_param_data(shard.bucket);
+        const int64_t mine = shard.begin - buffer.layout().buckets[shard.bucket].begin;
+        full.narrow(0, 0, mine).fill_(1e6);
+        full.narrow(0, mine + shard.numel, full.numel() - mine - shard.numel).fill_(1e6);
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    gather->start(/*async=*/true);
+    auto out = rank.ddp->forward(probe).detach();
+    if (mesh.rank() == 0) {
+      EXPECT_GT(gather->pending_at_last_forward_start(), 0) << "gathers were in flight when forward began";
+      EXPECT_GT(gather->waited_in_last_forward(), 0) << "forward waited for buckets";
+    }
+    EXPECT_EQ(gather->pending(), 0) << "forward touched every bucket";
+    const double diff = (out - expected).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5) << "rank " << mesh.rank() << ": forward on gathered params must equal the golden forward";
+  });
+}
+
+TEST(DistributedOptimizer, ReportsShardedMemoryPerComponent) {
+  for (int dp : {1, 2, 4}) {
+    for (bool bf16 : {false, true}) {
+      run_on_mesh({dp}, {"dp"}, [&](DeviceMesh& mesh) {
+        ZeroScenario s{.world = dp, .bf16 = bf16, .bucket_bytes = size_t{1} << 20, .hidden = 128};
+        ZeroRank rank(mesh, s, kZeroSeed);
+        int64_t n = 0;
+        for (const auto& p : rank.model->parameters()) n += p.numel();
+        const MemoryReport m = rank.opt->memory();
+        const int64_t pad = 2 * dp * kAlignmentElems * 4;  // < one bucket's end padding + per-param alignment slack
+        EXPECT_NEAR(m.optimizer_state_bytes, 8 * n / dp, 8 * pad / dp + 8 * 6 * kAlignmentElems) << "dp " << dp;
+        EXPECT_EQ(m.master_weight_bytes, bf16 ? m.optimizer_state_bytes / 2 : 0);
+        EXPECT_GE(m.grad_buffer_bytes, 4 * n);
+        EXPECT_GE(m.param_buffer_bytes, (bf16 ? 2 : 4) * n);
+        if (mesh.rank() == 0) {
+          std::cout << "[ dp " << dp << (bf16 ? " bf16" : " fp32") << ": " << n << " params; param buffer "
+                    << m.param_buffer_bytes << " B, grad buffer " << m.grad_buffer_bytes << " B, master "
+                    << m.master_weight_bytes << " B, state " << m.optimizer_state_bytes << " B per rank ]" << std::endl;
+        }
+      });
+    }
+  }
+}
+
+TEST(DistributedOptimizerConfig, RejectsBadValuesNamingTheField) {
+  DistributedOptimizerConfig c;
+  c.beta2 = 1.0;
+  try {
+    c.validate();
+    ADD_FAILURE();
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("beta2 must be in [0, 1), got 1"));
+  }
+  c = {};
+  c.groups = {{"*.bias", -1.0, std::nullopt}};
+  EXPECT_THROW(c.validate(), c10::Error);
+}
+
+TEST(DistributedOptimizer, RefusesAGradBufferWithoutDistributedOptimizerMode) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DistributedDataParallel ddp(model.ptr(), mesh);
+    try {
+      DistributedOptimizer opt(ddp.grad_buffer(), {});
+      ADD_FAILURE();
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("built without use_distributed_optimizer"));
+    }
+  });
+}

@@ -1,0 +1,58 @@
+// Test support: ZeRO-1 training (DistributedDataParallel + DistributedOptimizer) of the test MLP on
+// DP ranks, and the golden: the same model and optimizer, unsharded, in one process on the whole
+// global batch (torch::optim::AdamW / SGD, torch::nn::utils::clip_grad_norm_).
+#pragma once
+
+#include "optimizer/distributed_optimizer.h"
+#include "plugin/distributed_data_parallel.h"
+#include "tests/support/mlp.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace meshddp::test {
+
+constexpr int64_t kZeroIn = 12, kZeroHidden = 24, kZeroOut = 6, kZeroBatch = 32;
+constexpr uint64_t kZeroSeed = 99;
+
+struct ZeroScenario {
+  int world = 2;
+  int steps = 20;
+  int micro_batches = 1;
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  bool overlap_param_gather = false;
+  double clip = 0.0;
+  bool bf16 = false;            // bf16 params, fp32 main grads and master weights
+  size_t bucket_bytes = 512;    // several buckets, params straddling shards
+  int64_t hidden = kZeroHidden;
+};
+
+// lr 1e-2, AdamW betas (0.9, 0.999) eps 1e-8 weight decay 0.1; SGD momentum 0.9 weight decay 0.01;
+// no weight decay on biases (a group rule) in both.
+DistributedOptimizerConfig zero_optimizer_config(const ZeroScenario& s);
+
+// Final params (fp32 copies) of the golden run.
+std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<double>* norms = nullptr);
+
+// One rank's training state; steps [first, last) of the shared data stream.
+struct ZeroRank {
+  ZeroRank(DeviceMesh& mesh, const ZeroScenario& s, uint64_t init_seed);
+  std::vector<StepResult> train(int first_step, int last_step);
+  std::vector<torch::Tensor> params();  // fp32 copies, after finish_param_sync()
+
+  const ZeroScenario scenario;
+  DeviceMesh& mesh;
+  Mlp model{nullptr};
+  std::unique_ptr<DistributedDataParallel<MlpImpl>> ddp;
+  std::unique_ptr<DistributedOptimizer> opt;
+};
+
+// Trains on s.world ranks; checks every rank ends with identical params; returns rank 0's.
+// `per_rank` (optional) runs on each rank after training.
+std::vector<torch::Tensor> train_zero(const ZeroScenario& s, std::vector<std::vector<StepResult>>* results = nullptr);
+
+// max |a - b| over all params.
+double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b);
+
+}  // namespace meshddp::test
