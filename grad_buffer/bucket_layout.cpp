@@ -42,7 +42,7 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     const ParamSpec& p = params[i];
     TORCH_CHECK(!p.name.empty(), "assign_buckets: parameter #", i, " has an empty name");
     TORCH_CHECK(p.numel >= 0, "assign_buckets: parameter '", p.name, "' has numel ", p.numel);
-    const BufferKey key{p.param_dtype, p.grad_dtype, p.device};
+    const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial};
     int64_t buffer = 0;
     while (buffer < static_cast<int64_t>(layout.buffers.size()) && !(layout.buffers[buffer].key == key)) ++buffer;
     if (buffer == static_cast<int64_t>(layout.buffers.size())) {

@@ -3,7 +3,7 @@
 // (params, config) and the rules are unit-testable without a process group.
 //
 // Note [Bucket layout]
-// - One flat buffer per (param dtype, grad dtype, device). Params are placed walking the
+// - One flat buffer per (param dtype, grad dtype, device, TP-partial or not). Params are placed walking the
 //   registration order backwards (the last-registered param first), which is roughly the order
 //   backward produces gradients, so the first buckets complete first.
 // - A bucket closes as soon as it holds >= bucket_bytes of gradients (it may overshoot by one param);
@@ -42,6 +42,7 @@ struct ParamSpec {
   c10::ScalarType param_dtype = c10::ScalarType::Float;
   c10::ScalarType grad_dtype = c10::ScalarType::Float;  // the main grad's dtype (fp32 when reducing in fp32)
   c10::Device device{c10::DeviceType::CPU};
+  bool tp_partial = false;  // gradient is a partial sum over TP: kept in buffers of its own
 };
 
 struct LayoutConfig {
@@ -54,6 +55,7 @@ struct BufferKey {
   c10::ScalarType param_dtype;
   c10::ScalarType grad_dtype;
   c10::Device device;
+  bool tp_partial = false;
   bool operator==(const BufferKey&) const = default;
 };
 

@@ -49,7 +49,10 @@ c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
 
 GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
                        GradBufferConfig config)
-    : params_(trainable(std::move(params))), dp_group_(std::move(dp_group)), config_(config) {
+    : GradBuffer(std::move(params), SyncGroups{std::move(dp_group), nullptr, 0, 1}, config) {}
+
+GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config)
+    : params_(trainable(std::move(params))), dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
   dp_size_ = dp_group_->getSize();
@@ -57,8 +60,13 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::
   std::vector<ParamSpec> specs;
   specs.reserve(params_.size());
   for (const auto& p : params_) {
+    placements_.push_back(get_placement(p.param));
+    const bool partial = placements_.back().is_partial_grad() && groups_.tp_size > 1;
+    TORCH_CHECK(!partial || groups_.world, "GradBuffer: parameter '", p.name, "' has a gradient that is partial over TP (",
+                placements_.back().str(), ") but no world group was given to sum it over; build DistributedDataParallel ",
+                "from the DeviceMesh rather than from a DP process group");
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
-                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device()});
+                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
   layout_ = assign_buckets(specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_});
@@ -206,7 +214,12 @@ void GradBuffer::launch_bucket(int64_t b) {
   if (config_.use_distributed_optimizer) {
     nonfinite_counts_[b] = at::isfinite(data).logical_not().sum();  // lazy: read only by the optimizer
   }
-  if (dp_size_ > 1) {
+  if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
+    // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
+    // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
+    if (dp_size_ > 1) data.div_(static_cast<double>(dp_size_));
+    bucket.work = all_reduce_sum(*groups_.world, data, bucket_description(b) + " (TP-partial: summed over TP)");
+  } else if (dp_size_ > 1) {
     data.div_(static_cast<double>(dp_size_));
     bucket.work = config_.use_distributed_optimizer
                       ? reduce_scatter_sum(*dp_group_, bucket_shard(b), data, bucket_description(b))
@@ -221,7 +234,8 @@ void GradBuffer::wait_launched_buckets() {
     if (buckets_[b].work) {
       auto work = std::move(buckets_[b].work);
       buckets_[b].work.reset();
-      wait_collective(work, *dp_group_, bucket_description(static_cast<int64_t>(b)));
+      const bool partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
+      wait_collective(work, partial ? *groups_.world : *dp_group_, bucket_description(static_cast<int64_t>(b)));
     }
   }
 }

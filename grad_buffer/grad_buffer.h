@@ -19,6 +19,7 @@
 
 #include "grad_buffer/bucket_layout.h"
 #include "grad_buffer/param_gather.h"
+#include "mesh/placement.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -52,6 +53,17 @@ struct NamedParam {
   at::Tensor param;  // a leaf that requires grad
 };
 
+// The groups a GradBuffer syncs over. `world` (the whole DP x TP mesh) sums gradients that are
+// partial over TP (Placement::kPartialGrad: their buckets are all-reduced over it, pre-divided by
+// the DP size: a TP sum and a DP mean in one collective, once per step) and reduces gradient norms;
+// it may be null when no param is TP-partial and TP is 1.
+struct SyncGroups {
+  c10::intrusive_ptr<c10d::ProcessGroup> dp;
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+};
+
 class GradBuffer {
  public:
   // Lays out `params` (registration order; only the trainable ones: requires_grad), allocates one
@@ -59,6 +71,8 @@ class GradBuffer {
   // (same dtype) and installs the hooks. `dp_group` is the group the buckets are reduced over.
   GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
              GradBufferConfig config);
+  // Same, with the TP-aware groups (placements are read from the registry, mesh/placement.h).
+  GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config);
   // Removes the hooks; waits for collectives still in flight (they write into the buffers).
   ~GradBuffer();
   GradBuffer(const GradBuffer&) = delete;
@@ -100,6 +114,10 @@ class GradBuffer {
   at::Tensor local_nonfinite_counts() const;
   int64_t dp_rank() const { return dp_group_->getRank(); }
   c10d::ProcessGroup& dp_group() const { return *dp_group_; }
+  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
+  c10d::ProcessGroup& stats_group() const { return groups_.world ? *groups_.world : *dp_group_; }
+  const SyncGroups& groups() const { return groups_; }
+  const Placement& placement(int64_t index) const { return placements_[index]; }
   const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   const BucketLayout& layout() const { return layout_; }
   const std::vector<NamedParam>& params() const { return params_; }
@@ -135,6 +153,8 @@ class GradBuffer {
 
   std::vector<NamedParam> params_;
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
+  SyncGroups groups_;
+  std::vector<Placement> placements_;
   GradBufferConfig config_;
   int64_t dp_size_ = 1;
   BucketLayout layout_;

@@ -24,12 +24,24 @@ std::string describe_group(const c10d::ProcessGroup& group) {
   return out.str();
 }
 
-Work all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {
+namespace {
+
+Work all_reduce(c10d::ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& what) {
   check_operand(group, tensor, "the", "all-reduce", what);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
+  options.reduceOp = op;
   return group.allreduce(tensors, options);
+}
+
+}  // namespace
+
+Work all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {
+  return all_reduce(group, tensor, c10d::ReduceOp::SUM, what);
+}
+
+void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {
+  wait_collective(all_reduce(group, tensor, c10d::ReduceOp::MAX, what), group, what);
 }
 
 Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,

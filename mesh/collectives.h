@@ -33,6 +33,8 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
 
 // Convenience: launch and wait.
 void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
+// In-place MAX all-reduce, launched and waited (e.g. the max logit of a vocab-parallel softmax).
+void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
 
 // "group 'dp/ranks=0,2' (rank 1 of 2)" for messages.
 std::string describe_group(const c10d::ProcessGroup& group);

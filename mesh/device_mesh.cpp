@@ -91,8 +91,24 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device));
     all_reduce_sum_now(*groups[d], one, "the warm-up of mesh dim '" + names[d] + "'");
   }
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+  if (sizes.size() == 1) {
+    world = groups[0];
+  } else {
+    std::vector<int64_t> all(world_size);
+    for (int64_t r = 0; r < world_size; ++r) all[r] = r;
+    const std::string key = options.store_prefix + "/" + mesh_group_key("world", all);
+    world = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(rank),
+                               static_cast<int>(world_size), options.device_type, options.timeout, key);
+    at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(
+                                       options.device_type == c10::DeviceType::CUDA && std::getenv("LOCAL_RANK")
+                                           ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::atoll(std::getenv("LOCAL_RANK"))))
+                                           : c10::Device(c10::DeviceType::CPU)));
+    all_reduce_sum_now(*world, one, "the warm-up of the mesh's world group");
+  }
   const char* local_rank = std::getenv("LOCAL_RANK");
-  DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type);
+  DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type,
+                                std::move(world));
   if (options.device_type == c10::DeviceType::CUDA && local_rank != nullptr) {
     mesh.device_ = device_for(options.device_type, std::atoll(local_rank));
   }
@@ -101,7 +117,7 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
 
 DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
                                    std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
-                                   c10::DeviceType device_type) {
+                                   c10::DeviceType device_type, c10::intrusive_ptr<c10d::ProcessGroup> world) {
   int64_t world_size = 1;
   for (int64_t s : sizes) world_size *= s;
   validate_mesh(sizes, names, world_size, rank);
@@ -125,7 +141,11 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   mesh.rank_ = rank;
   mesh.world_size_ = world_size;
   mesh.device_ = c10::Device(device_type);
+  if (!world && groups_by_dim.size() == 1) world = groups_by_dim[0];
+  TORCH_CHECK(!world || world->getSize() == world_size, "DeviceMesh::from_groups: the world group has ",
+              world ? world->getSize() : 0, " ranks, expected ", world_size, " (", describe_mesh_shape(mesh.sizes_, mesh.names_), ")");
   mesh.groups_ = std::move(groups_by_dim);
+  mesh.world_ = std::move(world);
   return mesh;
 }
 

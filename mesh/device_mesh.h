@@ -43,10 +43,15 @@ class DeviceMesh {
   // size is its dim's size and that its rank is this rank's coordinate along that dim.
   static DeviceMesh from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
                                 std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
-                                c10::DeviceType device_type = c10::DeviceType::CPU);
+                                c10::DeviceType device_type = c10::DeviceType::CPU,
+                                c10::intrusive_ptr<c10d::ProcessGroup> world = {});
 
   // This rank's process group along `dim` (e.g. mesh["dp"]). Throws on an unknown dim name.
   const c10::intrusive_ptr<c10d::ProcessGroup>& operator[](std::string_view dim) const;
+  // The group of every rank of the mesh (e.g. DP x TP): gradients partial over TP are summed over it
+  // (pre-divided by DP), and gradient norms reduced. Same as the only dim's group for a 1-D mesh.
+  // Null if the mesh was built from_groups() without one.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& world() const { return world_; }
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
@@ -72,6 +77,7 @@ class DeviceMesh {
   int64_t world_size_ = 1;
   c10::Device device_{c10::DeviceType::CPU};
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+  c10::intrusive_ptr<c10d::ProcessGroup> world_;
 };
 
 }  // namespace meshddp

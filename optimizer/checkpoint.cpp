@@ -67,7 +67,8 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-std::string shard_file_name(int64_t dp_rank) { return "shard-dp" + std::to_string(dp_rank) + ".bin"; }
+// With TP > 1 every TP rank's DP group saves its own shards: names carry the TP coordinate.
+std::string tp_prefix(const SyncGroups& g) { return g.tp_size > 1 ? "tp" + std::to_string(g.tp_rank) + "-" : ""; }
 
 std::string dtype_name(c10::ScalarType t) { return c10::toString(t); }
 
@@ -96,17 +97,20 @@ struct Manifest {
   std::map<int64_t, int64_t> file_bytes;                    // by DP rank
 };
 
-std::string param_line(const NamedParam& p) {
+// "name dtype numel [local shape] placement": for a TP shard the placement says which chunk of which
+// dim of the global param this is (global shape = local shape with that dim times tp_size).
+std::string param_line(const NamedParam& p, const Placement& placement) {
   std::ostringstream out;
   out << p.name << " " << dtype_name(p.param.scalar_type()) << " " << p.param.numel() << " [";
   for (int64_t d = 0; d < p.param.dim(); ++d) out << (d ? "," : "") << p.param.size(d);
-  out << "]";
+  out << "] " << placement.str();
+  if (placement.is_shard()) out << ":" << placement.tp_rank << "/" << placement.tp_size;
   return out.str();
 }
 
-Manifest read_manifest(const std::string& dir) {
-  const std::string path = join(dir, "manifest.txt");
-  TORCH_CHECK(file_exists(path), "checkpoint: no manifest.txt in '", dir,
+Manifest read_manifest(const std::string& dir, const std::string& prefix) {
+  const std::string path = join(dir, prefix + "manifest.txt");
+  TORCH_CHECK(file_exists(path), "checkpoint: no ", prefix, "manifest.txt in '", dir,
               "': not a complete meshddp checkpoint (a save that did not finish leaves none)");
   std::ifstream in(path);
   Manifest m;
@@ -162,6 +166,8 @@ void DistributedOptimizer::save_checkpoint(const std::string& dir_name) {
   const int64_t dp = buffer_.dp_size(), rank = buffer_.dp_rank();
   finish_param_sync();
   const int64_t states = 1 + num_state_tensors();
+  const std::string prefix = tp_prefix(buffer_.groups());
+  auto shard_file_name = [&](int64_t r) { return prefix + "shard-dp" + std::to_string(r) + ".bin"; };
   auto barrier = [&](const std::string& what, bool ok) {
     at::Tensor failures = at::full({1}, ok ? 0.0 : 1.0, at::kFloat);
     all_reduce_sum_now(group, failures, "checkpoint save: " + what);
@@ -171,7 +177,7 @@ void DistributedOptimizer::save_checkpoint(const std::string& dir_name) {
   try {
     if (rank == 0) {
       make_directories(dir);
-      std::remove(join(dir, "manifest.txt").c_str());  // from here until the new one is renamed in, the checkpoint is incomplete
+      std::remove(join(dir, prefix + "manifest.txt").c_str());  // from here until the new one is renamed in, the checkpoint is incomplete
     }
   } catch (const std::exception& e) {
     error = message_of(e);
@@ -206,7 +212,7 @@ void DistributedOptimizer::save_checkpoint(const std::string& dir_name) {
         << " beta2 " << config_.beta2 << " eps " << config_.eps << " momentum " << config_.momentum << "\n";
       const auto& params = buffer_.params();
       m << "params " << params.size() << "\n";
-      for (const auto& p : params) m << param_line(p) << "\n";
+      for (size_t i = 0; i < params.size(); ++i) m << param_line(params[i], buffer_.placement(static_cast<int64_t>(i))) << "\n";
       for (int64_t r = 0; r < dp; ++r) {
         int64_t pos = 0;
         for (const BucketShard& shard : shard_buckets(buffer_.layout(), r, dp)) {
@@ -218,7 +224,7 @@ void DistributedOptimizer::save_checkpoint(const std::string& dir_name) {
         m << "file " << r << " " << shard_file_name(r) << " " << pos * states * 4 << "\n";
       }
       m << "end\n";
-      write_atomically(join(dir, "manifest.txt"), m.str());
+      write_atomically(join(dir, prefix + "manifest.txt"), m.str());
     } catch (const std::exception& e) {
       error = message_of(e);
     }
@@ -231,19 +237,22 @@ void DistributedOptimizer::load_checkpoint(const std::string& dir_name) {
   const std::string& dir = dir_name;
   c10d::ProcessGroup& group = buffer_.dp_group();
   const int64_t states = 1 + num_state_tensors();
+  const std::string prefix = tp_prefix(buffer_.groups());
+  auto shard_file_name = [&](int64_t r) { return prefix + "shard-dp" + std::to_string(r) + ".bin"; };
   finish_param_sync();
   // Everything is read into `loaded` first; state changes only after every rank succeeded.
   std::vector<std::vector<at::Tensor>> loaded(states);
   int64_t loaded_step = 0;
   std::string error;
   try {
-    const Manifest m = read_manifest(dir);
+    const Manifest m = read_manifest(dir, prefix);
     const std::string kind = config_.kind == OptimizerKind::kAdamW ? "adamw" : "sgd";
     TORCH_CHECK(m.optimizer == kind && m.num_states == states - 1, "checkpoint '", dir, "' holds ", m.optimizer,
                 " state (", m.num_states, " tensors per element) but this optimizer is ", kind, " (", states - 1, ")");
     const auto& params = buffer_.params();
     for (size_t i = 0; i < std::max(params.size(), m.param_lines.size()); ++i) {
-      const std::string here = i < params.size() ? param_line(params[i]) : "(nothing)";
+      const std::string here =
+          i < params.size() ? param_line(params[i], buffer_.placement(static_cast<int64_t>(i))) : "(nothing)";
       const std::string there = i < m.param_lines.size() ? m.param_lines[i] : "(nothing)";
       TORCH_CHECK(here == there, "checkpoint '", dir, "' was saved from a different model: parameter #", i,
                   " is '", there, "' in the checkpoint but '", here, "' here");

@@ -1,6 +1,7 @@
 #include "optimizer/distributed_optimizer.h"
 
 #include "mesh/collectives.h"
+#include "mesh/glob_match.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -12,27 +13,6 @@
 
 namespace meshddp {
 namespace {
-
-// '*' matches any run of characters; everything else matches itself.
-bool glob_match(const std::string& pattern, const std::string& text) {
-  size_t p = 0, t = 0, star = std::string::npos, mark = 0;
-  while (t < text.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = t;
-    } else if (p < pattern.size() && pattern[p] == text[t]) {
-      ++p;
-      ++t;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      t = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
 
 }  // namespace
 
@@ -124,11 +104,24 @@ StepResult DistributedOptimizer::step() {
   const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_.local_nonfinite_counts().sum().to(at::kDouble);
-  for (const auto& g : grad32_) {
+  // Each element once over the whole mesh: DP shards are disjoint; TP-sharded params count on every
+  // TP rank, replicated (and TP-summed partial) ones on TP rank 0 only.
+  const int64_t tp_rank = buffer_.groups().tp_rank;
+  for (size_t b = 0; b < grad32_.size(); ++b) {
+    const at::Tensor& g = grad32_[b];
     stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
-    stats[1] += at::linalg_vector_norm(g, 2).to(at::kDouble).square();
+    bool all_count = true;
+    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
+    if (all_count) {
+      stats[1] += at::linalg_vector_norm(g, 2).to(at::kDouble).square();
+      continue;
+    }
+    for (const ShardSegment& seg : shards_[b].segments) {
+      if (!buffer_.placement(seg.param).counts_on_tp_rank(tp_rank)) continue;
+      stats[1] += at::linalg_vector_norm(g.narrow(0, seg.shard_offset, seg.numel), 2).to(at::kDouble).square();
+    }
   }
-  all_reduce_sum_now(buffer_.dp_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
+  all_reduce_sum_now(buffer_.stats_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
   const at::Tensor host = stats.cpu();
   const double nonfinite = host[0].item<double>();
   StepResult result;

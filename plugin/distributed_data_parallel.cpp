@@ -7,6 +7,14 @@ namespace meshddp {
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
                      DdpConfig config)
     : dp_group_(mesh[dp_dim]), config_(config) {
+  groups_.dp = dp_group_;
+  groups_.world = mesh.world();
+  for (size_t d = 0; d < mesh.names().size(); ++d) {
+    if (mesh.names()[d] == "tp") {
+      groups_.tp_rank = mesh.coordinates()[d];
+      groups_.tp_size = mesh.sizes()[d];
+    }
+  }
   init(module, mesh.group_ranks(dp_dim));
 }
 
@@ -14,6 +22,7 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
                      DdpConfig config)
     : dp_group_(std::move(dp_group)), config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
+  groups_.dp = dp_group_;
   init(module, {});
 }
 
@@ -34,7 +43,7 @@ void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std
 
   std::vector<NamedParam> named;
   for (auto& p : params) named.push_back({p.name, p.tensor});
-  buffer_ = std::make_unique<GradBuffer>(std::move(named), dp_group_, static_cast<GradBufferConfig>(config_));
+  buffer_ = std::make_unique<GradBuffer>(std::move(named), groups_, static_cast<GradBufferConfig>(config_));
 }
 
 at::Tensor DdpEngine::main_grad(const std::string& name) const {

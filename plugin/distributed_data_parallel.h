@@ -81,6 +81,7 @@ class DdpEngine {
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks);
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
+  SyncGroups groups_;
   DdpConfig config_;
   std::unique_ptr<GradBuffer> buffer_;
 };

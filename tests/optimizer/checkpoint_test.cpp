@@ -154,7 +154,7 @@ TEST(Checkpoint, ErrorsNameTheFileAndLoadNothing) {
   ZeroScenario wider = s;
   wider.hidden = kZeroHidden + 8;
   msg = load_error(wider, 2, dir);
-  EXPECT_THAT(msg, HasSubstr("was saved from a different model: parameter #0 is 'fc1.weight Float 288 [24,12]' in the checkpoint"));
+  EXPECT_THAT(msg, HasSubstr("was saved from a different model: parameter #0 is 'fc1.weight Float 288 [24,12] Replicate' in the checkpoint but 'fc1.weight Float 384 [32,12] Replicate' here"));
 
   // No manifest: an unfinished save.
   std::remove((dir + "/manifest.txt").c_str());

@@ -1,0 +1,115 @@
+// A tiny GPT written as a plain single-device LibTorch module: token and position embeddings, N
+// pre-norm blocks (causal self-attention + MLP), a final norm and an LM head tied to the token
+// embedding. No parallelism here: gpt_plan.h parallelizes it. Shapes are read from tensors (heads
+// from the projection's width / head_dim, the sequence length from q), so the same code runs on one
+// device, on TP shards, and on sequence shards.
+#pragma once
+
+#include "plugin/tp_layers.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace gpt {
+
+struct Config {
+  int64_t vocab = 64;
+  int64_t seq_len = 16;
+  int64_t dim = 32;
+  int64_t heads = 4;
+  int64_t layers = 2;
+  int64_t mlp_ratio = 4;
+  int64_t head_dim() const { return dim / heads; }
+};
+
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const Config& c)
+      : head_dim(c.head_dim()),
+        q(register_module("q", meshddp::tp::Linear(c.dim, c.dim))),
+        // No key bias: softmax is invariant to it, so its true gradient is 0 and what autograd
+        // returns is rounding noise, which Adam would turn into lr-sized random steps.
+        k(register_module("k", meshddp::tp::Linear(c.dim, c.dim, /*bias=*/false))),
+        v(register_module("v", meshddp::tp::Linear(c.dim, c.dim))),
+        o(register_module("o", meshddp::tp::Linear(c.dim, c.dim))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto split = [&](const torch::Tensor& t) {  // [B, T, h * d] -> [B, h, T, d]
+      return t.view({t.size(0), t.size(1), -1, head_dim}).transpose(1, 2);
+    };
+    auto qh = split(q(x)), kh = split(k(x)), vh = split(v(x));
+    const int64_t T = qh.size(2);
+    auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    auto causal = torch::ones({T, T}, torch::kBool).triu(1);
+    auto att = torch::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
+    auto y = torch::matmul(att, vh).transpose(1, 2).contiguous();
+    return o(y.view({y.size(0), T, -1}));
+  }
+  int64_t head_dim;
+  meshddp::tp::Linear q, k, v, o;
+};
+TORCH_MODULE(Attention);
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl(const Config& c)
+      : fc1(register_module("fc1", meshddp::tp::Linear(c.dim, c.dim * c.mlp_ratio))),
+        fc2(register_module("fc2", meshddp::tp::Linear(c.dim * c.mlp_ratio, c.dim))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
+  meshddp::tp::Linear fc1, fc2;
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const Config& c)
+      : ln1(register_module("ln1", meshddp::tp::LayerNorm(c.dim))),
+        attn(register_module("attn", Attention(c))),
+        ln2(register_module("ln2", meshddp::tp::LayerNorm(c.dim))),
+        mlp(register_module("mlp", Mlp(c))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln1(x));
+    return x + mlp(ln2(x));
+  }
+  meshddp::tp::LayerNorm ln1;
+  Attention attn;
+  meshddp::tp::LayerNorm ln2;
+  Mlp mlp;
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const Config& c)
+      : wte(register_module("wte", meshddp::tp::Embedding(c.vocab, c.dim))),
+        wpe(register_module("wpe", meshddp::tp::Embedding(c.seq_len, c.dim))),
+        ln_f(register_module("ln_f", meshddp::tp::LayerNorm(c.dim))) {
+    for (int64_t l = 0; l < c.layers; ++l) blocks->push_back(Block(c));
+    register_module("blocks", blocks);
+  }
+  // ids [B, T] -> logits [B, T, vocab] (this rank's vocab shard once parallelized).
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto positions = torch::arange(ids.size(1), torch::kLong).unsqueeze(0);
+    auto h = wte(ids) + wpe(positions);
+    for (const auto& block : *blocks) h = block->as<BlockImpl>()->forward(h);
+    return wte->unembed(ln_f(h));
+  }
+  meshddp::tp::Embedding wte, wpe;
+  torch::nn::ModuleList blocks;
+  meshddp::tp::LayerNorm ln_f;
+};
+TORCH_MODULE(Gpt);
+
+// Synthetic data from (seed, step): a noisy "next token = (token * 3 + 1) mod vocab" language,
+// learnable, no downloads. Returns ids and targets [batch, seq_len].
+inline std::pair<torch::Tensor, torch::Tensor> make_batch(const Config& c, uint64_t seed, int64_t step, int64_t batch) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + static_cast<uint64_t>(step));
+  auto start = torch::randint(c.vocab, {batch, 1}, gen);
+  auto seq = torch::empty({batch, c.seq_len + 1}, torch::kLong);
+  seq.select(1, 0).copy_(start.squeeze(1));
+  auto noise = torch::rand({batch, c.seq_len}, gen) < 0.1;
+  auto random = torch::randint(c.vocab, {batch, c.seq_len}, gen);
+  for (int64_t t = 0; t < c.seq_len; ++t) {
+    auto next = (seq.select(1, t) * 3 + 1).remainder(c.vocab);
+    seq.select(1, t + 1).copy_(torch::where(noise.select(1, t), random.select(1, t), next));
+  }
+  return {seq.narrow(1, 0, c.seq_len).contiguous(), seq.narrow(1, 1, c.seq_len).contiguous()};
+}
+
+}  // namespace gpt

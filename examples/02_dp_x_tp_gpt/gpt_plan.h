@@ -1,0 +1,27 @@
+// The tensor-parallel plan of the tiny GPT: which layer is split how. This file, not the model, is
+// where the parallelism lives (docs/tensor_parallel.md explains how to write one).
+#pragma once
+
+#include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "plugin/parallelize.h"
+
+namespace gpt {
+
+inline std::vector<meshddp::PlanEntry> tp_plan(const Config& c) {
+  using namespace meshddp;
+  const ColwiseParallel heads{.unit = c.head_dim(), .unit_name = "heads"};
+  return {
+      {"wte", VocabParallel{}},                 // vocab-split lookup; tied LM head gives vocab-split logits
+      {"wpe", SequenceSharded{}},               // under SP: each rank keeps its sequence chunk
+      {"blocks.*.attn.q", heads},               // heads split across TP ranks
+      {"blocks.*.attn.k", heads},
+      {"blocks.*.attn.v", heads},
+      {"blocks.*.attn.o", RowwiseParallel{}},   // back to full width (all-reduce / reduce-scatter)
+      {"blocks.*.mlp.fc1", ColwiseParallel{}},
+      {"blocks.*.mlp.fc2", RowwiseParallel{}},
+      {"blocks.*.ln*", SequenceParallelNorm{}}, // under SP: norms on sequence shards, partial grads
+      {"ln_f", SequenceParallelNorm{}},
+  };
+}
+
+}  // namespace gpt

@@ -1,0 +1,40 @@
+// Placement: how a parameter relates to the mesh's tensor-parallel dim. Set by the TP layers when a
+// plan parallelizes them, read by the gradient sync (partial grads are summed over TP), the
+// gradient norm (replicated params count once, not TP times) and checkpoints (global shape and
+// offset of each local shard). A parameter with no placement is Replicate.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace meshddp {
+
+struct Placement {
+  enum class Kind {
+    kReplicate,    // every TP rank holds the whole param; its gradient is already the same on each
+    kShard,        // each TP rank holds chunk tp_rank of dim `dim` (of `tp_size` equal chunks)
+    kPartialGrad,  // replicated param whose gradient is a partial sum over TP (sequence-parallel norms,
+                   // row-parallel biases under sequence parallelism): the sync sums it over TP
+  };
+  Kind kind = Kind::kReplicate;
+  int64_t dim = -1;      // kShard only
+  int64_t tp_size = 1;   // kShard only
+  int64_t tp_rank = 0;   // kShard only
+
+  static Placement replicate() { return {}; }
+  static Placement partial_grad() { return {Kind::kPartialGrad}; }
+  static Placement shard(int64_t dim, int64_t tp_size, int64_t tp_rank) { return {Kind::kShard, dim, tp_size, tp_rank}; }
+  bool is_shard() const { return kind == Kind::kShard; }
+  bool is_partial_grad() const { return kind == Kind::kPartialGrad; }
+  // Counted once across TP in norms: sharded params on every rank, others on TP rank 0 only.
+  bool counts_on_tp_rank(int64_t tp) const { return is_shard() || tp == 0; }
+  std::string str() const;  // "Shard(0)", "Replicate", "PartialGrad"
+};
+
+// Registry, keyed by the tensor's identity (a parameter keeps its TensorImpl across set_data).
+void set_placement(const at::Tensor& param, Placement placement);
+Placement get_placement(const at::Tensor& param);  // Replicate if never set
+
+}  // namespace meshddp

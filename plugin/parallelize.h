@@ -1,0 +1,56 @@
+// parallelize(): applies a tensor-parallel plan to a model written with the layers of
+// plugin/tp_layers.h, in place, over the mesh's TP dim. A plan maps module-path patterns ('*'
+// matches any run, e.g. "blocks.*.mlp.fc1") to styles, as torchtitan's and veScale's plans do; the
+// model code itself holds no parallelism.
+//
+//   parallelize(*model, mesh, {
+//       {"wte", VocabParallel{}},                 {"wpe", SequenceSharded{}},
+//       {"blocks.*.attn.q", ColwiseParallel{.unit = head_dim, .unit_name = "heads"}},
+//       {"blocks.*.attn.o", RowwiseParallel{}},
+//       {"blocks.*.mlp.fc1", ColwiseParallel{}}, {"blocks.*.mlp.fc2", RowwiseParallel{}},
+//       {"blocks.*.ln*", SequenceParallelNorm{}}, {"ln_f", SequenceParallelNorm{}}},
+//     {.sequence_parallel = true});
+//
+// Validation (before anything changes; every message names the module, the style and the sizes):
+// a pattern that matches nothing; a style on a module of the wrong type; a sharded size (features,
+// heads, vocab) not divisible by the TP size; under sequence parallelism, a LayerNorm left out of
+// the plan (its gradient would be partial over TP without anyone summing it).
+#pragma once
+
+#include "mesh/device_mesh.h"
+
+#include <torch/nn/module.h>
+
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace meshddp {
+
+// Linear: split output features. `unit`: the sharded dim is made of units of this many features
+// (e.g. attention heads of head_dim), each kept whole on one rank.
+struct ColwiseParallel {
+  bool gather_output = false;
+  int64_t unit = 1;
+  std::string unit_name = "features";
+};
+struct RowwiseParallel {};       // Linear: split input features; its input is a column-parallel output
+struct VocabParallel {};         // Embedding: split the vocabulary (lookup and tied output projection)
+struct SequenceSharded {};       // Embedding (positions): replicated; output sharded along the sequence (SP only)
+struct SequenceParallelNorm {};  // LayerNorm between TP regions: runs on the sequence shard (SP only)
+using TpStyle = std::variant<ColwiseParallel, RowwiseParallel, VocabParallel, SequenceSharded, SequenceParallelNorm>;
+
+struct PlanEntry {
+  std::string pattern;
+  TpStyle style;
+};
+
+struct ParallelizeOptions {
+  bool sequence_parallel = false;  // activations between TP regions split along dim 1 (sequence)
+  std::string tp_dim = "tp";       // the mesh dim to parallelize over
+};
+
+void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::vector<PlanEntry>& plan,
+                 const ParallelizeOptions& options = {});
+
+}  // namespace meshddp

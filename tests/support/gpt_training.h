@@ -1,0 +1,44 @@
+// Test support: the tiny GPT (examples/02_dp_x_tp_gpt) trained on a DP x TP mesh, and its golden:
+// the same model in one process on the whole global batch.
+#pragma once
+
+#include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "mesh/device_mesh.h"
+#include "mesh/placement.h"
+
+#include <vector>
+
+namespace meshddp::test {
+
+struct GptScenario {
+  int64_t dp = 2, tp = 2;
+  bool sequence_parallel = false;
+  bool distributed_optimizer = false;
+  double clip = 0.0;  // with the distributed optimizer
+  int steps = 6;
+  int micro_batches = 1;
+  int64_t global_batch = 8;
+  size_t bucket_bytes = 4096;
+  gpt::Config model{};
+};
+
+struct GptRun {
+  std::vector<double> losses;                 // per step, mean over the global batch
+  std::vector<torch::Tensor> first_grads;     // golden: full grads of step 0; distributed: rank-local
+  std::vector<torch::Tensor> params;          // final; distributed: rank-local shards
+  std::vector<double> grad_norms;             // per step (clipping runs only)
+  std::vector<Placement> placements;          // distributed: each param's placement on this rank
+};
+
+constexpr uint64_t kGptSeed = 5;
+
+// Golden: AdamW(lr 1e-2, torch's defaults otherwise) or, with clip > 0, after clip_grad_norm_.
+GptRun train_gpt_golden(const GptScenario& s);
+
+// Every rank's run (index = global rank) on a dp x tp mesh.
+std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s);
+
+// The part of a golden tensor that a rank holding a param with placement `p` has.
+torch::Tensor local_part(const torch::Tensor& golden, const Placement& p);
+
+}  // namespace meshddp::test
