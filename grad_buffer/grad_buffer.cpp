@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
+#include <unordered_set>
 
 namespace meshddp {
 
@@ -176,7 +177,8 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
               "backward (or finish_grad_sync() only after the last micro-batch)");
   if (is_last_microbatch_) {
     TORCH_CHECK(!ready_[index], "GradBuffer: parameter '", name,
-                "' reported ready twice in one step (a second backward before finish_grad_sync()); call ",
+                "' reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
+                "find_unused_parameters, a gradient for a param the forward's outputs did not reach); call ",
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
                 "micro-batches");
   }
@@ -198,6 +200,37 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
   BucketState& bucket = buckets_[layout_.slots[index].bucket];
   TORCH_INTERNAL_ASSERT(bucket.pending > 0);
   if (--bucket.pending == 0 && config_.overlap_grad_reduce) launch_ready_buckets_in_order();
+}
+
+int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>& outputs) {
+  // Every node reachable from the outputs' grad_fns (what backward from them can run).
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<const torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.requires_grad() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    const torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && !seen.count(edge.function.get())) stack.push_back(edge.function.get());
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!is_last_microbatch_) return 0;
+  int64_t marked = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i] || seen.count(hooks_[i]->accumulator.get())) continue;
+    ready_[i] = true;
+    state_ = StepState::kReducing;
+    ++marked;
+    BucketState& bucket = buckets_[layout_.slots[i].bucket];
+    TORCH_INTERNAL_ASSERT(bucket.pending > 0);
+    --bucket.pending;
+  }
+  if (marked > 0 && config_.overlap_grad_reduce) launch_ready_buckets_in_order();
+  return marked;
 }
 
 void GradBuffer::launch_ready_buckets_in_order() {

@@ -39,6 +39,11 @@ struct GradBufferConfig {
   bool grad_reduce_in_fp32 = false;  // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
                                      // fp32); param.grad() is released after each hook. No effect on fp32 params
   bool pad_for_reduce_scatter = false;  // pad buckets to a multiple of the DP size (see bucket_layout.h)
+  bool find_unused_parameters = false;  // after each forward, walk the autograd graph from its outputs;
+                                        // params it cannot reach are marked ready at once (gradient 0),
+                                        // so the buckets after them still launch during backward. Costs
+                                        // one graph walk per forward; off: such params block overlap of
+                                        // their bucket and every later one (still correct)
   bool use_distributed_optimizer = false;  // ZeRO-1: implies the padding; each bucket is reduce-scattered
                                            // (DP rank r keeps the mean of its 1/DP shard of every bucket),
                                            // params become views of a flat param buffer laid out like the
@@ -131,6 +136,11 @@ class GradBuffer {
 
   // Called by the autograd hook of param `index` once its gradient has been accumulated.
   void on_grad_accumulated(int64_t index);
+
+  // Marks ready (gradient 0 this step) every param whose gradient accumulator cannot be reached from
+  // `outputs`' autograd graph, launching buckets that thereby complete. Only on the last
+  // micro-batch; a no-op otherwise. Returns how many params were marked.
+  int64_t mark_unreachable_params_ready(const std::vector<at::Tensor>& outputs);
 
  private:
   enum class StepState { kIdle, kReducing, kSynced };

@@ -27,8 +27,9 @@ namespace meshddp {
 
 struct DdpConfig : GradBufferConfig {
   // GradBufferConfig: bucket_bytes (40 MiB; 0 = one bucket per parameter), overlap_grad_reduce (true),
-  // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), use_distributed_optimizer (false:
-  // set it to pair with DistributedOptimizer, which then owns the param update and all-gather).
+  // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), find_unused_parameters (false),
+  // use_distributed_optimizer (false: set it to pair with DistributedOptimizer, which then owns the
+  // param update and all-gather).
   bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers
   bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
 };
@@ -74,6 +75,18 @@ class DdpEngine {
  protected:
   // Called by forward before running the module.
   void before_forward() const { buffer_->check_no_sync_pending("DistributedDataParallel::forward"); }
+  // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
+  void after_forward(const at::Tensor& output) const {
+    if (config_.find_unused_parameters) buffer_->mark_unreachable_params_ready({output});
+  }
+  void after_forward(const std::vector<at::Tensor>& outputs) const {
+    if (config_.find_unused_parameters) buffer_->mark_unreachable_params_ready(outputs);
+  }
+  template <typename T>
+  void after_forward(const T&) const {
+    TORCH_CHECK(!config_.find_unused_parameters, "DistributedDataParallel: find_unused_parameters needs forward to ",
+                "return a Tensor or a std::vector<Tensor> to walk the autograd graph from");
+  }
   // Open for the duration of forward: ops wait for pending param all-gathers of their own params.
   ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(buffer_->param_gather()); }
 
@@ -98,10 +111,12 @@ class DistributedDataParallel : public DdpEngine {
 
   // The wrapped module's forward, after checking the previous step's sync has finished.
   template <typename... Args>
-  decltype(auto) forward(Args&&... args) {
+  auto forward(Args&&... args) {
     before_forward();
     auto scope = param_wait_scope();
-    return module_->forward(std::forward<Args>(args)...);
+    auto output = module_->forward(std::forward<Args>(args)...);
+    after_forward(output);
+    return output;
   }
   ModuleT& module() { return *module_; }
   const std::shared_ptr<ModuleT>& module_ptr() const { return module_; }
