@@ -1,6 +1,7 @@
 // GradBuffer on real Gloo groups (ranks as threads): which group it reduces over, when buckets
 // launch, in what order, and the errors for misuse.
 #include "grad_buffer/grad_buffer.h"
+#include "mesh/placement.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -196,4 +197,42 @@ TEST(GradBufferConfig, RejectsAnAbsurdBucketSize) {
   GradBufferConfig config;
   config.bucket_bytes = size_t{1} << 50;
   EXPECT_THAT(error_of([&] { config.validate(); }), HasSubstr("bucket_bytes"));
+}
+
+// A TP-partial gradient must come out as the TP sum of the DP mean: with rank r writing 2^r on a
+// 2 x 2 mesh, sum over all ranks / DP size, exactly (no other group gives it); a replicated one as
+// the DP mean over its own DP group only. Also in ZeRO-1 mode (the partial bucket is all-reduced,
+// the others reduce-scattered).
+TEST(GradBuffer, SumsTpPartialGradientsOverTpAndAveragesOverDpOnTwoByTwoMesh) {
+  for (bool zero1 : {false, true}) {
+    test::run_on_mesh({2, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      auto params = make_params();
+      set_placement(params[1].param, Placement::partial_grad());
+      set_placement(params[3].param, Placement::partial_grad());
+      GradBufferConfig config = one_bucket_per_param();
+      config.use_distributed_optimizer = zero1;
+      GradBuffer buffer(params, SyncGroups{mesh["dp"], mesh.world(), mesh.coordinate("tp"), 2}, config);
+      backward_with_grads(params, std::vector<double>(4, 1 << mesh.rank()), {0, 1, 2, 3});
+      buffer.finish_grad_sync();
+      const double partial = (1 + 2 + 4 + 8) / 2.0;
+      double replicated = 0;
+      for (int64_t r : mesh.group_ranks("dp")) replicated += (1 << r) / 2.0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const bool is_partial = i == 1 || i == 3;
+        at::Tensor got = buffer.main_grad(i).reshape({-1});
+        if (zero1 && !is_partial) {
+          // Reduce-scatter leaves only this rank's shard of a replicated bucket valid: check the
+          // param's elements inside it (every param here fits in DP rank 0's shard).
+          const auto& slot = buffer.layout().slots[i];
+          const auto& span = buffer.layout().buckets[slot.bucket];
+          const int64_t shard = span.numel() / 2, begin = span.begin + mesh.coordinate("dp") * shard;
+          const int64_t lo = std::max(slot.offset, begin), hi = std::min(slot.offset + slot.numel, begin + shard);
+          ASSERT_EQ(std::max<int64_t>(0, hi - lo), mesh.coordinate("dp") == 0 ? slot.numel : 0);
+          got = hi > lo ? got.narrow(0, lo - slot.offset, hi - lo) : got.narrow(0, 0, 0);  // DP rank 1 owns none of it
+        }
+        EXPECT_TRUE(at::all(got == (is_partial ? partial : replicated)).item<bool>())
+            << params[i].name << " on rank " << mesh.rank() << " zero1=" << zero1 << ": " << got;
+      }
+    });
+  }
 }
