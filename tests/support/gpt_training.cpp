@@ -73,12 +73,14 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       oc.weight_decay = 0.0;
       oc.clip_grad_norm = s.clip;
       zero = std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), oc);
+      if (!s.load_dir.empty()) zero->load_checkpoint(s.load_dir);
     } else {
       opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
     }
     const int64_t dp_rank = mesh.coordinate("dp"), local = s.global_batch / s.dp;
     tp::Group* tp_group = mesh["tp"].get();
-    for (int step = 0; step < s.steps; ++step) {
+    for (int step = s.first_step; step < s.steps; ++step) {
+      if (step == s.save_before_step) zero->save_checkpoint(s.save_dir);
       ddp.zero_grad_buffer();
       auto [ids, targets] = gpt::make_batch(s.model, kGptSeed, step, s.global_batch);
       double loss_sum = 0;
