@@ -1,6 +1,10 @@
 #include "mesh/collectives.h"
 
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstring>
 
 #include <sstream>
 
@@ -94,6 +98,27 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
                 "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
                 "run every rank with the same model and config, and check the other ranks' errors");
   }
+}
+
+std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
+                                           c10::Device device) {
+  const int64_t n = group.getSize();
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor lens = at::zeros({n}, longs);
+  wait_collective(all_gather_into(group, lens, at::full({1}, static_cast<int64_t>(text.size()), longs), what + " (sizes)"),
+                  group, what);
+  lens = lens.cpu();
+  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor mine = at::zeros({max_len}, at::kByte);
+  std::memcpy(mine.data_ptr<uint8_t>(), text.data(), text.size());
+  at::Tensor all = at::zeros({max_len * n}, at::TensorOptions().dtype(at::kByte).device(device));
+  wait_collective(all_gather_into(group, all, mine.to(device), what), group, what);
+  all = all.cpu();
+  std::vector<std::string> out;
+  for (int64_t r = 0; r < n; ++r) {
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * max_len, lens[r].item<int64_t>());
+  }
+  return out;
 }
 
 void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what) {

@@ -36,6 +36,11 @@ void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, con
 // In-place MAX all-reduce, launched and waited (e.g. the max logit of a vocab-parallel softmax).
 void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
 
+// Every rank's `text`, in group-rank order, on every rank (two all-gathers: lengths, then padded
+// bytes). Tensors go through `device` (CUDA for NCCL groups; Gloo takes either).
+std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
+                                           c10::Device device = c10::Device(c10::kCPU));
+
 // "group 'dp/ranks=0,2' (rank 1 of 2)" for messages.
 std::string describe_group(const c10d::ProcessGroup& group);
 

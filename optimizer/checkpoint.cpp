@@ -316,13 +316,7 @@ void DistributedOptimizer::load_checkpoint(const std::string& dir_name) {
   }
   step_ = loaded_step;
   // Params = the loaded master weights (cast), everywhere.
-  for (size_t b = 0; b < shards_.size(); ++b) {
-    if (master_is_param_view_[b]) continue;
-    const BucketShard& shard = shards_[b];
-    buffer_.bucket_param_data(shard.bucket)
-        .narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel)
-        .copy_(master_[b]);
-  }
+  write_masters_into_param_buffer();
   buffer_.param_gather()->start(/*async=*/false);
 }
 

@@ -8,7 +8,6 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <cstring>
 #include <sstream>
 
 namespace meshddp {
@@ -60,17 +59,17 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
   c10::NoGradGuard no_grad;
   const auto f32 = [](const at::Tensor& like) { return at::TensorOptions().dtype(at::kFloat).device(like.device()); };
   views_.resize(groups_.size());
-  for (const BucketShard& shard : shards_) {
-    at::Tensor param_shard = buffer_.bucket_param_data(shard.bucket).narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel);
-    const bool fp32_params = param_shard.scalar_type() == at::kFloat;
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    const BucketShard& shard = shards_[b];
+    const at::Tensor params = param_shard(b);
+    const bool fp32_params = params.scalar_type() == at::kFloat;
     master_is_param_view_.push_back(fp32_params);
-    master_.push_back(fp32_params ? param_shard : param_shard.to(at::kFloat));
+    master_.push_back(fp32_params ? params : params.to(at::kFloat));
     at::Tensor grad_shard = buffer_.bucket_shard(shard.bucket);
     grad32_.push_back(grad_shard.scalar_type() == at::kFloat ? grad_shard : at::zeros({shard.numel}, f32(grad_shard)));
     const int64_t states = num_state_tensors();
-    state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(param_shard)) : at::Tensor());
-    state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(param_shard)) : at::Tensor());
-    const size_t b = master_.size() - 1;
+    state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
+    state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
     for (const ShardSegment& seg : shard.segments) {
       SegmentViews& v = views_[group_of_[seg.param]];
       v.master.push_back(master_[b].narrow(0, seg.shard_offset, seg.numel));
@@ -186,14 +185,19 @@ void DistributedOptimizer::update_sgd() {
   }
 }
 
-void DistributedOptimizer::write_params_and_gather() {
+at::Tensor DistributedOptimizer::param_shard(size_t b) const {
+  const BucketShard& shard = shards_[b];
+  return buffer_.bucket_param_data(shard.bucket).narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel);
+}
+
+void DistributedOptimizer::write_masters_into_param_buffer() {
   for (size_t b = 0; b < shards_.size(); ++b) {
-    if (master_is_param_view_[b]) continue;
-    const BucketShard& shard = shards_[b];
-    buffer_.bucket_param_data(shard.bucket)
-        .narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel)
-        .copy_(master_[b]);
+    if (!master_is_param_view_[b]) param_shard(b).copy_(master_[b]);
   }
+}
+
+void DistributedOptimizer::write_params_and_gather() {
+  write_masters_into_param_buffer();
   buffer_.param_gather()->start(/*async=*/config_.overlap_param_gather);
 }
 
@@ -222,21 +226,9 @@ std::string DistributedOptimizer::nonfinite_report() {
     }
   }
   // Gather every rank's lines so every rank reports the same.
-  c10d::ProcessGroup& group = buffer_.dp_group();
-  const std::string text = mine.str();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
-  at::Tensor lens = at::zeros({group.getSize()}, at::kLong);
-  wait_collective(all_gather_into(group, lens, len, "non-finite report sizes"), group, "non-finite report");
-  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
-  at::Tensor bytes = at::zeros({max_len}, at::kByte);
-  std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
-  at::Tensor all = at::zeros({max_len * group.getSize()}, at::kByte);
-  wait_collective(all_gather_into(group, all, bytes, "non-finite report"), group, "non-finite report");
   std::ostringstream report;
   report << "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n";
-  for (int64_t r = 0; r < group.getSize(); ++r) {
-    report << std::string(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * max_len, lens[r].item<int64_t>());
-  }
+  for (const std::string& lines : all_gather_strings(buffer_.dp_group(), mine.str(), "the non-finite report")) report << lines;
   return report.str();
 }
 

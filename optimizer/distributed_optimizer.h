@@ -110,6 +110,8 @@ class DistributedOptimizer {
   void update_adamw();
   void update_sgd();
   void write_params_and_gather();
+  at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
+  void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)
 
   GradBuffer& buffer_;
   DistributedOptimizerConfig config_;

@@ -8,7 +8,6 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include <cstring>
 #include <map>
 #include <sstream>
 
@@ -27,28 +26,13 @@ std::vector<std::vector<std::string>> gather_descriptions(c10d::ProcessGroup& gr
                                                           const std::string& what) {
   std::string mine;
   for (const auto& t : tensors) mine += describe_tensor(t) + "\n";
-  const int64_t n = group.getSize();
   // On the tensors' device: NCCL groups take only CUDA tensors, Gloo takes both.
   const c10::Device device = tensors.empty() ? c10::Device(c10::kCPU) : tensors.front().tensor.device();
-  const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor my_len = at::full({1}, static_cast<int64_t>(mine.size()), long_options);
-  at::Tensor lens = at::zeros({n}, long_options);
-  wait_collective(all_gather_into(group, lens, my_len, what + " check (sizes)"), group, what + " check");
-  int64_t max_len = 1;
-  for (int64_t r = 0; r < n; ++r) max_len = std::max(max_len, lens[r].item<int64_t>());
-  at::Tensor my_bytes = at::zeros({max_len}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(my_bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
-  my_bytes = my_bytes.to(device);
-  at::Tensor all_bytes = at::zeros({max_len * n}, at::TensorOptions().dtype(at::kByte).device(device));
-  wait_collective(all_gather_into(group, all_bytes, my_bytes, what + " check (names)"), group, what + " check");
-
-  std::vector<std::vector<std::string>> lists(n);
-  all_bytes = all_bytes.cpu();
-  lens = lens.cpu();
-  for (int64_t r = 0; r < n; ++r) {
-    const char* begin = reinterpret_cast<const char*>(all_bytes.data_ptr<uint8_t>()) + r * max_len;
-    std::istringstream text(std::string(begin, lens[r].item<int64_t>()));
-    for (std::string line; std::getline(text, line);) lists[r].push_back(line);
+  std::vector<std::vector<std::string>> lists;
+  for (const std::string& text : all_gather_strings(group, mine, what + " check", device)) {
+    lists.emplace_back();
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) lists.back().push_back(line);
   }
   return lists;
 }

@@ -2,30 +2,16 @@
 optimizer) with the same seed and global batch and checks that the per-step global-batch losses agree. Tolerance: rtol 1e-5 -- the losses differ
 only by the order fp32 sums are taken in (per-rank partial sums, then the DP mean), a few ulps per
 step that AdamW carries forward over 8 steps."""
-import os
-import re
-import subprocess
 import sys
 
+from torchrun_losses import run_losses
+
 binary = sys.argv[1]
-torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS = 8
 
 
 def losses(nproc, *extra):
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "--no-python", binary,
-           "--steps", str(STEPS), "--global-batch", "32", "--seed", "3", "--hidden", "64", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    if out.returncode != 0:
-        sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
-    found = re.findall(r"^step (\d+) loss (\S+)$", out.stdout, re.M)
-    if [int(s) for s, _ in found] != list(range(STEPS)):
-        sys.exit(f"FAILED: expected 'step 0..{STEPS - 1} loss X' from {nproc} rank(s), got:\n{out.stdout}\n{out.stderr}")
-    for _, text in found:
-        mantissa = text.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
-        if len(mantissa) < 8:
-            sys.exit(f"FAILED: loss '{text}' has fewer than 8 significant digits")
-    return [float(v) for _, v in found]
+    return run_losses(binary, nproc, STEPS, ["--global-batch", "32", "--seed", "3", "--hidden", "64", *extra])
 
 
 one, two = losses(1), losses(2)

@@ -3,29 +3,16 @@ parallelism and 2x2 with the ZeRO-1 optimizer, same seed and global batch, and c
 curve matches the 1x1 run. Tolerance: rtol 1e-4 over 10 steps -- the runs differ only in how fp32
 sums are split (TP partial sums, the vocab-parallel softmax, DP means), ~1e-7 per step (the GoogleTest
 suite measures 4.8e-7 after 6 steps), which AdamW carries forward."""
-import os
-import re
-import subprocess
 import sys
 
+from torchrun_losses import run_losses
+
 binary = sys.argv[1]
-torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS = 10
 
 
 def losses(dp, tp, *extra):
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={dp * tp}", "--no-python", binary, "--dp", str(dp),
-           "--tp", str(tp), "--steps", str(STEPS), "--global-batch", "16", "--seed", "1", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    if out.returncode != 0:
-        sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
-    found = re.findall(r"^step (\d+) loss (\S+)$", out.stdout, re.M)
-    if [int(s) for s, _ in found] != list(range(STEPS)):
-        sys.exit(f"FAILED: expected 'step 0..{STEPS - 1} loss X' from {dp}x{tp}, got:\n{out.stdout}\n{out.stderr}")
-    for _, text in found:
-        if len(text.lstrip("-").split("e")[0].replace(".", "").lstrip("0")) < 8:
-            sys.exit(f"FAILED: loss '{text}' has fewer than 8 significant digits")
-    return [float(v) for _, v in found]
+    return run_losses(binary, dp * tp, STEPS, ["--dp", str(dp), "--tp", str(tp), "--global-batch", "16", "--seed", "1", *extra])
 
 
 reference = losses(1, 1)
