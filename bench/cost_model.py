@@ -69,17 +69,16 @@ def assign_buckets(numels, bytes_per_elem, bucket_bytes):
 # ------------------------------------------------------------------------------------------------
 # CPU mode: check against the benchmark
 # ------------------------------------------------------------------------------------------------
-def fit_alpha_beta(sizes, times_ms, min_bytes=64 << 10):
-    """Least squares t = a + b * n on sizes >= min_bytes (smaller ones are noise-dominated)."""
-    pts = [(s, t) for s, t in zip(sizes, times_ms) if s >= min_bytes]
-    n = len(pts)
-    sx = sum(s for s, _ in pts)
-    sy = sum(t for _, t in pts)
-    sxx = sum(s * s for s, _ in pts)
-    sxy = sum(s * t for s, t in pts)
-    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    a = (sy - b * sx) / n
-    return max(a, 0.0), b  # ms, ms per byte
+def fit_alpha_beta(sizes, times_ms, small=64 << 10, large=1 << 20):
+    """alpha: the median time of the small collectives (<= 64 KiB: pure latency); beta: the median of
+    (t - alpha) / n over the large ones (>= 1 MiB). Robust to the odd slow sample of a loaded machine,
+    which an unweighted least-squares line turns into a wrong intercept."""
+    def med(v):
+        v = sorted(v)
+        return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
+    a = med([t for s, t in zip(sizes, times_ms) if s <= small])
+    b = med([(t - a) / s for s, t in zip(sizes, times_ms) if s >= large])
+    return a, b  # ms, ms per byte
 
 
 def candidate(data, name):
@@ -144,7 +143,7 @@ def cpu_mode(args):
     print(f"# meshddp, {pred['buckets']} buckets of {main['bucket_mb']} MiB")
     print(f"{'':28s} {'predicted':>10s} {'measured':>10s}")
     print(f"{'step (ms)':28s} {pred['step_ms']:10.1f} {meas['total']:10.1f}   "
-          f"(no-overlap bound {pred['step_no_overlap_ms']:.1f})")
+          f"(shared cores, no overlap: {pred['step_no_overlap_ms']:.1f})")
     print(f"{'exposed comm (ms)':28s} {pred['exposed_ms']:10.1f} {meas['sync']:10.1f}")
     print(f"{'sum of bucket collectives':28s} {pred['sum_cost_ms']:10.1f} {sum(col['bucket_all_reduce_ms']):10.1f}")
     print(f"{'last bucket collective':28s} {pred['last_bucket_cost_ms']:10.1f} {col['bucket_all_reduce_ms'][-1]:10.1f}")
@@ -158,15 +157,21 @@ def cpu_mode(args):
                 continue
             p = cpu_predict(main, bucket_mb=c["bucket_mb"], a=a, b=b)
             rows.append({"bucket_mb": c["bucket_mb"], "predicted_step_ms": p["step_ms"],
-                         "predicted_exposed_ms": p["exposed_ms"], "measured_step_ms": c["median_ms"]["total"],
+                         "predicted_exposed_ms": p["exposed_ms"], "predicted_step_shared_cores_ms": p["step_no_overlap_ms"],
+                         "predicted_exposed_shared_cores_ms": p["sum_cost_ms"],
+                         "measured_step_ms": c["median_ms"]["total"],
                          "measured_exposed_ms": c["median_ms"]["sync"]})
         rows.sort(key=lambda r: r["bucket_mb"])
         out["sweep"] = rows
         print("\n# bucket-size sweep: predicted vs measured (ms); the default is 40 MiB")
-        print(f"{'MiB':>6s} {'step pred':>10s} {'step meas':>10s} {'exp pred':>10s} {'exp meas':>10s}")
+        print("# 'overlap': collectives run beside backward for free (spare cores / a GPU's copy engines);")
+        print("# 'shared': they take the same cores as compute (this 2-core box, 2 ranks x 1 thread): no overlap")
+        print(f"{'MiB':>6s} {'step overlap':>12s} {'step shared':>12s} {'step meas':>10s} {'exp overlap':>12s} "
+              f"{'exp shared':>11s} {'exp meas':>9s}")
         for r in rows:
-            print(f"{r['bucket_mb']:6g} {r['predicted_step_ms']:10.1f} {r['measured_step_ms']:10.1f} "
-                  f"{r['predicted_exposed_ms']:10.1f} {r['measured_exposed_ms']:10.1f}")
+            print(f"{r['bucket_mb']:6g} {r['predicted_step_ms']:12.1f} {r['predicted_step_shared_cores_ms']:12.1f} "
+                  f"{r['measured_step_ms']:10.1f} {r['predicted_exposed_ms']:12.1f} "
+                  f"{r['predicted_exposed_shared_cores_ms']:11.1f} {r['measured_exposed_ms']:9.1f}")
     return out
 
 
@@ -198,12 +203,20 @@ H100 = {
 GPT7B = {"layers": 32, "hidden": 4096, "vocab": 50304, "seq": 4096}
 
 
+ALGO = {"all_reduce": "ring"}  # --allreduce-algo: "ring", or "best" = min(ring, tree) like NCCL's tuner
+
+
 def ring_cost_ms(kind, nbytes, p, alpha_us, GBps):
     if p <= 1:
         return 0.0
     hops = 2 * (p - 1) if kind == "all_reduce" else (p - 1)
     vol = (2 if kind == "all_reduce" else 1) * (p - 1) / p * nbytes
-    return hops * alpha_us * 1e-3 + vol / (GBps * 1e9) * 1e3
+    ring = hops * alpha_us * 1e-3 + vol / (GBps * 1e9) * 1e3
+    if kind == "all_reduce" and ALGO["all_reduce"] == "best":
+        # NCCL's double binary tree: 2 log2(p) latency steps, ~2 n of traffic per rank (pipelined).
+        tree = 2 * math.ceil(math.log2(p)) * alpha_us * 1e-3 + 2 * nbytes / (GBps * 1e9) * 1e3
+        return min(ring, tree)
+    return ring
 
 
 def dp_collective_ms(kind, nbytes, dp, tp, hw):
@@ -292,6 +305,7 @@ def scale_mode(args):
     hw["ib_GBps"] = args.ib_GBps
     hw["ib_alpha_us"] = args.ib_alpha_us
     hw["mfu"] = args.mfu
+    ALGO["all_reduce"] = args.allreduce_algo
     model = dict(GPT7B)
     bucket_choices = [float(x) for x in args.buckets.split(",")]
     dps = [int(x) for x in args.dp.split(",")]
@@ -312,7 +326,7 @@ def scale_mode(args):
                   f"{default['step_ms']:8.1f} {default['compute_ms']:8.1f} {default['comm_total_ms']:7.1f} "
                   f"{default['exposed_ms'] + default['gather_exposed_ms']:8.1f} {default['last_bucket_ms']:6.1f} "
                   f"{default['efficiency']:5.2f}   {best['bucket_mb']:g} MiB ({best['step_ms']:.1f} ms)")
-    return {"mode": "scale", "hardware": hw, "model": model, "tp": args.tp, "global_seqs": args.global_seqs,
+    return {"mode": "scale", "allreduce_algo": args.allreduce_algo, "hardware": hw, "model": model, "tp": args.tp, "global_seqs": args.global_seqs,
             "micro_seqs": args.micro_seqs, "grad_bytes": args.grad_bytes, "results": results}
 
 
@@ -333,6 +347,8 @@ def main():
     s.add_argument("--ib-GBps", type=float, default=H100["ib_GBps"])
     s.add_argument("--ib-alpha-us", type=float, default=H100["ib_alpha_us"])
     s.add_argument("--mfu", type=float, default=H100["mfu"])
+    s.add_argument("--allreduce-algo", choices=["ring", "best"], default="ring",
+                   help="best: NCCL-like min(ring, double binary tree) for all-reduce (RS/AG stay ring)")
     s.add_argument("--out")
     args = ap.parse_args()
     out = cpu_mode(args) if args.mode == "cpu" else scale_mode(args)

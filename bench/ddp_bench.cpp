@@ -1,9 +1,11 @@
 // meshddp benchmark (issue 6): the candidates side by side in one run, on the same model, data and
 // ranks, interleaved per repetition (the order rotates every repetition, a barrier before each
-// step), warm-up then N repetitions, medians of the per-step maximum over ranks.
+// step), warm-up then N repetitions; medians of the step time (per step, the max over ranks) and of
+// each phase (per step, the mean over ranks).
 //
 //   local           the model trained in this rank alone, no DDP (the floor)
 //   meshddp         meshddp DDP, bucketed all-reduce overlapped with backward
+//   meshddp_no_overlap  the same with overlap_grad_reduce=false (every bucket launched in finish_grad_sync)
 //   meshddp_zero1   meshddp DDP + ZeRO-1 DistributedOptimizer (reduce-scatter, sharded optimizer, all-gather)
 //   reducer_view    c10d::Reducer from the same LibTorch, set up as torch's DDP does, gradient_as_bucket_view=true
 //   reducer_copy    the same, gradient_as_bucket_view=false (grads copied into buckets and back)
@@ -57,7 +59,7 @@ struct Flags {
   int reps = 10;
   double bucket_mb = 40;               // meshddp and the Reducer's bucket cap
   double reducer_first_bucket_mb = 1;  // torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
-  std::string candidates = "local,meshddp,meshddp_zero1,reducer_view,reducer_copy,naive";
+  std::string candidates = "local,meshddp,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
   std::string sweep_mb = "1,2,5,10,20,40,100";
   int collective_reps = 5;
   int threads = 0;  // 0: cores / local ranks
@@ -341,9 +343,10 @@ struct Bench {
   }
 
   std::unique_ptr<Candidate> make_meshddp(const std::string& name, double bucket_mb, bool zero1,
-                                          ReadyTimeline* timeline) {
+                                          ReadyTimeline* timeline, bool overlap = true) {
     auto model = make_model(flags);
     meshddp::DdpConfig config;
+    config.overlap_grad_reduce = overlap;
     config.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
     config.use_distributed_optimizer = zero1;
     auto ddp = std::make_shared<meshddp::DistributedDataParallel<MlpStackImpl>>(model.ptr(), mesh, "dp", config);
@@ -561,14 +564,21 @@ struct Bench {
         for (int k = 0; k < kPhases; ++k) acc[i][r][k] = v[k];
       }
     }
-    std::vector<at::Tensor> ts{t};
+    // A step takes as long as its slowest rank: total = max over ranks. The phases are the mean over
+    // ranks (per-phase maxima would come from different ranks and add up to more than the step).
+    auto tmax = t.clone();
+    std::vector<at::Tensor> ts{tmax};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
     group->allreduce(ts, o)->wait();
+    std::vector<at::Tensor> tsum{t};
+    group->allreduce(tsum)->wait();
+    t.div_(static_cast<double>(world));
+    auto amax = tmax.accessor<double, 3>();
     std::vector<std::vector<Phases>> out(n);
     for (size_t i = 0; i < n; ++i) {
       for (int r = 0; r < flags.reps; ++r) {
-        out[i].push_back(Phases{acc[i][r][0], acc[i][r][1], acc[i][r][2], acc[i][r][3], acc[i][r][4]});
+        out[i].push_back(Phases{acc[i][r][0], acc[i][r][1], acc[i][r][2], acc[i][r][3], amax[i][r][4]});
       }
     }
     return out;
@@ -645,6 +655,8 @@ int main(int argc, char** argv) {
       for (const auto& name : split(flags.candidates)) {
         if (name == "local") cands.push_back(bench.make_local(&local_timeline));
         else if (name == "meshddp") cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, &meshddp_timeline));
+        else if (name == "meshddp_no_overlap")
+          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, /*overlap=*/false));
         else if (name == "meshddp_zero1") cands.push_back(bench.make_meshddp(name, flags.bucket_mb, true, nullptr));
         else if (name == "reducer_view") cands.push_back(bench.make_reducer(true));
         else if (name == "reducer_copy") cands.push_back(bench.make_reducer(false));
@@ -687,7 +699,7 @@ int main(int argc, char** argv) {
     std::vector<int64_t> bucket_numels, zero_numels;
     if (flags.mode == "main") {
       for (const auto& c : cands) {
-        if (c->name == "meshddp") bucket_numels = c->bucket_numels;
+        if (c->name == "meshddp" || (c->name == "meshddp_no_overlap" && bucket_numels.empty())) bucket_numels = c->bucket_numels;
         if (c->name == "meshddp_zero1") zero_numels = c->bucket_numels;
       }
       for (int64_t n : bucket_numels) bucket_ar_ms.push_back(bench.time_collective(n, "all_reduce"));
