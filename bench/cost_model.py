@@ -155,7 +155,10 @@ def cpu_mode(args):
         for c in sw["candidates"]:
             if not c["name"].startswith("meshddp_"):
                 continue
-            p = cpu_predict(main, bucket_mb=c["bucket_mb"], a=a, b=b)
+            # The sweep's own local run (times and gradient-ready timeline) when it has one: the
+            # load on this machine differs between runs.
+            base = sw if "local_grad_ready_ms" in sw else main
+            p = cpu_predict(base, bucket_mb=c["bucket_mb"], a=a, b=b)
             rows.append({"bucket_mb": c["bucket_mb"], "predicted_step_ms": p["step_ms"],
                          "predicted_exposed_ms": p["exposed_ms"], "predicted_step_shared_cores_ms": p["step_no_overlap_ms"],
                          "predicted_exposed_shared_cores_ms": p["sum_cost_ms"],

@@ -664,7 +664,7 @@ int main(int argc, char** argv) {
         else usage_and_exit(argv[0], "unknown candidate " + name);
       }
     } else {
-      cands.push_back(bench.make_local(nullptr));
+      cands.push_back(bench.make_local(&local_timeline));  // the cost model's input for this run
       for (const auto& mb : split(flags.sweep_mb)) {
         cands.push_back(bench.make_meshddp("meshddp_" + mb + "MiB", std::stod(mb), false, nullptr));
       }
