@@ -249,12 +249,16 @@ def gpt_layers(model, tp, tokens):
     return groups
 
 
-def scale_step(dp, tp, bucket_mb, zero1, hw, model, global_seqs, micro_seqs, grad_bytes, overlap_gather=True):
+def scale_step(dp, tp, bucket_mb, zero1, hw, model, global_seqs, micro_seqs, grad_bytes, overlap_gather=True,
+               layer_bwd_ms=None):
     micro_batches = max(1, global_seqs // (dp * micro_seqs))
     tokens = micro_seqs * model["seq"]
     groups = gpt_layers(model, tp, tokens)
     flops_per_s = hw["peak_tflops"] * 1e12 * hw["mfu"]
     fwd_ms = [f / flops_per_s * 1e3 for _, _, f in groups]
+    if layer_bwd_ms is not None:  # measured: every FLOP-based time scaled so a layer's backward is this
+        layer_fwd = fwd_ms[1]
+        fwd_ms = [f * (layer_bwd_ms / 2) / layer_fwd for f in fwd_ms]
     bwd_ms = [2 * f for f in fwd_ms]
     fwd, bwd = sum(fwd_ms), sum(bwd_ms)
     # Gradient-ready times: backward runs the groups in reverse order.
@@ -315,12 +319,15 @@ def scale_mode(args):
     results = []
     print(f"# 7B GPT ({model['layers']} layers, h {model['hidden']}, seq {model['seq']}), TP {args.tp}, "
           f"global batch {args.global_seqs} x {model['seq']} tokens, micro-batch {args.micro_seqs}, "
-          f"grads {args.grad_bytes} B, H100: {hw['mfu']:.0%} MFU, IB {hw['ib_GBps']} GB/s + {hw['ib_alpha_us']} us/hop")
+          f"grads {args.grad_bytes} B, H100: "
+          + (f"measured layer backward {args.layer_bwd_ms} ms" if args.layer_bwd_ms else f"{hw['mfu']:.0%} MFU")
+          + f", IB {hw['ib_GBps']} GB/s + {hw['ib_alpha_us']} us/hop, all-reduce {args.allreduce_algo}")
     print(f"{'mode':6s} {'DP':>5s} {'mb':>3s} {'bucket':>7s} {'step':>8s} {'compute':>8s} {'comm':>7s} "
           f"{'exposed':>8s} {'last':>6s} {'eff':>5s}   best bucket (step)")
     for zero1 in (False, True):
         for dp in dps:
-            rows = [scale_step(dp, args.tp, bmb, zero1, hw, model, args.global_seqs, args.micro_seqs, args.grad_bytes)
+            rows = [scale_step(dp, args.tp, bmb, zero1, hw, model, args.global_seqs, args.micro_seqs, args.grad_bytes,
+                               layer_bwd_ms=args.layer_bwd_ms)
                     for bmb in bucket_choices]
             default = next(r for r in rows if r["bucket_mb"] == 40.0) if 40.0 in bucket_choices else rows[0]
             best = min(rows, key=lambda r: r["step_ms"])
@@ -329,7 +336,7 @@ def scale_mode(args):
                   f"{default['step_ms']:8.1f} {default['compute_ms']:8.1f} {default['comm_total_ms']:7.1f} "
                   f"{default['exposed_ms'] + default['gather_exposed_ms']:8.1f} {default['last_bucket_ms']:6.1f} "
                   f"{default['efficiency']:5.2f}   {best['bucket_mb']:g} MiB ({best['step_ms']:.1f} ms)")
-    return {"mode": "scale", "allreduce_algo": args.allreduce_algo, "hardware": hw, "model": model, "tp": args.tp, "global_seqs": args.global_seqs,
+    return {"mode": "scale", "allreduce_algo": args.allreduce_algo, "layer_bwd_ms": args.layer_bwd_ms, "hardware": hw, "model": model, "tp": args.tp, "global_seqs": args.global_seqs,
             "micro_seqs": args.micro_seqs, "grad_bytes": args.grad_bytes, "results": results}
 
 
@@ -350,6 +357,9 @@ def main():
     s.add_argument("--ib-GBps", type=float, default=H100["ib_GBps"])
     s.add_argument("--ib-alpha-us", type=float, default=H100["ib_alpha_us"])
     s.add_argument("--mfu", type=float, default=H100["mfu"])
+    s.add_argument("--layer-bwd-ms", type=float, default=None,
+                   help="measured backward time of one transformer layer per micro-batch (ms) on the GPU; "
+                        "replaces the FLOPs/MFU estimate (forward = half; embedding/head scaled alike)")
     s.add_argument("--allreduce-algo", choices=["ring", "best"], default="ring",
                    help="best: NCCL-like min(ring, double binary tree) for all-reduce (RS/AG stay ring)")
     s.add_argument("--out")
