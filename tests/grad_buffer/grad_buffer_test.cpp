@@ -10,6 +10,9 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cmath>
+#include <limits>
+
 using namespace meshddp;
 using ::testing::HasSubstr;
 
@@ -190,6 +193,30 @@ TEST(GradBuffer, ErrorWhenBackwardRunsAfterFinishWithoutZeroing) {
     buffer.finish_grad_sync();
     auto msg = error_of([&] { backward_with_grads(params, {1, 1, 1, 1}, {0}); });
     EXPECT_THAT(msg, HasSubstr("parameter 'layer0.weight' got a gradient after finish_grad_sync()"));
+  });
+}
+
+// ZeRO-1 records each bucket's local non-finite count before its collective. On CPU a finite bucket
+// sum proves the count is 0 and skips the exact count (bench/ddp_bench found the exact count costly);
+// the counts must stay exact: finite values whose sum overflows count 0, Inf and NaN count each.
+TEST(GradBuffer, NonFiniteCountsStayExactWhenTheBucketSumOverflows) {
+  test::run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    GradBufferConfig config = one_bucket_per_param();
+    config.use_distributed_optimizer = true;
+    GradBuffer buffer(params, mesh["dp"], config);
+    buffer.zero_grad_buffer();
+    const double inf = std::numeric_limits<double>::infinity();
+    // layer0: 3 x 1.0; layer1: 5 x 3e38 (finite, the sum overflows); layer2: 7 x inf; layer3: 11 x NaN.
+    backward_with_grads(params, {1.0, 3e38, inf, std::nan("")}, {0, 1, 2, 3});
+    buffer.finish_grad_sync();
+    // Buckets are placed walking the params backwards: bucket 0 holds layer3, ..., bucket 3 layer0.
+    auto counts = buffer.local_nonfinite_counts();
+    ASSERT_EQ(counts.numel(), 4);
+    EXPECT_EQ(counts[0].item<int64_t>(), 11);
+    EXPECT_EQ(counts[1].item<int64_t>(), 7);
+    EXPECT_EQ(counts[2].item<int64_t>(), 0);
+    EXPECT_EQ(counts[3].item<int64_t>(), 0);
   });
 }
 

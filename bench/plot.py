@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Draws the benchmark figures into docs/ from the JSON records in bench/results/.
+
+    .venv/bin/python bench/plot.py            # reads bench/results/*.json, writes docs/bench_*.png
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RES = os.path.join(ROOT, "bench", "results")
+DOCS = os.path.join(ROOT, "docs")
+
+
+def load(name):
+    path = os.path.join(RES, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def ratio_bars(runs):
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.6), squeeze=False)
+    phases = [("fwd", "forward"), ("bwd", "backward (Reducer: + its comm wait)"), ("sync", "exposed sync"),
+              ("opt", "optimizer")]
+    colors = ["#8da0cb", "#66c2a5", "#fc8d62", "#a6d854"]
+    for ax, (title, data) in zip(axes[0], runs):
+        cands = data["candidates"]
+        names = [c["name"] for c in cands]
+        base = next(c for c in cands if c["name"] == "meshddp")["median_ms"]["total"]
+        bottom = [0.0] * len(cands)
+        for (key, label), color in zip(phases, colors):
+            vals = [c["median_ms"][key] for c in cands]
+            ax.bar(names, vals, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, c in enumerate(cands):
+            t = c["median_ms"]["total"]
+            ax.text(i, max(bottom[i], t) * 1.01, f"{t:.0f} ms\n{t / base:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("median step time (ms); label: ratio to meshddp")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, max(max(bottom), max(c["median_ms"]["total"] for c in cands)) * 1.22)
+        ax.tick_params(axis="x", labelrotation=25, labelsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    out = os.path.join(DOCS, "bench_ratios.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def sweep_plot(sweep, cpu_model):
+    rows = [c for c in sweep["candidates"] if c["name"].startswith("meshddp_")]
+    rows.sort(key=lambda c: c["bucket_mb"])
+    mb = [c["bucket_mb"] for c in rows]
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    ax.plot(mb, [c["median_ms"]["total"] for c in rows], "o-", label="meshddp step (measured)")
+    ax.plot(mb, [c["median_ms"]["sync"] for c in rows], "s--", label="exposed sync (measured)")
+    if cpu_model and "sweep" in cpu_model:
+        p = cpu_model["sweep"]
+        ax.plot([r["bucket_mb"] for r in p], [r["predicted_step_ms"] for r in p], "^:",
+                label="step (model, free overlap)")
+        ax.plot([r["bucket_mb"] for r in p], [r["predicted_step_shared_cores_ms"] for r in p], "d:",
+                label="step (model, comm shares the cores)")
+        ax.plot([r["bucket_mb"] for r in p], [r["predicted_exposed_ms"] for r in p], "v:",
+                label="exposed (model, free overlap)")
+    local = next(c for c in sweep["candidates"] if c["name"] == "local")["median_ms"]["total"]
+    ax.axhline(local, color="gray", lw=1, label=f"local (no DDP) {local:.0f} ms")
+    ax.axvline(40, color="red", lw=1, ls="--", label="default 40 MiB")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket size (MiB)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"bucket-size sweep, {sweep['world']} ranks Gloo CPU, {sweep['params'] / 1e6:.1f}M params", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(DOCS, "bench_bucket_sweep.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def scaling_plot(scale):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for zero1, style in ((False, "-"), (True, "--")):
+        rs = [r for r in scale["results"] if r["zero1"] == zero1]
+        dps = [r["dp"] for r in rs]
+        tag = "ZeRO-1" if zero1 else "all-reduce"
+        ax1.plot(dps, [r["default"]["step_ms"] for r in rs], "o" + style, label=f"{tag}, 40 MiB buckets")
+        ax1.plot(dps, [r["best"]["step_ms"] for r in rs], "^" + style, label=f"{tag}, best bucket")
+        ax1.plot(dps, [r["default"]["compute_ms"] for r in rs], ":", color="gray") if not zero1 else None
+        ax2.plot(dps, [r["default"]["exposed_ms"] + r["default"]["gather_exposed_ms"] for r in rs], "o" + style,
+                 label=f"{tag} exposed, 40 MiB")
+        ax2.plot(dps, [r["best"]["exposed_ms"] + r["best"]["gather_exposed_ms"] for r in rs], "^" + style,
+                 label=f"{tag} exposed, best bucket")
+        for r in rs:
+            ax1.annotate(f"{r['best']['bucket_mb']:g}", (r["dp"], r["best"]["step_ms"]), fontsize=7,
+                         textcoords="offset points", xytext=(3, -10))
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("DP size (x TP 8 GPUs)")
+    ax1.set_ylabel("predicted step time (ms)")
+    ax1.set_title("7B GPT, 4M-token global batch, H100 + 400G IB (gray: compute only)", fontsize=9)
+    ax1.legend(fontsize=7)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("DP size")
+    ax2.set_ylabel("predicted exposed communication (ms)")
+    ax2.set_title("exposed DP communication per step", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(DOCS, "bench_scaling.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def main():
+    runs = []
+    for name, title in (("main_2ranks.json", "2 ranks, Gloo, 1 thread each"), ("main_1rank.json", "1 rank, 2 threads")):
+        d = load(name)
+        if d:
+            runs.append((f"{title}: {d['params'] / 1e6:.1f}M-param MLP, {d['optimizer']}", d))
+    if runs:
+        ratio_bars(runs)
+    sweep = load("sweep_2ranks.json")
+    if sweep:
+        sweep_plot(sweep, load("cost_model_cpu.json"))
+    scale = load("cost_model_scale.json")
+    if scale:
+        scaling_plot(scale)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
