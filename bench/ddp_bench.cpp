@@ -193,6 +193,7 @@ int64_t optimizer_state_bytes(torch::optim::Optimizer& opt) {
   return bytes;
 }
 
+
 // Per-step phase times (ms). sync: the explicit wait after backward (meshddp: finish_grad_sync; naive:
 // the per-parameter all-reduces); the Reducer waits inside backward (finalize), so its sync is 0.
 struct Phases {
@@ -205,6 +206,16 @@ struct Memory {
   int64_t optimizer_state_bytes = 0;
   int64_t param_bytes = 0;
 };
+
+// Memory of a candidate whose gradients live in the params' own .grad tensors (local, naive).
+Memory plain_grads_memory(const std::vector<at::Tensor>& params, torch::optim::Optimizer& opt) {
+  Memory m;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad()), m.param_bytes += p.nbytes();
+  m.grad_and_comm_bytes = distinct_storage_bytes(grads);
+  m.optimizer_state_bytes = optimizer_state_bytes(opt);
+  return m;
+}
 
 // Records when each parameter's gradient arrives (a tensor hook runs just before accumulation),
 // relative to the start of backward.
@@ -331,14 +342,7 @@ struct Bench {
       p.fwd = ms_since(t0, t1), p.bwd = ms_since(t1, t2), p.opt = ms_since(t2, t3), p.total = ms_since(t0, t3);
       return p;
     };
-    c->memory = [model, opt]() {
-      Memory m;
-      std::vector<at::Tensor> grads;
-      for (const auto& p : model->parameters()) grads.push_back(p.grad()), m.param_bytes += p.nbytes();
-      m.grad_and_comm_bytes = distinct_storage_bytes(grads);
-      m.optimizer_state_bytes = optimizer_state_bytes(*opt);
-      return m;
-    };
+    c->memory = [model, opt]() { return plain_grads_memory(model->parameters(), *opt); };
     return c;
   }
 
@@ -515,14 +519,7 @@ struct Bench {
       p.total = ms_since(t0, t4);
       return p;
     };
-    c->memory = [model, opt]() {
-      Memory m;
-      std::vector<at::Tensor> grads;
-      for (const auto& p : model->parameters()) grads.push_back(p.grad()), m.param_bytes += p.nbytes();
-      m.grad_and_comm_bytes = distinct_storage_bytes(grads);
-      m.optimizer_state_bytes = optimizer_state_bytes(*opt);
-      return m;
-    };
+    c->memory = [model, opt]() { return plain_grads_memory(model->parameters(), *opt); };
     return c;
   }
 
