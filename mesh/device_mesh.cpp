@@ -78,19 +78,20 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     groups.push_back(make_process_group(group_store, static_cast<int>(coords[d]), static_cast<int>(sizes[d]),
                                         options.device_type, options.timeout, key));
   }
+  // This rank's device: cuda:LOCAL_RANK for a CUDA mesh under a launcher, else the CPU.
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  const bool on_gpu = options.device_type == c10::DeviceType::CUDA && local_rank != nullptr;
+  const c10::Device device = on_gpu ? device_for(options.device_type, std::atoll(local_rank)) : c10::Device(c10::kCPU);
   // Note [Group warm-up]: one tiny all-reduce per group, in dim order, on this thread. It checks
   // every group is connected now (an error here names the group, instead of a hang later), and it
   // makes each group's first FlightRecorder entry on one thread: c10d's recorder inserts a group's
   // status into a process-global map before taking its lock, so first collectives of several
   // groups racing from different threads (e.g. TP from the main thread, DP from autograd's) could
   // corrupt it.
-  for (size_t d = 0; d < groups.size(); ++d) {
-    const auto device = options.device_type == c10::DeviceType::CUDA && std::getenv("LOCAL_RANK")
-                            ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::atoll(std::getenv("LOCAL_RANK"))))
-                            : c10::Device(c10::DeviceType::CPU);
-    at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device));
-    all_reduce_sum_now(*groups[d], one, "the warm-up of mesh dim '" + names[d] + "'");
-  }
+  auto warm_up = [&](c10d::ProcessGroup& group, const std::string& what) {
+    all_reduce_sum_now(group, at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device)), what);
+  };
+  for (size_t d = 0; d < groups.size(); ++d) warm_up(*groups[d], "the warm-up of mesh dim '" + names[d] + "'");
   c10::intrusive_ptr<c10d::ProcessGroup> world;
   if (sizes.size() == 1) {
     world = groups[0];
@@ -100,18 +101,11 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     const std::string key = options.store_prefix + "/" + mesh_group_key("world", all);
     world = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(rank),
                                static_cast<int>(world_size), options.device_type, options.timeout, key);
-    at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(
-                                       options.device_type == c10::DeviceType::CUDA && std::getenv("LOCAL_RANK")
-                                           ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::atoll(std::getenv("LOCAL_RANK"))))
-                                           : c10::Device(c10::DeviceType::CPU)));
-    all_reduce_sum_now(*world, one, "the warm-up of the mesh's world group");
+    warm_up(*world, "the warm-up of the mesh's world group");
   }
-  const char* local_rank = std::getenv("LOCAL_RANK");
   DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type,
                                 std::move(world));
-  if (options.device_type == c10::DeviceType::CUDA && local_rank != nullptr) {
-    mesh.device_ = device_for(options.device_type, std::atoll(local_rank));
-  }
+  if (on_gpu) mesh.device_ = device;
   return mesh;
 }
 
