@@ -5,13 +5,18 @@
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
+#include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace meshddp {
@@ -20,6 +25,31 @@ void GradBufferConfig::validate() const {
   // bucket_bytes is unsigned: every value is meaningful (0 = one bucket per parameter).
   TORCH_CHECK(bucket_bytes <= (size_t{1} << 40), "GradBufferConfig: bucket_bytes = ", bucket_bytes,
               " (over 1 TiB) is surely a unit mistake; give bytes, e.g. 40 << 20 for 40 MiB");
+}
+
+std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params) {
+  std::vector<NamedParam> unique;
+  std::unordered_map<const c10::TensorImpl*, size_t> index_of;
+  for (auto& p : params) {
+    TORCH_CHECK(p.param.defined(), "GradBuffer: parameter '", p.name, "' is an undefined tensor");
+    const auto [it, inserted] = index_of.emplace(p.param.unsafeGetTensorImpl(), unique.size());
+    if (inserted) {
+      unique.push_back(std::move(p));
+    } else {
+      NamedParam& first = unique[it->second];
+      first.aliases.push_back(std::move(p.name));
+      for (auto& alias : p.aliases) first.aliases.push_back(std::move(alias));
+    }
+  }
+  return unique;
+}
+
+std::string describe_param_name(const NamedParam& p) {
+  std::string out = "'" + p.name + "'";
+  if (p.aliases.empty()) return out;
+  out += " (also";
+  for (size_t i = 0; i < p.aliases.size(); ++i) out += (i ? ", '" : " '") + p.aliases[i] + "'";
+  return out + ")";
 }
 
 struct GradBuffer::HookHandle {
@@ -31,8 +61,7 @@ namespace {
 
 std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
   std::vector<NamedParam> kept;
-  for (auto& p : params) {
-    TORCH_CHECK(p.param.defined(), "GradBuffer: parameter '", p.name, "' is an undefined tensor");
+  for (auto& p : deduplicate_params(std::move(params))) {
     if (!p.param.requires_grad()) continue;
     TORCH_CHECK(p.param.is_leaf(), "GradBuffer: parameter '", p.name,
                 "' requires grad but is not a leaf tensor; register the parameter itself, not a view or result of it");
@@ -40,6 +69,26 @@ std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
   }
   return kept;
 }
+
+bool debug_sequence_from_env() {
+  const char* mine = std::getenv("MESHDDP_DEBUG_SYNC");
+  const char* torch_debug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
+  return (mine != nullptr && std::string_view(mine) == "1") ||
+         (torch_debug != nullptr && std::string_view(torch_debug) == "DETAIL");
+}
+
+// A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
+struct CreateGraphPreHook : torch::autograd::FunctionPreHook {
+  CreateGraphPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
+      : buffer(buffer), index(index), alive(std::move(alive)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (*alive && c10::GradMode::is_enabled()) buffer->before_grad_accumulation(index);
+    return grads;
+  }
+  GradBuffer* buffer;
+  int64_t index;
+  std::shared_ptr<std::atomic<bool>> alive;
+};
 
 c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
   const auto dtype = p.scalar_type();
@@ -54,7 +103,11 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::
     : GradBuffer(std::move(params), SyncGroups{std::move(dp_group), nullptr, 0, 1}, config) {}
 
 GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config)
-    : params_(trainable(std::move(params))), dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
+    : params_(trainable(std::move(params))),
+      dp_group_(groups.dp),
+      groups_(std::move(groups)),
+      config_(config),
+      debug_sequence_(debug_sequence_from_env()) {
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
   dp_size_ = dp_group_->getSize();
@@ -63,10 +116,20 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   specs.reserve(params_.size());
   for (const auto& p : params_) {
     placements_.push_back(get_placement(p.param));
-    const bool partial = placements_.back().is_partial_grad() && groups_.tp_size > 1;
-    TORCH_CHECK(!partial || groups_.world, "GradBuffer: parameter '", p.name, "' has a gradient that is partial over TP (",
-                placements_.back().str(), ") but no world group was given to sum it over; build DistributedDataParallel ",
-                "from the DeviceMesh rather than from a DP process group");
+    const Placement& placement = placements_.back();
+    TORCH_CHECK(!placement.is_partial_grad() || (groups_.tp_size > 1 && groups_.world), "GradBuffer: parameter ",
+                describe_param_name(p), " has a gradient that is partial over TP (", placement.str(),
+                placement.group.empty() ? "" : " over group '" + placement.group + "'",
+                ") but this buffer was given no TP dim (TP size ", groups_.tp_size, ") and ",
+                groups_.world ? "a" : "no", " world group to sum it over; build DistributedDataParallel from the ",
+                "DeviceMesh the model was parallelized over, not from a DP process group");
+    if (groups_.tp && !placement.group.empty()) {
+      TORCH_CHECK(placement.group == groups_.tp->getGroupName(), "GradBuffer: parameter ", describe_param_name(p),
+                  " was parallelized over group '", placement.group, "' (", placement.str(),
+                  ") but the gradient sync takes group '", groups_.tp->getGroupName(),
+                  "' as its TP dim; wrap the model over the same mesh and dims it was parallelized over");
+    }
+    const bool partial = placement.is_partial_grad();
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
                               main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial});
   }
@@ -93,6 +156,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
 }
 
 GradBuffer::~GradBuffer() {
+  *alive_ = false;
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
@@ -117,6 +181,7 @@ void GradBuffer::install_hooks() {
           on_grad_accumulated(index);
           return outputs;
         }));
+    handle->accumulator->add_pre_hook(std::make_unique<CreateGraphPreHook>(this, index, alive_));
     hooks_.push_back(std::move(handle));
   }
 }
@@ -170,15 +235,22 @@ bool GradBuffer::is_last_microbatch() const {
   return is_last_microbatch_;
 }
 
+void GradBuffer::before_grad_accumulation(int64_t index) {
+  // .grad is the slot (or undefined): dropping the reference leaves the slot's contents alone.
+  params_[index].param.mutable_grad().reset();
+}
+
 void GradBuffer::on_grad_accumulated(int64_t index) {
+  // Under create_graph the backward runs in grad mode, and .grad may carry a graph: the slot must
+  // not record one (it is a view of the flat buffer that collectives write).
+  c10::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::string& name = params_[index].name;
-  TORCH_CHECK(state_ != StepState::kSynced, "GradBuffer: parameter '", name,
-              "' got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
+  TORCH_CHECK(state_ != StepState::kSynced, "GradBuffer: parameter ", describe_param_name(params_[index]),
+              " got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
               "backward (or finish_grad_sync() only after the last micro-batch)");
   if (is_last_microbatch_) {
-    TORCH_CHECK(!ready_[index], "GradBuffer: parameter '", name,
-                "' reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
+    TORCH_CHECK(!ready_[index], "GradBuffer: parameter ", describe_param_name(params_[index]),
+                " reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
                 "find_unused_parameters, a gradient for a param the forward's outputs did not reach); call ",
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
                 "micro-batches");
@@ -210,6 +282,9 @@ int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>&
   for (const auto& out : outputs) {
     if (out.defined() && out.requires_grad() && out.grad_fn()) stack.push_back(out.grad_fn().get());
   }
+  // No graph (an evaluation forward, e.g. under NoGradGuard): no backward will follow, so this
+  // forward is not part of a step and must not mark anything (other ranks may not evaluate).
+  if (stack.empty()) return 0;
   while (!stack.empty()) {
     const torch::autograd::Node* node = stack.back();
     stack.pop_back();
@@ -268,9 +343,13 @@ void GradBuffer::launch_bucket(int64_t b) {
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
+    if (debug_sequence_) check_collective_sequence(b, *groups_.world, "all-reduce (TP-partial)");
     if (dp_size_ > 1) data.div_(static_cast<double>(dp_size_));
     bucket.work = all_reduce_sum(*groups_.world, data, bucket_description(b) + " (TP-partial: summed over TP)");
-  } else if (dp_size_ > 1) {
+  } else if (!skip_collective(*dp_group_)) {
+    if (debug_sequence_) {
+      check_collective_sequence(b, *dp_group_, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
+    }
     data.div_(static_cast<double>(dp_size_));
     bucket.work = config_.use_distributed_optimizer
                       ? reduce_scatter_sum(*dp_group_, bucket_shard(b), data, bucket_description(b))
@@ -298,6 +377,26 @@ void GradBuffer::finish_grad_sync() {
   wait_launched_buckets();
   std::fill(ready_.begin(), ready_.end(), true);
   state_ = StepState::kSynced;
+  ++syncs_completed_;
+}
+
+int64_t GradBuffer::syncs_completed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return syncs_completed_;
+}
+
+void GradBuffer::check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind) {
+  // Every rank of `group` says which collective it is about to launch; all must say the same.
+  const std::string mine = std::to_string(b) + " " + kind + " " + std::to_string(layout_.buckets[b].numel()) + " " +
+                           c10::toString(layout_.buffers[layout_.buckets[b].buffer].key.grad_dtype);
+  const auto all = all_gather_strings(group, mine, "the MESHDDP_DEBUG_SYNC check of " + bucket_description(b),
+                                      layout_.buffers[layout_.buckets[b].buffer].key.device);
+  for (size_t r = 0; r < all.size(); ++r) {
+    TORCH_CHECK(all[r] == all[0], "GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks of ",
+                describe_group(group), ": rank 0 launches [bucket index, kind, numel, dtype] = [", all[0],
+                "] while rank ", r, " launches [", all[r], "]. Ranks must build the same model and DdpConfig and run ",
+                "the same backward sequence (same micro-batch settings, no_sync() on every rank alike)");
+  }
 }
 
 void GradBuffer::zero_grad_buffer() {
@@ -356,6 +455,7 @@ at::Tensor GradBuffer::bucket_param_data(int64_t b) const {
 at::Tensor GradBuffer::local_nonfinite_counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(config_.use_distributed_optimizer, "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
+  if (nonfinite_counts_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
   return at::stack(nonfinite_counts_);
 }
 
@@ -373,8 +473,8 @@ std::string GradBuffer::bucket_description(int64_t b) const {
   const BucketSpan& span = layout_.buckets[b];
   const BufferKey& key = layout_.buffers[span.buffer].key;
   std::ostringstream out;
-  out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from '"
-      << params_[span.params.front()].name << "', " << span.numel() << " " << key.grad_dtype << " elements on "
+  out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from "
+      << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype << " elements on "
       << key.device << ")";
   return out.str();
 }
@@ -384,7 +484,7 @@ std::string GradBuffer::unready_param_names(size_t limit) const {
   size_t count = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ready_[i]) continue;
-    if (count < limit) out << (count ? ", " : "") << "'" << params_[i].name << "'";
+    if (count < limit) out << (count ? ", " : "") << describe_param_name(params_[i]);
     ++count;
   }
   if (count > limit) out << " and " << (count - limit) << " more";

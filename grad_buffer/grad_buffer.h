@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -56,7 +57,17 @@ struct GradBufferConfig {
 struct NamedParam {
   std::string name;  // module path, e.g. "blocks.3.mlp.fc1.weight"
   at::Tensor param;  // a leaf that requires grad
+  std::vector<std::string> aliases = {};  // other names the same tensor is registered under (tied
+                                          // weights); filled by GradBuffer, which keeps one entry per tensor
 };
+
+// One entry per tensor (a TensorImpl): a tensor registered under several names (tied weights, e.g.
+// an LM head that is the token embedding) is one parameter, kept under its first name, with the
+// later names as aliases. Order of first appearance is kept. Pure: no communication.
+std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params);
+
+// "'wte.weight'" or "'wte.weight' (also 'lm_head.weight')", for messages.
+std::string describe_param_name(const NamedParam& p);
 
 // The groups a GradBuffer syncs over. `world` (the whole DP x TP mesh) sums gradients that are
 // partial over TP (Placement::kPartialGrad: their buckets are all-reduced over it, pre-divided by
@@ -67,11 +78,14 @@ struct SyncGroups {
   c10::intrusive_ptr<c10d::ProcessGroup> world;
   int64_t tp_rank = 0;
   int64_t tp_size = 1;
+  // The TP group (null when TP is 1): TP-replica checks, and the group TP placements must name.
+  c10::intrusive_ptr<c10d::ProcessGroup> tp = {};
 };
 
 class GradBuffer {
  public:
-  // Lays out `params` (registration order; only the trainable ones: requires_grad), allocates one
+  // Lays out `params` (registration order; only the trainable ones: requires_grad; a tensor listed
+  // under several names once, see deduplicate_params), allocates one
   // zeroed flat buffer per (param dtype, grad dtype, device), points each param's grad at its slot
   // (same dtype) and installs the hooks. `dp_group` is the group the buckets are reduced over.
   GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
@@ -113,6 +127,14 @@ class GradBuffer {
   at::Tensor bucket_param_data(int64_t b) const;
   // The all-gather of updated param shards into the param buffer (distributed optimizer only, else null).
   ParamGather* param_gather() const { return param_gather_.get(); }
+  // How many steps have completed finish_grad_sync() since construction.
+  int64_t syncs_completed() const;
+  // Bumped by notify_params_changed(): whoever caches copies of the params (the distributed
+  // optimizer's fp32 masters) compares it to know when to refresh them.
+  int64_t params_version() const { return params_version_.load(); }
+  // Call after writing new values into the params outside an optimizer step (loading weights).
+  void notify_params_changed() { ++params_version_; }
+
   // Per bucket, the number of non-finite values in this rank's local gradient when the bucket was
   // launched (before the collective), as lazy int64 scalars (no host sync). With the distributed
   // optimizer only; zeros for buckets not launched this step.
@@ -136,10 +158,17 @@ class GradBuffer {
 
   // Called by the autograd hook of param `index` once its gradient has been accumulated.
   void on_grad_accumulated(int64_t index);
+  // Called before autograd accumulates into param `index` during a backward with create_graph=true
+  // (grad mode on), where AccumulateGrad would replace .grad by `.grad + new` out of place: .grad is
+  // released so that it receives only the new gradient, which on_grad_accumulated() adds into the
+  // slot. Without this, the slot's earlier micro-batches would be counted twice.
+  void before_grad_accumulation(int64_t index);
 
   // Marks ready (gradient 0 this step) every param whose gradient accumulator cannot be reached from
   // `outputs`' autograd graph, launching buckets that thereby complete. Only on the last
-  // micro-batch; a no-op otherwise. Returns how many params were marked.
+  // micro-batch, and only when some output requires grad (an evaluation forward, e.g. under
+  // NoGradGuard, has no graph and leaves the sync state alone); a no-op otherwise. Returns how many
+  // params were marked.
   int64_t mark_unreachable_params_ready(const std::vector<at::Tensor>& outputs);
 
  private:
@@ -159,6 +188,7 @@ class GradBuffer {
   void point_grads_at_buffer();
   void move_params_into_param_buffer();
   std::string bucket_description(int64_t b) const;
+  void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
 
   std::vector<NamedParam> params_;
@@ -181,9 +211,15 @@ class GradBuffer {
   std::vector<BucketState> buckets_;
   int64_t next_bucket_ = 0;
   int64_t launched_by_hooks_ = 0;
+  int64_t syncs_completed_ = 0;
+  std::atomic<int64_t> params_version_{0};
+  const bool debug_sequence_;  // MESHDDP_DEBUG_SYNC=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL
 
   struct HookHandle;
   std::vector<std::unique_ptr<HookHandle>> hooks_;
+  // Autograd has no way to remove a pre-hook: the ones this buffer adds hold this flag, cleared by
+  // the destructor, and do nothing once it is false.
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
 };
 
 }  // namespace meshddp

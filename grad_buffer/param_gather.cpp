@@ -60,7 +60,7 @@ void ParamGather::start(bool async) {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(pending_ == 0, "ParamGather: ", pending_, " parameter all-gather(s) of the previous step are still ",
                 "pending; wait_all() before starting new ones");
-    if (dp_group_->getSize() > 1) {
+    if (!skip_collective(*dp_group_)) {
       for (size_t b = buckets_.size(); b-- > 0;) {  // forward order: last bucket first
         works_[b] = all_gather_into(*dp_group_, buckets_[b].full, buckets_[b].shard, buckets_[b].what);
         ++pending_;

@@ -4,7 +4,9 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include <sstream>
 
@@ -21,6 +23,14 @@ void check_operand(const c10d::ProcessGroup& group, const at::Tensor& t, const c
 }
 
 }  // namespace
+
+bool skip_collective(const c10d::ProcessGroup& group) {
+  static const bool force = [] {
+    const char* value = std::getenv("MESHDDP_FORCE_COLLECTIVES");
+    return value != nullptr && std::string_view(value) == "1";
+  }();
+  return group.getSize() == 1 && !force;
+}
 
 std::string describe_group(const c10d::ProcessGroup& group) {
   std::ostringstream out;

@@ -41,6 +41,11 @@ void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, con
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
                                            c10::Device device = c10::Device(c10::kCPU));
 
+// Whether a collective on `group` can be skipped: a group of one rank, unless the environment sets
+// MESHDDP_FORCE_COLLECTIVES=1 (test/debug switch, read once per process: run every collective even
+// at size 1, e.g. so a one-GPU run exercises NCCL and its stream ordering).
+bool skip_collective(const c10d::ProcessGroup& group);
+
 // "group 'dp/ranks=0,2' (rank 1 of 2)" for messages.
 std::string describe_group(const c10d::ProcessGroup& group);
 

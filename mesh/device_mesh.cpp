@@ -33,6 +33,29 @@ int64_t require_int_env(const char* name, const char* what) {
   TORCH_CHECK(false, "DeviceMesh::from_env: environment variable ", name, "='", text, "' is not an integer");
 }
 
+// Note [Mesh shape agreement]: ranks that disagree on the mesh shape would wait for different
+// groups' rendezvous until the store timeout (10 minutes) and then name neither shape. So before
+// any group exists, every rank compares its shape with rank 0's through the store and then meets
+// the others at a store barrier; if any rank differs, every rank fails at once naming both shapes.
+// A per-rank call counter keys each mesh built on the same store and prefix apart.
+void agree_on_mesh_shape(c10d::Store& store, const std::string& prefix, int64_t rank, int64_t world_size,
+                         const std::string& shape) {
+  const int64_t generation = store.add(prefix + "/mesh_shape/calls/" + std::to_string(rank), 1);
+  const std::string base = prefix + "/mesh_shape/" + std::to_string(generation) + "/";
+  if (rank == 0) store.set(base + "rank0", shape);
+  store.wait({base + "rank0"});
+  const auto ref_bytes = store.get(base + "rank0");
+  const std::string ref(ref_bytes.begin(), ref_bytes.end());
+  if (ref != shape) store.set(base + "mismatch", "rank " + std::to_string(rank) + " has " + shape);
+  if (store.add(base + "arrived", 1) == world_size) store.set(base + "all_arrived", "1");
+  store.wait({base + "all_arrived"});
+  if (!store.check({base + "mismatch"})) return;
+  const auto bytes = store.get(base + "mismatch");
+  TORCH_CHECK(false, "DeviceMesh: the ranks disagree on the mesh shape: rank 0 has ", ref, ", ",
+              std::string(bytes.begin(), bytes.end()), " (this is rank ", rank, ": ", shape,
+              "). Give every rank the same sizes and dim names");
+}
+
 c10::Device device_for(c10::DeviceType type, int64_t local_rank) {
   if (type == c10::DeviceType::CUDA) return c10::Device(type, static_cast<c10::DeviceIndex>(local_rank));
   return c10::Device(type);
@@ -69,6 +92,7 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
                                   std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options) {
   TORCH_CHECK(store, "DeviceMesh::from_store: the store is null");
   validate_mesh(sizes, names, world_size, rank);
+  agree_on_mesh_shape(*store, options.store_prefix, rank, world_size, describe_mesh_shape(sizes, names));
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
   for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
     const auto ranks = mesh_group_ranks(rank, sizes, d);

@@ -22,10 +22,14 @@ struct Placement {
   int64_t dim = -1;      // kShard only
   int64_t tp_size = 1;   // kShard only
   int64_t tp_rank = 0;   // kShard only
+  std::string group;     // name of the TP process group it was made over (kShard, kPartialGrad); "" = unknown.
+                         // The gradient sync checks it is the TP group it uses: one source of truth
 
   static Placement replicate() { return {}; }
-  static Placement partial_grad() { return {Kind::kPartialGrad}; }
-  static Placement shard(int64_t dim, int64_t tp_size, int64_t tp_rank) { return {Kind::kShard, dim, tp_size, tp_rank}; }
+  static Placement partial_grad(std::string group = "") { return {Kind::kPartialGrad, -1, 1, 0, std::move(group)}; }
+  static Placement shard(int64_t dim, int64_t tp_size, int64_t tp_rank, std::string group = "") {
+    return {Kind::kShard, dim, tp_size, tp_rank, std::move(group)};
+  }
   bool is_shard() const { return kind == Kind::kShard; }
   bool is_partial_grad() const { return kind == Kind::kPartialGrad; }
   // Counted once across TP in norms: sharded params on every rank, others on TP rank 0 only.

@@ -1,5 +1,6 @@
 #include "mesh/process_group_factory.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cstdlib>
@@ -36,25 +37,30 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
                                                           int rank, int size, c10::DeviceType device_type,
                                                           std::chrono::milliseconds timeout,
                                                           const std::string& name) {
+  TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA, "DeviceMesh: group '", name,
+              "' asks for device type ", device_type, "; only CPU (Gloo) and CUDA (NCCL) meshes are supported");
+  // Like PyTorch's default "cpu:gloo,cuda:nccl": every group takes CPU tensors through Gloo (the
+  // checkpoint agreement, the non-finite report and other small host-side collectives), and CUDA
+  // tensors through NCCL on a CUDA mesh. On a CPU (Gloo) mesh, Gloo takes CUDA tensors too (several
+  // ranks sharing one GPU, where NCCL refuses duplicate devices).
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  auto gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
   if (device_type == c10::DeviceType::CPU) {
-    auto gloo = make_gloo(store, rank, size, timeout);
-    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  } else if (device_type == c10::DeviceType::CUDA) {
+  } else {
 #ifdef MESHDDP_WITH_CUDA
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
-    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
+                                                            size, options);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
 #else
     TORCH_CHECK(false, "DeviceMesh: group '", name, "' asks for NCCL (a CUDA mesh) but meshddp was built ",
                 "without CUDA (no nvcc at configure time); build with nvcc or use a CPU mesh");
 #endif
-  } else {
-    TORCH_CHECK(false, "DeviceMesh: group '", name, "' asks for device type ", device_type,
-                "; only CPU (Gloo) and CUDA (NCCL) meshes are supported");
   }
   group->setGroupName(name);
   return group;

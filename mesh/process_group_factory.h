@@ -1,4 +1,5 @@
-// Makes one c10d ProcessGroup (Gloo on CPU, NCCL on CUDA) over a store. The only place that
+// Makes one c10d ProcessGroup over a store: Gloo for CPU tensors on every group, and for CUDA
+// tensors NCCL on a CUDA mesh, Gloo on a CPU mesh. The only place that
 // constructs backends; the Gloo and NCCL headers stay out of every other file.
 #pragma once
 

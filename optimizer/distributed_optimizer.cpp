@@ -40,20 +40,36 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
               "DdpConfig so buckets are padded and reduce-scattered and params live in the param buffer");
   shards_ = shard_buckets(buffer_.layout(), buffer_.dp_rank(), buffer_.dp_size());
 
-  // Param groups: the default, then one per rule (unused groups are harmless).
+  // Param groups: the default, then one per rule. A param matches a rule by any of its names.
   groups_.push_back({config_.lr, config_.weight_decay});
   for (const auto& rule : config_.groups) {
     groups_.push_back({rule.lr.value_or(config_.lr), rule.weight_decay.value_or(config_.weight_decay)});
   }
   const auto& params = buffer_.params();
+  auto matches = [](const std::string& pattern, const NamedParam& p) {
+    if (glob_match(pattern, p.name)) return true;
+    for (const auto& alias : p.aliases) {
+      if (glob_match(pattern, alias)) return true;
+    }
+    return false;
+  };
   group_of_.assign(params.size(), 0);
+  std::vector<bool> rule_used(config_.groups.size(), false);
   for (size_t i = 0; i < params.size(); ++i) {
     for (size_t r = 0; r < config_.groups.size(); ++r) {
-      if (glob_match(config_.groups[r].pattern, params[i].name)) {
+      if (matches(config_.groups[r].pattern, params[i])) {
         group_of_[i] = static_cast<int64_t>(r) + 1;
+        rule_used[r] = true;
         break;
       }
     }
+  }
+  for (size_t r = 0; r < config_.groups.size(); ++r) {
+    TORCH_CHECK(rule_used[r], "DistributedOptimizer: group rule #", r, " with pattern '", config_.groups[r].pattern,
+                "' matches no trainable parameter (", params.size(), " in all", params.empty() ? "" : ", e.g. '",
+                params.empty() ? "" : params.front().name, params.empty() ? "" : "'",
+                "; an earlier rule takes a param first); fix the pattern ('*' matches any run of characters) or drop ",
+                "the rule");
   }
 
   c10::NoGradGuard no_grad;
@@ -78,6 +94,7 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
       if (states >= 2) v.state2.push_back(state2_[b].narrow(0, seg.shard_offset, seg.numel));
     }
   }
+  params_version_seen_ = buffer_.params_version();
 }
 
 int64_t DistributedOptimizer::num_state_tensors() const {
@@ -92,9 +109,19 @@ void DistributedOptimizer::prepare_grads() {
   }
 }
 
+void DistributedOptimizer::reload_masters_from_params() {
+  finish_param_sync();
+  c10::NoGradGuard no_grad;
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    if (!master_is_param_view_[b]) master_[b].copy_(param_shard(b));
+  }
+  params_version_seen_ = buffer_.params_version();
+}
+
 StepResult DistributedOptimizer::step() {
   buffer_.finish_grad_sync();
   finish_param_sync();
+  if (buffer_.params_version() != params_version_seen_) reload_masters_from_params();
   c10::NoGradGuard no_grad;
   prepare_grads();
 

@@ -30,7 +30,8 @@ namespace meshddp {
 enum class OptimizerKind { kAdamW, kSgd };
 
 // Overrides for the parameters whose module path matches `pattern` ('*' matches any run of
-// characters, e.g. "*.bias", "*norm*"). The first matching rule wins.
+// characters, e.g. "*.bias", "*norm*"). The first matching rule wins; a rule that matches no
+// trainable parameter is an error (a typo would otherwise silently train with the defaults).
 struct ParamGroupRule {
   std::string pattern;
   std::optional<double> lr;
@@ -81,6 +82,11 @@ class DistributedOptimizer {
   // Blocks until the params are all-gathered (before evaluation or anything that reads params
   // outside DistributedDataParallel::forward).
   void finish_param_sync();
+  // Refreshes this rank's fp32 master weights from the params (the param buffer), after new values
+  // were written into the params outside step(). DistributedDataParallel::load_state_dict() makes
+  // step() do this by itself (GradBuffer::notify_params_changed()); call it after writing params
+  // any other way. A no-op for fp32 params, whose masters are the param buffer itself.
+  void reload_masters_from_params();
 
   int64_t steps_taken() const { return step_; }
   MemoryReport memory() const;
@@ -124,6 +130,7 @@ class DistributedOptimizer {
   std::vector<bool> master_is_param_view_;
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
+  int64_t params_version_seen_ = 0;  // GradBuffer::params_version() the masters were taken at
 };
 
 }  // namespace meshddp

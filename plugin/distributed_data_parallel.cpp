@@ -1,21 +1,92 @@
 #include "plugin/distributed_data_parallel.h"
 
-#include "plugin/model_sync.h"
+#include "mesh/collectives.h"
+#include "mesh/placement.h"
+
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <unordered_map>
 
 namespace meshddp {
+namespace {
+
+// Which mesh dim is TP: the one dim besides `dp_dim` with more than one rank (none: no TP). The TP
+// layers record the group they were parallelized over in each param's Placement, and GradBuffer
+// checks that it is this dim's group, so a plan over another dim is an error, not a silent skip.
+std::string tp_dim_of(const DeviceMesh& mesh, const std::string& dp_dim) {
+  (void)mesh[dp_dim];  // throws naming the dims if dp_dim is unknown
+  std::vector<std::string> others;
+  for (size_t d = 0; d < mesh.names().size(); ++d) {
+    if (mesh.names()[d] != dp_dim && mesh.sizes()[d] > 1) others.push_back(mesh.names()[d]);
+  }
+  TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh ", mesh.describe(), " has ", others.size(),
+              " dims besides the DP dim '", dp_dim, "' with more than one rank; meshddp syncs over a DP x TP mesh, ",
+              "so give it one with a single model-parallel dim (or sub-groups built for DP x TP)");
+  return others.empty() ? "" : others.front();
+}
+
+std::string yes_no(bool b) { return b ? "true" : "false"; }
+
+// Every setting the gradient sync depends on, which must be the same on every rank.
+std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g) {
+  return {{"bucket_bytes", std::to_string(c.bucket_bytes)},
+          {"overlap_grad_reduce", yes_no(c.overlap_grad_reduce)},
+          {"grad_reduce_in_fp32", yes_no(c.grad_reduce_in_fp32)},
+          {"pad_for_reduce_scatter", yes_no(c.pad_for_reduce_scatter)},
+          {"find_unused_parameters", yes_no(c.find_unused_parameters)},
+          {"use_distributed_optimizer", yes_no(c.use_distributed_optimizer)},
+          {"broadcast_from_rank0", yes_no(c.broadcast_from_rank0)},
+          {"verify_model_across_ranks", yes_no(c.verify_model_across_ranks)},
+          {"broadcast_buffers", yes_no(c.broadcast_buffers)},
+          {"tp_replica_check_interval", std::to_string(c.tp_replica_check_interval)},
+          {"DP size", std::to_string(g.dp ? g.dp->getSize() : 0)},
+          {"TP size", std::to_string(g.tp_size)}};
+}
+
+// The bucket layout as settings: bucket count, then per bucket (launch order) its size, dtype,
+// collective and first param. `partial_only`: just the TP-partial buckets (all-reduced over the
+// whole mesh, so they must agree across TP ranks too).
+std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only) {
+  const BucketLayout& layout = buffer.layout();
+  std::vector<Setting> out;
+  int64_t count = 0;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const BucketSpan& span = layout.buckets[b];
+    const BufferKey& key = layout.buffers[span.buffer].key;
+    if (partial_only && !key.tp_partial) continue;
+    ++count;
+    std::ostringstream v;
+    v << span.numel() << " x " << key.grad_dtype << ", "
+      << (key.tp_partial ? "all-reduce over the mesh"
+                         : buffer.config().use_distributed_optimizer ? "reduce-scatter" : "all-reduce")
+      << ", first param '" << buffer.params()[span.params.front()].name << "'";
+    out.push_back({"bucket " + std::to_string(b), v.str()});
+  }
+  out.insert(out.begin(), Setting{partial_only ? "TP-partial bucket count" : "bucket count", std::to_string(count)});
+  return out;
+}
+
+}  // namespace
+
+void DdpConfig::validate() const {
+  GradBufferConfig::validate();
+  TORCH_CHECK(tp_replica_check_interval >= 0, "DdpConfig: tp_replica_check_interval must be >= 0 (0 = off), got ",
+              tp_replica_check_interval);
+}
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
                      DdpConfig config)
     : dp_group_(mesh[dp_dim]), config_(config) {
   groups_.dp = dp_group_;
   groups_.world = mesh.world();
-  for (size_t d = 0; d < mesh.names().size(); ++d) {
-    if (mesh.names()[d] == "tp") {
-      groups_.tp_rank = mesh.coordinates()[d];
-      groups_.tp_size = mesh.sizes()[d];
-    }
+  if (const std::string tp_dim = tp_dim_of(mesh, dp_dim); !tp_dim.empty()) {
+    groups_.tp = mesh[tp_dim];
+    groups_.tp_rank = mesh.coordinate(tp_dim);
+    groups_.tp_size = mesh.size(tp_dim);
   }
-  init(module, mesh.group_ranks(dp_dim));
+  init(module, mesh.group_ranks(dp_dim), groups_.world ? *groups_.world : *dp_group_);
 }
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
@@ -23,33 +94,145 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
     : dp_group_(std::move(dp_group)), config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
   groups_.dp = dp_group_;
-  init(module, {});
+  init(module, {}, *dp_group_);
 }
 
-void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks) {
+void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
+                     c10d::ProcessGroup& agreement_group) {
   config_.validate();
   TORCH_CHECK(module, "DistributedDataParallel: the module is null");
+  // First, before any collective whose kind depends on them: the settings agree on every rank.
+  verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_), "DistributedDataParallel",
+                                    "the DdpConfig settings");
   std::vector<NamedTensor> params;
-  std::vector<NamedTensor> state;
+  std::vector<NamedParam> named;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     params.push_back({item.key(), item.value()});
-    state.push_back({item.key(), item.value()});
+    named.push_back({item.key(), item.value()});
   }
-  for (const auto& item : module->named_buffers(/*recurse=*/true)) state.push_back({item.key(), item.value()});
+  unique_params_ = deduplicate_params(named);
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) module_buffers_.push_back({item.key(), item.value()});
   if (config_.verify_model_across_ranks) {
-    verify_same_tensors_across_ranks(*dp_group_, params, "parameter", dp_global_ranks);
+    // Compared within each DP group; the verdict is then agreed over the whole mesh, so that a
+    // mismatch in one DP group stops every rank here rather than leaving the others to hang in
+    // the next mesh-wide collective.
+    std::string mismatch;
+    try {
+      verify_same_tensors_across_ranks(*dp_group_, params, "parameter", dp_global_ranks);
+    } catch (const c10::Error& e) {
+      mismatch = e.what_without_backtrace();
+    }
+    int64_t failed_ranks = mismatch.empty() ? 0 : 1;
+    if (&agreement_group != dp_group_.get()) {
+      at::Tensor verdict = at::full({1}, failed_ranks, at::kLong);
+      all_reduce_sum_now(agreement_group, verdict, "the verdict of the model check");
+      failed_ranks = verdict.item<int64_t>();
+    }
+    TORCH_CHECK(mismatch.empty(), mismatch);
+    TORCH_CHECK(failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+                "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
+                "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
-  if (config_.broadcast_from_rank0) broadcast_from_dp_rank0(*dp_group_, state);
+  std::vector<NamedTensor> state, tp_replicated_state;
+  for (const auto& p : unique_params_) {
+    state.push_back({p.name, p.param});
+    if (!get_placement(p.param).is_shard()) tp_replicated_state.push_back({p.name, p.param});
+  }
+  state.insert(state.end(), module_buffers_.begin(), module_buffers_.end());
+  tp_replicated_state.insert(tp_replicated_state.end(), module_buffers_.begin(), module_buffers_.end());
+  if (config_.broadcast_from_rank0) {
+    // DP first (each TP column takes its DP rank 0's values), then TP for what every TP rank holds
+    // whole: all replicas of a replicated param then equal global rank 0's.
+    broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
+    if (groups_.tp) {
+      broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
+                                 "the initial TP-replicated parameters and buffers (from TP rank 0)");
+    }
+  }
+  buffer_ = std::make_unique<GradBuffer>(named, groups_, static_cast<GradBufferConfig>(config_));
+  verify_same_settings_across_ranks(*dp_group_, layout_settings(*buffer_, false), "DistributedDataParallel",
+                                    "the gradient bucket layouts");
+  if (groups_.world && groups_.tp_size > 1) {
+    verify_same_settings_across_ranks(*groups_.world, layout_settings(*buffer_, true), "DistributedDataParallel",
+                                      "the TP-partial gradient bucket layouts");
+  }
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
+    if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);
+  }
+}
 
-  std::vector<NamedParam> named;
-  for (auto& p : params) named.push_back({p.name, p.tensor});
-  buffer_ = std::make_unique<GradBuffer>(std::move(named), groups_, static_cast<GradBufferConfig>(config_));
+std::vector<at::Tensor> DdpEngine::parameters() const {
+  std::vector<at::Tensor> out;
+  out.reserve(unique_params_.size());
+  for (const auto& p : unique_params_) out.push_back(p.param);
+  return out;
+}
+
+void DdpEngine::before_forward() {
+  if (!c10::GradMode::is_enabled()) return;
+  buffer_->check_no_sync_pending("DistributedDataParallel::forward");
+  maybe_check_tp_replicas();
+  if (config_.broadcast_buffers && !module_buffers_.empty() && buffer_->is_last_microbatch()) {
+    broadcast_from_group_rank0(*dp_group_, module_buffers_, "the module buffers (broadcast_buffers, from DP rank 0)");
+  }
+}
+
+void DdpEngine::maybe_check_tp_replicas() {
+  const int64_t every = config_.tp_replica_check_interval;
+  if (!groups_.tp || every == 0 || tp_replicated_.empty()) return;
+  const int64_t step = buffer_->syncs_completed();
+  if (step < 1 || (step - 1) % every != 0 || step == last_replica_check_) return;
+  last_replica_check_ = step;
+  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // the params must be this step's
+  std::vector<NamedTensor> tensors;
+  for (const auto& p : tp_replicated_) tensors.push_back({p.name, p.param});
+  verify_tp_replicas_identical(*groups_.tp, tensors, step);
+}
+
+void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
+  buffer_->check_no_sync_pending("DistributedDataParallel::load_state_dict");
+  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // it would overwrite what we load
+  std::unordered_map<std::string, at::Tensor> targets;
+  std::vector<std::string> required;
+  for (const auto& p : unique_params_) {
+    required.push_back(p.name);
+    targets[p.name] = p.param;
+    for (const auto& alias : p.aliases) targets[alias] = p.param;
+  }
+  for (const auto& b : module_buffers_) {
+    required.push_back(b.name);
+    targets[b.name] = b.tensor;
+  }
+  // Check everything before changing anything.
+  for (const auto& item : state) {
+    const auto it = targets.find(item.key());
+    TORCH_CHECK(it != targets.end(), "DistributedDataParallel::load_state_dict: '", item.key(),
+                "' is not a parameter or buffer of the wrapped module");
+    TORCH_CHECK(item.value().sizes() == it->second.sizes(), "DistributedDataParallel::load_state_dict: '", item.key(),
+                "' has shape ", item.value().sizes(), " but the module's (this rank's shard, for TP) is ",
+                it->second.sizes());
+  }
+  for (const auto& name : required) {
+    bool given = state.contains(name);
+    for (const auto& p : unique_params_) {
+      if (p.name != name) continue;
+      for (const auto& alias : p.aliases) given = given || state.contains(alias);
+    }
+    TORCH_CHECK(given, "DistributedDataParallel::load_state_dict: '", name, "' is missing from the state (",
+                state.size(), " entries given); give every parameter and buffer of the module");
+  }
+  c10::NoGradGuard no_grad;
+  for (const auto& item : state) targets.at(item.key()).detach().copy_(item.value());
+  buffer_->notify_params_changed();
 }
 
 at::Tensor DdpEngine::main_grad(const std::string& name) const {
   const auto& params = buffer_->params();
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].name == name) return buffer_->main_grad(static_cast<int64_t>(i));
+    for (const auto& alias : params[i].aliases) {
+      if (alias == name) return buffer_->main_grad(static_cast<int64_t>(i));
+    }
   }
   TORCH_CHECK(false, "DistributedDataParallel::main_grad: no trainable parameter named '", name, "'");
 }

@@ -16,8 +16,11 @@
 
 #include "grad_buffer/grad_buffer.h"
 #include "mesh/device_mesh.h"
+#include "plugin/model_sync.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
 
 #include <memory>
 #include <string>
@@ -30,8 +33,20 @@ struct DdpConfig : GradBufferConfig {
   // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), find_unused_parameters (false),
   // use_distributed_optimizer (false: set it to pair with DistributedOptimizer, which then owns the
   // param update and all-gather).
-  bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers
+  bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers,
+                                      // then every TP rank takes TP rank 0's replicated (non-sharded) ones
   bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
+  bool broadcast_buffers = true;      // PyTorch DDP's default: before each training forward (grad mode on,
+                                      // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
+                                      // (one flat broadcast per dtype). Nothing is done when the model has none
+  int64_t tp_replica_check_interval = 100;  // with TP > 1: at the first forward of step 1 and of every N-th
+                                            // step after (1, 1+N, ...), compare a bit-exact checksum of each
+                                            // TP-replicated param across the TP group and name the first one
+                                            // that drifted (e.g. an undeclared sequence-parallel norm).
+                                            // Costs one read of the replicated params and one small
+                                            // all-gather per check. 0 = off
+
+  void validate() const;  // throws naming the field
 };
 
 // The module-type-independent part. Use DistributedDataParallel<ModuleT>.
@@ -46,6 +61,17 @@ class DdpEngine {
   void finish_grad_sync() { buffer_->finish_grad_sync(); }
   // Zeroes the gradient buffers for the next step (and points param.grad() back at them).
   void zero_grad_buffer() { buffer_->zero_grad_buffer(); }
+  // The module's parameters, one entry per tensor (a tensor registered under two names, tied
+  // weights, is listed once under its first name): give these to the optimizer. Frozen ones included.
+  std::vector<at::Tensor> parameters() const;
+  const std::vector<NamedParam>& named_parameters() const { return unique_params_; }
+  // Copies `state` (parameter and buffer values by module path, e.g. another model's
+  // named_parameters() and named_buffers(), or this rank's shards of a TP model) into the wrapped
+  // module. Strict: every param and buffer must be given, with its shape; unknown names are an
+  // error; nothing changes unless all check out. Aliases of tied params are accepted. Keeps the
+  // distributed optimizer's fp32 master weights in step (it reloads them before its next step).
+  // Call between steps (not while a gradient sync is pending). Every rank loads its own values.
+  void load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
   // false for micro-batches before the last: backward only accumulates, no sync. Default true.
   void set_is_last_microbatch(bool is_last) { buffer_->set_is_last_microbatch(is_last); }
 
@@ -73,8 +99,11 @@ class DdpEngine {
   const DdpConfig& config() const { return config_; }
 
  protected:
-  // Called by forward before running the module.
-  void before_forward() const { buffer_->check_no_sync_pending("DistributedDataParallel::forward"); }
+  // Called by forward before running the module. A forward with grad mode off (evaluation) touches
+  // no sync state and runs no collective, so it may run on some ranks only, at any time. A training
+  // forward checks the previous step's sync finished, runs the TP-replica check when due, and
+  // broadcasts the module buffers (broadcast_buffers).
+  void before_forward();
   // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
   void after_forward(const at::Tensor& output) const {
     if (config_.find_unused_parameters) buffer_->mark_unreachable_params_ready({output});
@@ -84,19 +113,26 @@ class DdpEngine {
   }
   template <typename T>
   void after_forward(const T&) const {
-    TORCH_CHECK(!config_.find_unused_parameters, "DistributedDataParallel: find_unused_parameters needs forward to ",
+    TORCH_CHECK(!config_.find_unused_parameters || !c10::GradMode::is_enabled(),
+                "DistributedDataParallel: find_unused_parameters needs forward to ",
                 "return a Tensor or a std::vector<Tensor> to walk the autograd graph from");
   }
   // Open for the duration of forward: ops wait for pending param all-gathers of their own params.
   ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(buffer_->param_gather()); }
 
  private:
-  void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks);
+  void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
+            c10d::ProcessGroup& agreement_group);
+  void maybe_check_tp_replicas();
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   SyncGroups groups_;
   DdpConfig config_;
   std::unique_ptr<GradBuffer> buffer_;
+  std::vector<NamedParam> unique_params_;  // every param once (aliases listed), frozen ones too
+  std::vector<NamedTensor> module_buffers_;
+  std::vector<NamedParam> tp_replicated_;  // trainable params every TP rank holds whole (not sharded)
+  int64_t last_replica_check_ = -1;        // syncs_completed() at the last TP-replica check
 };
 
 template <typename ModuleT>

@@ -8,6 +8,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -62,8 +63,9 @@ void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::v
   }
 }
 
-void broadcast_from_dp_rank0(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& tensors) {
-  if (dp_group.getSize() == 1 || tensors.empty()) return;
+void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
+                                const std::string& what) {
+  if (skip_collective(group) || tensors.empty()) return;
   c10::NoGradGuard no_grad;
   // Group by (dtype, device) so each group is one flat broadcast.
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
@@ -74,13 +76,92 @@ void broadcast_from_dp_rank0(c10d::ProcessGroup& dp_group, const std::vector<Nam
     std::vector<at::Tensor> flat;
     for (const auto& m : members) flat.push_back(m.detach().reshape({-1}));
     at::Tensor packed = at::cat(flat);
-    wait_collective(broadcast_from(dp_group, packed, 0, "the initial parameters and buffers"), dp_group,
-                    "the initial parameters and buffers");
+    wait_collective(broadcast_from(group, packed, 0, what), group, what);
     int64_t offset = 0;
     for (auto& m : members) {
       m.detach().copy_(packed.narrow(0, offset, m.numel()).view(m.sizes()));
       offset += m.numel();
     }
+  }
+}
+
+void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vector<Setting>& settings,
+                                       const std::string& who, const std::string& what) {
+  if (group.getSize() == 1) return;
+  std::string mine;
+  for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
+  const auto all = all_gather_strings(group, mine, what + " check");
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
+  auto parse = [](const std::string& text) {
+    std::map<std::string, std::string> out;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      const auto eq = line.find('=');
+      out[line.substr(0, eq)] = eq == std::string::npos ? "" : line.substr(eq + 1);
+    }
+    return out;
+  };
+  std::vector<std::map<std::string, std::string>> per_rank;
+  for (const auto& text : all) per_rank.push_back(parse(text));
+  for (const auto& setting : settings) {
+    const std::string& name = setting.first;
+    std::ostringstream values;
+    bool differs = false;
+    for (size_t r = 0; r < per_rank.size(); ++r) {
+      const auto it = per_rank[r].find(name);
+      const std::string value = it == per_rank[r].end() ? "(missing)" : it->second;
+      differs = differs || value != per_rank[0][name];
+      values << (r ? ", " : "") << "rank " << r << ": " << value;
+    }
+    TORCH_CHECK(!differs, who, ": ", what, " differ across the ranks of ", describe_group(group), ": '", name,
+                "' is ", values.str(), ". Every rank must use the same settings (and the same model); a mismatch ",
+                "would hang or corrupt the collectives");
+  }
+  TORCH_CHECK(false, who, ": ", what, " differ across the ranks of ", describe_group(group),
+              " (in a setting this rank does not have; this rank's: ", mine, ")");
+}
+
+namespace {
+
+// Sum of the elements' bit patterns, as int64 (wrapping): equal tensors give equal sums, and any
+// single changed bit changes it. Order-free, so no rounding can make two identical tensors differ.
+at::Tensor bit_checksum(const at::Tensor& t) {
+  const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  switch (flat.element_size()) {
+    case 1: return flat.view(at::kByte).sum(at::kLong);
+    case 2: return flat.view(at::kShort).sum(at::kLong);
+    case 4: return flat.view(at::kInt).sum(at::kLong);
+    default: return flat.view(at::kLong).sum(at::kLong);
+  }
+}
+
+}  // namespace
+
+void verify_tp_replicas_identical(c10d::ProcessGroup& tp_group, const std::vector<NamedTensor>& tensors, int64_t step) {
+  const int64_t tp = tp_group.getSize();
+  if (tp == 1 || tensors.empty()) return;
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> sums;
+  for (const auto& t : tensors) sums.push_back(bit_checksum(t.tensor).reshape({1}));
+  const at::Tensor mine = at::cat(sums);
+  at::Tensor all = at::empty({tp * mine.numel()}, mine.options());
+  const std::string what = "the TP-replica check of step " + std::to_string(step);
+  wait_collective(all_gather_into(tp_group, all, mine, what), tp_group, what);
+  const at::Tensor table = all.cpu().view({tp, mine.numel()});
+  const auto* v = table.data_ptr<int64_t>();
+  const int64_t n = mine.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    bool same = true;
+    for (int64_t r = 1; r < tp; ++r) same = same && v[r * n + i] == v[i];
+    if (same) continue;
+    std::ostringstream checksums;
+    for (int64_t r = 0; r < tp; ++r) checksums << (r ? ", " : "") << "TP rank " << r << ": " << v[r * n + i];
+    TORCH_CHECK(false, "DistributedDataParallel: parameter '", tensors[i].name, "' is replicated over TP but its copies ",
+                "differ across the TP ranks of ", describe_group(tp_group), " at step ", step, " (bit checksums ",
+                checksums.str(), "). Most likely its gradient is partial over TP (a norm or bias applied to sequence-",
+                "sharded activations under sequence parallelism) and nothing sums it: give its module the ",
+                "SequenceParallelNorm plan style, or call meshddp::declare_sequence_parallel_param() on it before ",
+                "wrapping the model. (DdpConfig::tp_replica_check_interval sets how often this is checked)");
   }
 }
 

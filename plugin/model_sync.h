@@ -1,6 +1,8 @@
-// Start-of-training agreement across data-parallel ranks: every rank must hold the same parameters
-// (names, shapes, dtypes, in the same order), and then they take DP rank 0's values. Both are
-// collectives over the DP group: every DP rank must call them, in the same order.
+// Agreement across ranks: at the start of training every DP rank must hold the same parameters
+// (names, shapes, dtypes, in the same order) and the same settings, and then they take DP rank 0's
+// values (and TP ranks TP rank 0's replicated ones); during training, TP replicas must stay
+// identical. All are collectives over the group they are given: every rank of it must call them,
+// in the same order.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,8 +24,21 @@ struct NamedTensor {
 void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& tensors,
                                       const std::string& what, const std::vector<int64_t>& global_ranks = {});
 
-// Overwrites every tensor with DP rank 0's values: one broadcast per dtype and device (tensors
-// flattened into one buffer), not one per tensor.
-void broadcast_from_dp_rank0(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& tensors);
+// Overwrites every tensor with group rank 0's values: one broadcast per dtype and device (tensors
+// flattened into one buffer), not one per tensor. `what` names them in errors.
+void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
+                                const std::string& what);
+
+// A setting every rank of a group must agree on, as (name, value as text).
+using Setting = std::pair<std::string, std::string>;
+// Compares every rank's settings with group rank 0's; on a difference every rank throws the same
+// error naming the first differing setting and each rank's value (`who`: e.g. "DistributedDataParallel").
+void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vector<Setting>& settings,
+                                       const std::string& who, const std::string& what);
+
+// Bit-exact checksum (sum of each element's bits as an integer) of every tensor, compared across
+// `tp_group`; every rank throws the same error naming the first tensor whose TP replicas differ,
+// each TP rank's checksum, and `step`. For params every TP rank must hold identically.
+void verify_tp_replicas_identical(c10d::ProcessGroup& tp_group, const std::vector<NamedTensor>& tensors, int64_t step);
 
 }  // namespace meshddp

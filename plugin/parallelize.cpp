@@ -1,7 +1,10 @@
 #include "plugin/parallelize.h"
 
 #include "mesh/glob_match.h"
+#include "mesh/placement.h"
 #include "plugin/tp_layers.h"
+
+#include <torch/nn/modules/normalization.h>
 
 #include <sstream>
 
@@ -71,12 +74,16 @@ void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::ve
         check_divisible(m.path, style, embedding->num_embeddings, "vocabulary entries", tp);
       }
     } else {
-      TORCH_CHECK(dynamic_cast<tp::LayerNormImpl*>(m.module.get()), wrong_type("LayerNorm"));
+      TORCH_CHECK(!m.module->named_parameters(/*recurse=*/true).is_empty(), "parallelize: '", m.path, "' is a ",
+                  m.module->name(), " with no parameters; SequenceParallelNorm marks a module's params as partial ",
+                  "over TP, so it applies to a norm-like module that has some");
     }
   }
   if (sp) {
     for (const auto& item : model.named_modules("", false)) {
-      if (!dynamic_cast<tp::LayerNormImpl*>(item.value().get())) continue;
+      const bool layer_norm = dynamic_cast<tp::LayerNormImpl*>(item.value().get()) != nullptr ||
+                              dynamic_cast<torch::nn::LayerNormImpl*>(item.value().get()) != nullptr;
+      if (!layer_norm) continue;
       bool covered = false;
       for (const Match& m : matches) covered = covered || m.path == item.key();
       TORCH_CHECK(covered, "parallelize: under sequence parallelism every LayerNorm runs on a sequence shard, so '",
@@ -98,9 +105,20 @@ void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::ve
     } else if (std::holds_alternative<SequenceSharded>(style)) {
       if (sp) dynamic_cast<tp::EmbeddingImpl&>(*m.module).parallelize_sequence_sharded(g);
     } else if (sp) {
-      dynamic_cast<tp::LayerNormImpl&>(*m.module).parallelize_sequence_parallel();
+      for (const auto& param : m.module->parameters(/*recurse=*/true)) {
+        set_placement(param, Placement::partial_grad(g->getGroupName()));
+      }
     }
   }
+}
+
+void declare_sequence_parallel_param(const at::Tensor& param, const DeviceMesh& mesh, const std::string& tp_dim) {
+  const auto& group = mesh[tp_dim];
+  TORCH_CHECK(param.defined(), "declare_sequence_parallel_param: the param is an undefined tensor");
+  const Placement current = get_placement(param);
+  TORCH_CHECK(!current.is_shard(), "declare_sequence_parallel_param: the param is already sharded (", current.str(),
+              "); only replicated params can have gradients that are partial over TP");
+  if (group->getSize() > 1) set_placement(param, Placement::partial_grad(group->getGroupName()));
 }
 
 }  // namespace meshddp

@@ -13,8 +13,11 @@
 //
 // Validation (before anything changes; every message names the module, the style and the sizes):
 // a pattern that matches nothing; a style on a module of the wrong type; a sharded size (features,
-// heads, vocab) not divisible by the TP size; under sequence parallelism, a LayerNorm left out of
-// the plan (its gradient would be partial over TP without anyone summing it).
+// heads, vocab) not divisible by the TP size; under sequence parallelism, a LayerNorm (meshddp's or
+// torch's) left out of the plan (its gradient would be partial over TP without anyone summing it).
+// Norms of other types (a user's RMSNorm, a qk-norm) cannot be recognised: give them
+// SequenceParallelNorm in the plan, or declare their params with declare_sequence_parallel_param();
+// DDP's TP-replica check (DdpConfig::tp_replica_check_interval) names any that slip through.
 #pragma once
 
 #include "mesh/device_mesh.h"
@@ -37,7 +40,10 @@ struct ColwiseParallel {
 struct RowwiseParallel {};       // Linear: split input features; its input is a column-parallel output
 struct VocabParallel {};         // Embedding: split the vocabulary (lookup and tied output projection)
 struct SequenceSharded {};       // Embedding (positions): replicated; output sharded along the sequence (SP only)
-struct SequenceParallelNorm {};  // LayerNorm between TP regions: runs on the sequence shard (SP only)
+// Any module applied to sequence-sharded activations under SP whose params are replicated (a
+// LayerNorm, torch::nn::LayerNorm, a user's RMSNorm, a qk-norm): all its params get gradients that
+// are partial sums over TP, summed by DDP once per step. No-op without SP.
+struct SequenceParallelNorm {};
 using TpStyle = std::variant<ColwiseParallel, RowwiseParallel, VocabParallel, SequenceSharded, SequenceParallelNorm>;
 
 struct PlanEntry {
@@ -52,5 +58,11 @@ struct ParallelizeOptions {
 
 void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::vector<PlanEntry>& plan,
                  const ParallelizeOptions& options = {});
+
+// Declares one replicated param whose gradient is a partial sum over the mesh's TP dim (it is applied
+// to sequence-sharded activations): DDP sums its gradient over TP once per step. For params the plan
+// styles cannot reach (e.g. a gain inside a user's attention). No-op when the TP dim has size 1.
+// Call before wrapping the model in DistributedDataParallel.
+void declare_sequence_parallel_param(const at::Tensor& param, const DeviceMesh& mesh, const std::string& tp_dim = "tp");
 
 }  // namespace meshddp

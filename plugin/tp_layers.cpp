@@ -12,11 +12,22 @@ namespace {
 
 bool active(Group* g) { return g != nullptr && g->getSize() > 1; }
 
-// Keeps this rank's chunk of `param` along `dim` (in place: same TensorImpl) and records it.
-void shard_param(torch::Tensor& param, int64_t dim, Group& tp) {
+// Keeps this rank's chunk of `param` along `dim` (in place: same TensorImpl) and records it. A
+// tensor that is already this shard (a tied weight that another plan entry parallelized first, e.g.
+// an LM head sharing the vocab-parallel embedding) is left as it is: one tensor is sharded once.
+void shard_param(torch::Tensor& param, int64_t dim, Group& tp, const char* layer) {
+  const Placement current = get_placement(param);
+  if (current.is_shard()) {
+    TORCH_CHECK(current.dim == dim && current.tp_size == tp.getSize() && current.group == tp.getGroupName(),
+                "parallelize: a ", layer, "'s weight is already sharded as ", current.str(), " over group '",
+                current.group, "' (a tensor tied to a layer that another plan entry parallelized) and cannot also be ",
+                "Shard(", dim, ") over group '", tp.getGroupName(), "'; give tied layers styles that split the ",
+                "shared tensor the same way (e.g. VocabParallel embedding + ColwiseParallel LM head)");
+    return;
+  }
   torch::NoGradGuard no_grad;
   param.set_data(local_chunk(param.detach(), dim, tp).clone());
-  set_placement(param, Placement::shard(dim, tp.getSize(), tp.getRank()));
+  set_placement(param, Placement::shard(dim, tp.getSize(), tp.getRank(), tp.getGroupName()));
 }
 
 }  // namespace
@@ -29,6 +40,12 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) : in_features(in
     bias = register_parameter("bias", torch::empty({out}));
     torch::nn::init::uniform_(bias, -bound, bound);
   }
+}
+
+LinearImpl::LinearImpl(torch::Tensor shared_weight)
+    : in_features(shared_weight.size(1)), out_features(shared_weight.size(0)) {
+  TORCH_CHECK(shared_weight.dim() == 2, "tp::Linear: a shared weight must be 2-D [out, in], got ", shared_weight.sizes());
+  weight = register_parameter("weight", std::move(shared_weight));
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
@@ -54,8 +71,8 @@ void LinearImpl::parallelize_colwise(Group* tp, bool sequence_parallel, bool gat
   sequence_parallel_ = sequence_parallel;
   gather_output_ = gather_output;
   if (!active(tp)) return;
-  shard_param(weight, 0, *tp);
-  if (bias.defined()) shard_param(bias, 0, *tp);
+  shard_param(weight, 0, *tp, "column-parallel Linear");
+  if (bias.defined()) shard_param(bias, 0, *tp, "column-parallel Linear");
 }
 
 void LinearImpl::parallelize_rowwise(Group* tp, bool sequence_parallel) {
@@ -63,10 +80,12 @@ void LinearImpl::parallelize_rowwise(Group* tp, bool sequence_parallel) {
   tp_ = tp;
   sequence_parallel_ = sequence_parallel;
   if (!active(tp)) return;
-  shard_param(weight, 1, *tp);
+  shard_param(weight, 1, *tp, "row-parallel Linear");
   // The bias is added after the reduction: every rank adds the same bias. Under sequence
   // parallelism each rank adds it to its sequence chunk only, so its gradient is partial over TP.
-  if (bias.defined()) set_placement(bias, sequence_parallel ? Placement::partial_grad() : Placement::replicate());
+  if (bias.defined()) {
+    set_placement(bias, sequence_parallel ? Placement::partial_grad(tp->getGroupName()) : Placement::replicate());
+  }
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t d) : num_embeddings(num), dim(d) {
@@ -98,7 +117,7 @@ void EmbeddingImpl::parallelize_vocab(Group* tp, bool sequence_parallel) {
   mode_ = Mode::kVocabParallel;
   tp_ = tp;
   sequence_parallel_ = sequence_parallel;
-  if (active(tp)) shard_param(weight, 0, *tp);
+  if (active(tp)) shard_param(weight, 0, *tp, "vocab-parallel Embedding");
 }
 
 void EmbeddingImpl::parallelize_sequence_sharded(Group* tp) {
@@ -112,11 +131,6 @@ LayerNormImpl::LayerNormImpl(int64_t d, double e) : dim(d), eps(e) {
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) { return torch::layer_norm(x, {dim}, weight, bias, eps); }
-
-void LayerNormImpl::parallelize_sequence_parallel() {
-  set_placement(weight, Placement::partial_grad());
-  set_placement(bias, Placement::partial_grad());
-}
 
 namespace {
 

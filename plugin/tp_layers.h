@@ -26,6 +26,10 @@ namespace meshddp::tp {
 class LinearImpl : public torch::nn::Module {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
+  // A bias-free layer whose weight IS `shared_weight` [out, in] (the same tensor, registered here
+  // too): tied weights, e.g. an LM head sharing the token embedding. DDP treats the tensor as one
+  // parameter; a plan may give both layers styles that shard it the same way (it is sharded once).
+  explicit LinearImpl(torch::Tensor shared_weight);
   torch::Tensor forward(const torch::Tensor& x);
 
   void parallelize_colwise(Group* tp, bool sequence_parallel, bool gather_output);
@@ -69,12 +73,12 @@ TORCH_MODULE(Embedding);
 
 // LayerNorm over the last dim (weight 1, bias 0, eps 1e-5). Under sequence parallelism it runs on
 // this rank's sequence shard, so its weight and bias gradients are partial sums over TP: the plan
-// marks them PartialGrad and DDP sums them over TP in the gradient sync.
+// (SequenceParallelNorm, which takes any norm module) marks them PartialGrad and DDP sums them
+// over TP in the gradient sync.
 class LayerNormImpl : public torch::nn::Module {
  public:
   explicit LayerNormImpl(int64_t dim, double eps = 1e-5);
   torch::Tensor forward(const torch::Tensor& x);
-  void parallelize_sequence_parallel();
 
   torch::Tensor weight, bias;
   const int64_t dim;

@@ -20,6 +20,10 @@ struct Config {
   int64_t heads = 4;
   int64_t layers = 2;
   int64_t mlp_ratio = 4;
+  // The LM head as a module of its own ("lm_head", a tp::Linear) whose weight IS the token
+  // embedding's tensor, registered under both names (how C++ models usually tie weights). Same
+  // math as wte->unembed(); DDP must see one parameter.
+  bool lm_head_module = false;
   int64_t head_dim() const { return dim / heads; }
 };
 
@@ -82,17 +86,19 @@ struct GptImpl : torch::nn::Module {
         ln_f(register_module("ln_f", meshddp::tp::LayerNorm(c.dim))) {
     for (int64_t l = 0; l < c.layers; ++l) blocks->push_back(Block(c));
     register_module("blocks", blocks);
+    if (c.lm_head_module) lm_head = register_module("lm_head", meshddp::tp::Linear(wte->weight));
   }
   // ids [B, T] -> logits [B, T, vocab] (this rank's vocab shard once parallelized).
   torch::Tensor forward(const torch::Tensor& ids) {
     auto positions = torch::arange(ids.size(1), torch::kLong).unsqueeze(0);
     auto h = wte(ids) + wpe(positions);
     for (const auto& block : *blocks) h = block->as<BlockImpl>()->forward(h);
-    return wte->unembed(ln_f(h));
+    return lm_head ? lm_head(ln_f(h)) : wte->unembed(ln_f(h));
   }
   meshddp::tp::Embedding wte, wpe;
   torch::nn::ModuleList blocks;
   meshddp::tp::LayerNorm ln_f;
+  meshddp::tp::Linear lm_head{nullptr};
 };
 TORCH_MODULE(Gpt);
 

@@ -10,7 +10,7 @@ namespace gpt {
 inline std::vector<meshddp::PlanEntry> tp_plan(const Config& c) {
   using namespace meshddp;
   const ColwiseParallel heads{.unit = c.head_dim(), .unit_name = "heads"};
-  return {
+  std::vector<PlanEntry> plan{
       {"wte", VocabParallel{}},                 // vocab-split lookup; tied LM head gives vocab-split logits
       {"wpe", SequenceSharded{}},               // under SP: each rank keeps its sequence chunk
       {"blocks.*.attn.q", heads},               // heads split across TP ranks
@@ -22,6 +22,10 @@ inline std::vector<meshddp::PlanEntry> tp_plan(const Config& c) {
       {"blocks.*.ln*", SequenceParallelNorm{}}, // under SP: norms on sequence shards, partial grads
       {"ln_f", SequenceParallelNorm{}},
   };
+  // A tied LM head module shares wte's tensor: column-parallel splits it on the vocab dim, as
+  // VocabParallel already did (it is sharded once), giving vocab-split logits like unembed().
+  if (c.lm_head_module) plan.push_back({"lm_head", ColwiseParallel{}});
+  return plan;
 }
 
 }  // namespace gpt

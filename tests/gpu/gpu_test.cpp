@@ -99,7 +99,13 @@ void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::
   EXPECT_LE(max_diff, 1e-5);
 }
 
+// At world size 1 meshddp skips its collectives; this binary forces them (MESHDDP_FORCE_COLLECTIVES,
+// read once per process, hence set before main) so the NCCL runs exercise the bucket collectives,
+// the param all-gather and their stream ordering on the one GPU.
+const bool kForceCollectives = setenv("MESHDDP_FORCE_COLLECTIVES", "1", 1) == 0;
+
 std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr) {
+  EXPECT_TRUE(kForceCollectives);
   setenv("LOCAL_RANK", "0", 1);
   auto store = c10::make_intrusive<c10d::HashStore>();
   MeshOptions options;

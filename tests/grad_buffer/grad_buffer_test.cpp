@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 using namespace meshddp;
@@ -220,6 +221,30 @@ TEST(GradBuffer, NonFiniteCountsStayExactWhenTheBucketSumOverflows) {
   });
 }
 
+// MESHDDP_DEBUG_SYNC=1 checks every bucket collective's (index, kind, numel, dtype) across the
+// group before launching it. Two GradBuffers built on different param lists (DDP's construction
+// check would refuse them) launch buckets of different sizes: named, instead of a hang or garbage.
+TEST(GradBuffer, DebugSyncModeNamesTheFirstDivergentBucketCollective) {
+  setenv("MESHDDP_DEBUG_SYNC", "1", 1);
+  std::vector<std::string> errors(2);
+  test::run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    const int64_t n = mesh.rank() == 0 ? 3 : 5;
+    auto p = at::zeros({n}).requires_grad_(true);
+    GradBufferConfig config;
+    GradBuffer buffer({{"w", p}}, mesh["dp"], config);
+    errors[mesh.rank()] = error_of([&] {
+      torch::autograd::backward({(p * 2).sum()});
+      buffer.finish_grad_sync();
+    });
+  });
+  unsetenv("MESHDDP_DEBUG_SYNC");
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, HasSubstr("GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks"));
+    EXPECT_THAT(e, HasSubstr("rank 0 launches [bucket index, kind, numel, dtype] = [0 all-reduce 3 Float] while rank 1 "
+                             "launches [0 all-reduce 5 Float]"));
+  }
+}
+
 TEST(GradBufferConfig, RejectsAnAbsurdBucketSize) {
   GradBufferConfig config;
   config.bucket_bytes = size_t{1} << 50;
@@ -229,14 +254,16 @@ TEST(GradBufferConfig, RejectsAnAbsurdBucketSize) {
 // A TP-partial gradient must come out as the TP sum of the DP mean: with rank r writing 2^r on a
 // 2 x 2 mesh, sum over all ranks / DP size, exactly (no other group gives it); a replicated one as
 // the DP mean over its own DP group only. Also in ZeRO-1 mode (the partial bucket is all-reduced,
-// the others reduce-scattered).
+// the others reduce-scattered), with one bucket per buffer so that each DP rank owns a whole param
+// of the replicated bucket: 'layer2' (7 elements at offset 0) on DP rank 0, 'layer0' (3 at offset
+// 64) on DP rank 1, of a bucket padded to 128.
 TEST(GradBuffer, SumsTpPartialGradientsOverTpAndAveragesOverDpOnTwoByTwoMesh) {
   for (bool zero1 : {false, true}) {
     test::run_on_mesh({2, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
       auto params = make_params();
       set_placement(params[1].param, Placement::partial_grad());
       set_placement(params[3].param, Placement::partial_grad());
-      GradBufferConfig config = one_bucket_per_param();
+      GradBufferConfig config = zero1 ? GradBufferConfig{} : one_bucket_per_param();
       config.use_distributed_optimizer = zero1;
       GradBuffer buffer(params, SyncGroups{mesh["dp"], mesh.world(), mesh.coordinate("tp"), 2}, config);
       backward_with_grads(params, std::vector<double>(4, 1 << mesh.rank()), {0, 1, 2, 3});
@@ -244,22 +271,27 @@ TEST(GradBuffer, SumsTpPartialGradientsOverTpAndAveragesOverDpOnTwoByTwoMesh) {
       const double partial = (1 + 2 + 4 + 8) / 2.0;
       double replicated = 0;
       for (int64_t r : mesh.group_ranks("dp")) replicated += (1 << r) / 2.0;
+      int64_t checked = 0;
       for (size_t i = 0; i < params.size(); ++i) {
         const bool is_partial = i == 1 || i == 3;
         at::Tensor got = buffer.main_grad(i).reshape({-1});
         if (zero1 && !is_partial) {
           // Reduce-scatter leaves only this rank's shard of a replicated bucket valid: check the
-          // param's elements inside it (every param here fits in DP rank 0's shard).
+          // param's elements inside it.
           const auto& slot = buffer.layout().slots[i];
           const auto& span = buffer.layout().buckets[slot.bucket];
           const int64_t shard = span.numel() / 2, begin = span.begin + mesh.coordinate("dp") * shard;
           const int64_t lo = std::max(slot.offset, begin), hi = std::min(slot.offset + slot.numel, begin + shard);
-          ASSERT_EQ(std::max<int64_t>(0, hi - lo), mesh.coordinate("dp") == 0 ? slot.numel : 0);
-          got = hi > lo ? got.narrow(0, lo - slot.offset, hi - lo) : got.narrow(0, 0, 0);  // DP rank 1 owns none of it
+          if (hi <= lo) continue;  // owned by the other DP rank
+          got = got.narrow(0, lo - slot.offset, hi - lo);
         }
+        checked += got.numel();
         EXPECT_TRUE(at::all(got == (is_partial ? partial : replicated)).item<bool>())
             << params[i].name << " on rank " << mesh.rank() << " zero1=" << zero1 << ": " << got;
       }
+      // partial params (5 + 11) plus, with ZeRO-1, the replicated param this DP rank owns (7 or 3).
+      const int64_t owned = !zero1 ? 3 + 5 + 7 + 11 : 5 + 11 + (mesh.coordinate("dp") == 0 ? 7 : 3);
+      EXPECT_EQ(checked, owned) << "rank " << mesh.rank() << " zero1=" << zero1;
     });
   }
 }

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <chrono>
 #include <cstdlib>
 
 using namespace meshddp;
@@ -97,4 +98,27 @@ TEST(DeviceMesh, FromEnvNamesTheMissingVariable) {
   }
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
   if (saved) setenv("MASTER_PORT", saved_value.c_str(), 1);
+}
+
+// Ranks that disagree on the mesh shape would wait for different groups' rendezvous until the
+// 10-minute store timeout; they must all fail at once, naming rank 0's shape and the other one.
+TEST(DeviceMesh, ShapesThatDifferAcrossRanksFailWithinSecondsNamingBoth) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(4);
+  const auto start = std::chrono::steady_clock::now();
+  test::run_ranks(4, [&](int rank) {
+    const std::vector<int64_t> sizes = rank == 3 ? std::vector<int64_t>{4, 1} : std::vector<int64_t>{2, 2};
+    try {
+      DeviceMesh::from_store(store, rank, 4, sizes, {"dp", "tp"});
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 10.0);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_THAT(errors[r], HasSubstr("DeviceMesh: the ranks disagree on the mesh shape: rank 0 has dp(2) x tp(2), "
+                                     "rank 3 has dp(4) x tp(1)"))
+        << "rank " << r;
+  }
 }

@@ -35,7 +35,10 @@ TEST(DistributedDataParallel, RejectsModelsThatDifferAcrossRanksNamingTheParamAn
       EXPECT_THAT(msg, HasSubstr("'fc1.weight' Float [8, 4] trainable on DP rank 0 (global rank 0)"));
       EXPECT_THAT(msg, HasSubstr("'fc1.weight' Float [9, 4] trainable on DP rank 1 (global rank 2)"));
     } else {
-      EXPECT_EQ(msg, "(no error)") << "the DP group {1, 3} has identical models";
+      // The DP group {1, 3} agrees, but every rank of the mesh stops (all or nothing): otherwise
+      // these two would go on alone and hang in the next mesh-wide collective.
+      EXPECT_THAT(msg, HasSubstr("the model differs across the data-parallel ranks of another DP group of this mesh "
+                                 "(2 rank(s) report it"));
     }
   });
 }
@@ -144,4 +147,82 @@ TEST(DistributedDataParallel, Bf16ParamsWithFp32MainGradsMatchGolden) {
     EXPECT_TRUE(torch::equal(result[0][i], result[3][i]));
   }
   std::cout << "[ bf16: max |ddp - golden| = " << max_diff << " ]" << std::endl;
+}
+
+// Settings that differ across ranks would pair a reduce-scatter with an all-reduce (a SIGABRT
+// inside Gloo) or mismatched buckets: DDP compares them over the whole mesh before any such
+// collective and names the setting and every rank's value.
+TEST(DistributedDataParallel, RejectsSettingsThatDifferAcrossRanksNamingTheSettingAndEachRanksValue) {
+  run_on_mesh({2, 2}, {"dp", "tp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DdpConfig config;
+    config.use_distributed_optimizer = mesh.rank() == 3;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                HasSubstr("the DdpConfig settings differ across the ranks of group 'meshddp/world/ranks=0,1,2,3' "
+                          "(rank " + std::to_string(mesh.rank()) + " of 4): 'use_distributed_optimizer' is rank 0: false, rank 1: false, rank 2: false, "
+                          "rank 3: true"));
+  });
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DdpConfig config;
+    config.bucket_bytes = mesh.rank() == 0 ? 1024 : 2048;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                HasSubstr("'bucket_bytes' is rank 0: 1024, rank 1: 2048"));
+  });
+}
+
+// broadcast_buffers (PyTorch's default): each training forward uses DP rank 0's buffers; an
+// evaluation forward (no grad) does not broadcast (it may run on one rank only); off, each rank
+// keeps its own.
+TEST(DistributedDataParallel, BroadcastsBuffersFromDpRankZeroBeforeEachTrainingForward) {
+  struct Scaled : torch::nn::Module {
+    Scaled() {
+      w = register_parameter("w", torch::ones({2}));
+      scale = register_buffer("scale", torch::ones({1}));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return x * w * scale; }
+    torch::Tensor w, scale;
+  };
+  for (bool broadcast : {true, false}) {
+    run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+      auto model = std::make_shared<Scaled>();
+      DdpConfig config;
+      config.broadcast_buffers = broadcast;
+      DistributedDataParallel ddp(model, mesh, "dp", config);
+      model->scale.fill_(10.0 + mesh.rank());  // e.g. running statistics that drifted apart
+      {
+        torch::NoGradGuard no_grad;
+        EXPECT_EQ(ddp.forward(torch::ones({2}))[0].item<double>(), 10.0 + mesh.rank()) << "evaluation broadcasts nothing";
+      }
+      auto out = ddp.forward(torch::ones({2}));
+      EXPECT_EQ(out[0].item<double>(), broadcast ? 10.0 : 10.0 + mesh.rank()) << "rank " << mesh.rank();
+      out.sum().backward();
+      ddp.finish_grad_sync();
+    });
+  }
+}
+
+// load_state_dict copies every param and buffer (strictly: names and shapes checked first) and
+// names what is wrong.
+TEST(DistributedDataParallel, LoadStateDictIsStrictAndNamesTheOffendingEntry) {
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    Mlp other = make_mlp(2, 4, 8, 2);
+    auto state = other->named_parameters();
+    ddp.load_state_dict(state);
+    for (const auto& item : other->named_parameters()) {
+      EXPECT_TRUE(torch::equal(model->named_parameters()[item.key()], item.value())) << item.key();
+    }
+    torch::OrderedDict<std::string, torch::Tensor> missing;
+    missing.insert("fc1.weight", state["fc1.weight"]);
+    EXPECT_THAT(error_of([&] { ddp.load_state_dict(missing); }), HasSubstr("'fc1.bias' is missing from the state"));
+    auto wrong = state;
+    wrong["fc2.bias"] = torch::zeros({3});
+    EXPECT_THAT(error_of([&] { ddp.load_state_dict(wrong); }), HasSubstr("'fc2.bias' has shape [3] but the module's"));
+    auto extra = state;
+    extra.insert("fc9.weight", torch::zeros({1}));
+    EXPECT_THAT(error_of([&] { ddp.load_state_dict(extra); }),
+                HasSubstr("'fc9.weight' is not a parameter or buffer of the wrapped module"));
+  });
 }

@@ -32,6 +32,8 @@ struct Scenario {
   Opt opt = Opt::kSgd;
   bool side_layer_every_third_step = false;  // params unused on 2 of 3 steps
   DdpConfig config;
+  bool create_graph = false;        // backward(create_graph=true) on every micro-batch
+  bool evaluate_on_rank0 = false;   // rank 0 alone runs a no-grad forward between steps
 };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
@@ -83,10 +85,14 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
         auto xm = shard_rows(micro_rows(x, m, s.micro_batches), r, s.world);
         auto ym = shard_rows(micro_rows(y, m, s.micro_batches), r, s.world);
         auto loss = torch::mse_loss(ddp.forward(xm, use_side(s, step)), ym) / s.micro_batches;
-        loss.backward();
+        loss.backward({}, /*retain_graph=*/std::nullopt, /*create_graph=*/s.create_graph);
       }
       ddp.finish_grad_sync();
       opt->step();
+      if (s.evaluate_on_rank0 && mesh.rank() == 0) {
+        torch::NoGradGuard no_grad;  // an evaluation forward: no graph, no backward, on this rank only
+        (void)ddp.forward(x, /*use_side=*/true);
+      }
     }
     for (auto& p : model->parameters()) per_rank[mesh.rank()].push_back(p.detach().clone());
   });
@@ -138,18 +144,42 @@ TEST(DistributedDataParallel, AdamMatchesSingleProcessTrainingOnFourRanks) {
   expect_matches_golden({.world = 4, .opt = Opt::kAdam, .config = bucket_bytes(1024)});
 }
 
+// Each layout variant runs with SGD too: Adam's update barely changes when every gradient is
+// scaled, so a lost or doubled 1/DP would pass with Adam alone.
 TEST(DistributedDataParallel, MatchesGoldenWithOneParamPerBucket) {
   expect_matches_golden({.world = 4, .opt = Opt::kAdam, .config = bucket_bytes(0)});
+  expect_matches_golden({.world = 4, .opt = Opt::kSgd, .config = bucket_bytes(0)});
 }
 
 TEST(DistributedDataParallel, MatchesGoldenWithEverythingInOneBucket) {
   expect_matches_golden({.world = 4, .opt = Opt::kAdam, .config = bucket_bytes(size_t{1} << 30)});
+  expect_matches_golden({.world = 4, .opt = Opt::kSgd, .config = bucket_bytes(size_t{1} << 30)});
 }
 
 TEST(DistributedDataParallel, MatchesGoldenWithOverlapOff) {
   DdpConfig config = bucket_bytes(1024);
   config.overlap_grad_reduce = false;
   expect_matches_golden({.world = 4, .opt = Opt::kAdam, .config = config});
+  expect_matches_golden({.world = 4, .opt = Opt::kSgd, .config = config});
+}
+
+// backward(create_graph=true) makes AccumulateGrad replace .grad by `.grad + new` out of place; the
+// slot must still get each micro-batch's gradient once (not the slot's earlier contents again).
+TEST(DistributedDataParallel, MatchesGoldenWithCreateGraphAndFourMicroBatches) {
+  expect_matches_golden({.world = 2, .micro_batches = 4, .opt = Opt::kSgd, .config = bucket_bytes(1024), .create_graph = true});
+  DdpConfig one_param_per_bucket_no_overlap = bucket_bytes(0);
+  one_param_per_bucket_no_overlap.overlap_grad_reduce = false;
+  expect_matches_golden({.world = 2, .micro_batches = 4, .opt = Opt::kSgd, .config = one_param_per_bucket_no_overlap,
+                         .create_graph = true});
+}
+
+// With find_unused_parameters, an evaluation forward (no grad) on one rank between steps must not
+// mark params ready or launch buckets: it would throw on the next forward, or hang the other ranks.
+TEST(DistributedDataParallel, EvaluationForwardOnOneRankBetweenStepsLeavesTheSyncAlone) {
+  DdpConfig config = bucket_bytes(1024);
+  config.find_unused_parameters = true;
+  expect_matches_golden({.world = 2, .opt = Opt::kSgd, .side_layer_every_third_step = true, .config = config,
+                         .evaluate_on_rank0 = true});
 }
 
 TEST(DistributedDataParallel, MatchesGoldenWithFourAccumulatedMicroBatches) {

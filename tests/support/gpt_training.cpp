@@ -8,7 +8,9 @@
 #include "plugin/tp_layers.h"
 #include "tests/support/rank_threads.h"
 
+#include <cmath>
 #include <mutex>
+#include <set>
 
 namespace meshddp::test {
 namespace {
@@ -22,7 +24,45 @@ gpt::Gpt build_model(const gpt::Config& c) {
 
 constexpr double kLr = 1e-2;
 
+// Each trainable param's synced gradient after finish_grad_sync(), in ddp.parameters() order. With
+// ZeRO-1 only this DP rank's shard of each bucket holds the DP mean: the elements it owns are
+// filled in and the rest are NaN (so a comparison cannot pass on stale values).
+std::vector<torch::Tensor> synced_grads(DdpEngine& ddp, const DistributedOptimizer* zero) {
+  const GradBuffer& buffer = ddp.grad_buffer();
+  std::vector<torch::Tensor> by_buffer_index;
+  for (size_t i = 0; i < buffer.params().size(); ++i) {
+    const auto& g = buffer.main_grad(static_cast<int64_t>(i));
+    by_buffer_index.push_back(zero ? torch::full_like(g, std::nan("")) : g.clone());
+  }
+  if (zero) {
+    for (const BucketShard& shard : zero->shards()) {
+      const at::Tensor data = buffer.bucket_shard(shard.bucket);
+      for (const ShardSegment& seg : shard.segments) {
+        by_buffer_index[seg.param].view({-1}).narrow(0, seg.param_offset, seg.numel)
+            .copy_(data.narrow(0, seg.shard_offset, seg.numel));
+      }
+    }
+  }
+  // ddp.parameters() lists frozen params too (none in the GPT); map by tensor identity.
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ddp.parameters()) {
+    for (size_t i = 0; i < buffer.params().size(); ++i) {
+      if (buffer.params()[i].param.is_same(p)) out.push_back(by_buffer_index[i]);
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
 
 torch::Tensor local_part(const torch::Tensor& golden, const Placement& p) {
   if (!p.is_shard()) return golden;
@@ -32,7 +72,8 @@ torch::Tensor local_part(const torch::Tensor& golden, const Placement& p) {
 GptRun train_gpt_golden(const GptScenario& s) {
   GptRun run;
   gpt::Gpt model = build_model(s.model);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+  const auto params = unique_parameters(*model);
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(kLr).weight_decay(0.0));
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
     auto [ids, targets] = gpt::make_batch(s.model, kGptSeed, step, s.global_batch);
@@ -46,25 +87,27 @@ GptRun train_gpt_golden(const GptScenario& s) {
     }
     run.losses.push_back(loss_sum);
     if (step == 0) {
-      for (auto& p : model->parameters()) run.first_grads.push_back(p.grad().clone());
+      for (auto& p : params) run.first_grads.push_back(p.grad().clone());
     }
-    if (s.clip > 0) run.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), s.clip));
+    if (s.clip > 0) run.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(params, s.clip));
     opt.step();
   }
-  for (auto& p : model->parameters()) run.params.push_back(p.detach().clone());
+  for (auto& p : params) run.params.push_back(p.detach().clone());
   return run;
 }
 
 std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
   std::vector<GptRun> runs(s.dp * s.tp);
-  run_on_mesh({s.dp, s.tp}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+  const std::string& dp_dim = s.dims[0];
+  const std::string& tp_dim = s.dims[1];
+  run_on_mesh({s.dp, s.tp}, s.dims, [&](DeviceMesh& mesh) {
     GptRun& run = runs[mesh.rank()];
     gpt::Gpt model = build_model(s.model);
-    parallelize(*model, mesh, gpt::tp_plan(s.model), {.sequence_parallel = s.sequence_parallel});
+    parallelize(*model, mesh, gpt::tp_plan(s.model), {.sequence_parallel = s.sequence_parallel, .tp_dim = tp_dim});
     DdpConfig config;
     config.bucket_bytes = s.bucket_bytes;
     config.use_distributed_optimizer = s.distributed_optimizer;
-    DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    DistributedDataParallel ddp(model.ptr(), mesh, dp_dim, config);
     std::unique_ptr<torch::optim::AdamW> opt;
     std::unique_ptr<DistributedOptimizer> zero;
     if (s.distributed_optimizer) {
@@ -75,10 +118,10 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       zero = std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), oc);
       if (!s.load_dir.empty()) zero->load_checkpoint(s.load_dir);
     } else {
-      opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+      opt = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
     }
-    const int64_t dp_rank = mesh.coordinate("dp"), local = s.global_batch / s.dp;
-    tp::Group* tp_group = mesh["tp"].get();
+    const int64_t dp_rank = mesh.coordinate(dp_dim);
+    tp::Group* tp_group = mesh[tp_dim].get();
     for (int step = s.first_step; step < s.steps; ++step) {
       if (step == s.save_before_step) zero->save_checkpoint(s.save_dir);
       ddp.zero_grad_buffer();
@@ -91,32 +134,26 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
         auto logits = ddp.forward(rows(ids));
         auto loss = tp::cross_entropy(logits.view({-1, logits.size(-1)}), rows(targets).reshape({-1}), tp_group) /
                     s.micro_batches;
-        loss.backward();
+        loss.backward(/*gradient=*/{}, /*retain_graph=*/std::nullopt, /*create_graph=*/s.create_graph);
         loss_sum += loss.item<double>();
       }
       at::Tensor global_loss = at::full({1}, loss_sum / s.dp, at::kDouble);
-      all_reduce_sum_now(*mesh["dp"], global_loss, "test loss");
+      all_reduce_sum_now(*mesh[dp_dim], global_loss, "test loss");
       run.losses.push_back(global_loss.item<double>());
+      ddp.finish_grad_sync();
+      if (step == 0) run.first_grads = synced_grads(ddp, zero.get());
       if (zero) {
         auto result = zero->step();
         run.grad_norms.push_back(result.grad_norm);
-        if (step == 0) {
-          // With ZeRO-1 only this rank's shard of each grad bucket is reduced; skip the grad check.
-        }
       } else {
-        ddp.finish_grad_sync();
-        if (step == 0) {
-          for (auto& p : model->parameters()) run.first_grads.push_back(p.grad().clone());
-        }
         opt->step();
       }
     }
     if (zero) zero->finish_param_sync();
-    for (auto& p : model->parameters()) {
+    for (auto& p : ddp.parameters()) {
       run.params.push_back(p.detach().clone());
       run.placements.push_back(get_placement(p));
     }
-    (void)local;
   });
   return runs;
 }

@@ -20,6 +20,8 @@ struct GptScenario {
   int64_t global_batch = 8;
   size_t bucket_bytes = 4096;
   gpt::Config model{};
+  std::vector<std::string> dims = {"dp", "tp"};  // the mesh's dim names (DP first, then TP)
+  bool create_graph = false;             // backward(create_graph=true) on every micro-batch
   // Checkpoints (distributed optimizer only): save into `save_dir` before step `save_before_step`;
   // or start at step `first_step` from `load_dir`.
   std::string save_dir;
@@ -31,6 +33,7 @@ struct GptScenario {
 struct GptRun {
   std::vector<double> losses;                 // per step, mean over the global batch
   std::vector<torch::Tensor> first_grads;     // golden: full grads of step 0; distributed: rank-local
+                                              // (ZeRO-1: NaN outside the elements this DP rank owns)
   std::vector<torch::Tensor> params;          // final; distributed: rank-local shards
   std::vector<double> grad_norms;             // per step (clipping runs only)
   std::vector<Placement> placements;          // distributed: each param's placement on this rank
@@ -43,6 +46,11 @@ GptRun train_gpt_golden(const GptScenario& s);
 
 // Every rank's run (index = global rank) on a dp x tp mesh.
 std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s);
+
+// The module's parameters, each tensor once (tied weights are registered under two names), in
+// order of first appearance: what the golden's optimizer must get. Written here rather than taken
+// from meshddp, so that the golden does not depend on the code under test.
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module);
 
 // The part of a golden tensor that a rank holding a param with placement `p` has.
 torch::Tensor local_part(const torch::Tensor& golden, const Placement& p);
