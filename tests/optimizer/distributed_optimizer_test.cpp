@@ -7,11 +7,12 @@
 // allow 2e-6, still far below what a wrong shard, a missed clip or a stale param gives (>= 1e-4).
 // bf16 params with fp32 master weights: the golden's gradients are bf16 GEMM results over the whole
 // batch, the distributed ones fp32 sums of per-rank bf16 results: they differ by ~2^-8 relative each
-// step. Adam normalises the update to ~lr whatever the gradient's size, so for elements whose
-// gradient is near zero a rounding difference can move them by up to lr (1e-2) in the other
-// direction; and a bf16 copy may sit one ulp (<= 2^-7 |w|) away. Measured after 20 steps: max
-// |diff| 0.0088, at most 0.0049 beyond 2^-6 |w|. We allow 2^-6 |golden| + 1e-2 (one step's worth of
-// update); the fp32 tests are the sharp check of the sharded arithmetic.
+// step, and a bf16 copy of a master may then round one ulp (<= 2^-7 |w|) the other way. Beyond that
+// ulp: with SGD the difference stays ~lr x the gradient difference: measured 6.8e-5 after 20 steps
+// (4 ranks), allowed 2e-4 (3x), while a lost 1/DP moves params by ~1e-2. With AdamW, whose update
+// is ~lr whatever the gradient's size, a rounding flip of a near-zero gradient can move an element
+// by up to lr (1e-2) the other way: measured 6.9e-3 (2 ranks, clipping), allowed 1e-2 (one step's
+// update). So SGD is the sharp bf16 check; the fp32 tests are the sharp check of the arithmetic.
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
 
@@ -27,8 +28,8 @@ using ::testing::HasSubstr;
 namespace {
 
 constexpr double kFp32Tol = 2e-6;
-constexpr double kBf16AdamExcess = 1e-2;  // see the header: up to one lr step for near-zero gradients
-constexpr double kBf16SgdExcess = 1e-2;
+constexpr double kBf16AdamExcess = 1e-2;  // beyond one bf16 ulp; see the header
+constexpr double kBf16SgdExcess = 2e-4;
 
 void expect_matches_golden(const ZeroScenario& s) {
   auto golden = train_zero_golden(s);
