@@ -20,8 +20,8 @@ struct GptScenario {
   int64_t global_batch = 8;
   size_t bucket_bytes = 4096;
   gpt::Config model{};
-  // Checkpoints (distributed optimizer only): save into `save_dir` before step `save_before_step`;
-  // or start at step `first_step` from `load_dir`.
+  // Checkpoints (plugin/checkpoint.h, with either optimizer): save into `save_dir` (as step
+  // `save_before_step`) before that step; or start at step `first_step` from `load_dir`'s latest.
   std::string save_dir;
   int save_before_step = -1;
   std::string load_dir;
