@@ -112,7 +112,7 @@ TEST(Reshard, GlobalRunsOfAColumnShardAreOneRunPerRow) {
 // Every (saved DP x TP) -> (loaded DP x TP) pair, on shapes sharded on each dim: the planned copies
 // rebuild exactly torch's chunk of the global tensor, element for element.
 TEST(Reshard, PlannedCopiesRebuildEveryLocalShardAcrossDpAndTpSizes) {
-  const std::vector<std::vector<int64_t>> shapes = {{8, 12}, {4, 8, 6}, {16}};
+  const std::vector<std::vector<int64_t>> shapes = {{8, 12}, {4, 8, 12}, {16}};
   for (const auto& shape : shapes) {
     const auto global = torch::arange(numel_of(shape), torch::kFloat).view(shape);
     for (int64_t dim = -1; dim < static_cast<int64_t>(shape.size()); ++dim) {

@@ -76,7 +76,7 @@ std::vector<torch::Tensor> load_and_continue(const ZeroScenario& s, int load_dp,
 }
 
 // Loads `dir` at `dp` ranks into a fresh model; returns every rank's error message ("(no error)" if
-// it loaded) and checks that no rank's params or step changed.
+// it loaded) and, where it failed, checks that the rank's params and step did not change.
 std::vector<std::string> load_errors(const ZeroScenario& s, int dp, const std::string& dir,
                                      std::optional<int64_t> step = std::nullopt) {
   std::vector<std::string> messages(dp, "(no error)");
@@ -87,6 +87,7 @@ std::vector<std::string> load_errors(const ZeroScenario& s, int dp, const std::s
     auto before = rank.params();
     try {
       rank.opt->load_checkpoint(dir, step);
+      return;  // loaded
     } catch (const c10::Error& e) {
       messages[mesh.rank()] = e.what_without_backtrace();
     }

@@ -120,7 +120,7 @@ TEST(TrainingCheckpoint, FrozenParamsBuffersAdamWStateAndUserValuesComeBackAtAno
                     {{"data_position", int64_t{4096}}, {"lr", 2.5e-4}, {"scheduler", std::string("{\"warmup\": 10}")}});
     if (mesh.rank() == 0) {
       auto& st = static_cast<torch::optim::AdamWParamState&>(
-          *rank.adamw->state().at(rank.model->fc->weight.unsafeGetTensorImpl()));
+          *rank.adamw->state().find(rank.model->fc->weight.unsafeGetTensorImpl())->second);
       saved = {rank.model->fc->weight.clone(), rank.model->fc->bias.clone(), rank.model->scale.clone(),
                rank.model->seen.clone(), st.exp_avg().clone()};
     }
@@ -137,7 +137,7 @@ TEST(TrainingCheckpoint, FrozenParamsBuffersAdamWStateAndUserValuesComeBackAtAno
     EXPECT_TRUE(torch::equal(rank.model->scale, saved[2])) << "frozen param";
     EXPECT_TRUE(torch::equal(rank.model->seen, saved[3])) << "buffer";
     auto& st = static_cast<torch::optim::AdamWParamState&>(
-        *rank.adamw->state().at(rank.model->fc->weight.unsafeGetTensorImpl()));
+        *rank.adamw->state().find(rank.model->fc->weight.unsafeGetTensorImpl())->second);
     EXPECT_TRUE(torch::equal(st.exp_avg(), saved[4]));
     EXPECT_EQ(st.step(), 3);
   });
