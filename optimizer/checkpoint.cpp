@@ -1,323 +1,116 @@
-// Sharded checkpoints of the DistributedOptimizer.
+// The DistributedOptimizer's part of a checkpoint: its params and state as pieces in global
+// coordinates (optimizer/checkpoint_store.h stores them; docs/checkpoints.md has the format).
 //
-// Note [Checkpoint format, version 1]
-// A checkpoint is a directory:
-//   shard-dp<r>.bin   one per DP rank: raw little-endian fp32, state-major: for each state tensor
-//                     (master, then exp_avg, exp_avg_sq for AdamW / momentum for SGD), the values of
-//                     the rank's segments in shard order. A segment is one param's elements inside
-//                     the rank's shard of one bucket; padding is not stored.
-//   manifest.txt      written by DP rank 0 last: format version, optimizer, step, DP size, the
-//                     parameters (name, dtype, shape), every rank's segments (param, first element,
-//                     count) and every shard file's exact size.
-// Saving deletes the old manifest first, writes every shard (temp file + rename), waits for all
-// ranks, then writes the manifest (temp + rename): a directory with a manifest is complete, one
-// without is not. Loading maps the saved segments onto this run's shards by (param, element), so
-// the DP size may change; it checks the manifest, the model and every file's size, and reads
-// everything, before any state changes, and every rank agrees (one all-reduce) before committing.
-#include "mesh/collectives.h"
+// Note [What a ZeRO-1 rank saves]
+// DP rank r owns segment s of param p (elements [s.param_offset, +s.numel) of p's local TP shard)
+// for every segment of its shards; it writes exactly those elements of "model/<p>" (the param, in
+// its dtype), "optim/master/<p>" (fp32, only for bf16/fp16 params: for fp32 ones the param is the
+// master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
+// "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
+// DP group only, so every element is in exactly one file. A load asks for its own segments at its
+// own DP x TP; the arithmetic in optimizer/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
-#include <map>
-#include <sstream>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <set>
 
 namespace meshddp {
 namespace {
 
-// No std::filesystem here: the torch wheel's libtorch*.so export their own, older std::filesystem
-// symbols, which win symbol resolution over libstdc++'s at run time and crash (docs/building.md).
-// These few POSIX calls do the job.
-bool file_exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
-}
+const char* kind_name(OptimizerKind kind) { return kind == OptimizerKind::kAdamW ? "adamw" : "sgd"; }
 
-int64_t file_size(const std::string& path) {
-  struct stat st {};
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "': ", std::strerror(errno));
-  return static_cast<int64_t>(st.st_size);
-}
-
-void make_directories(const std::string& dir) {
-  for (size_t pos = 1; pos <= dir.size(); ++pos) {
-    if (pos != dir.size() && dir[pos] != '/') continue;
-    const std::string prefix = dir.substr(0, pos);
-    TORCH_CHECK(::mkdir(prefix.c_str(), 0755) == 0 || errno == EEXIST, "checkpoint: cannot create directory '", prefix,
-                "': ", std::strerror(errno));
-  }
-}
-
-std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
-
-constexpr const char* kMagic = "meshddp-checkpoint";
-constexpr int kVersion = 1;
-
-// An exception's message, without c10's backtrace (it is rethrown with context).
-std::string message_of(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-  return e.what();
-}
-
-// With TP > 1 every TP rank's DP group saves its own shards: names carry the TP coordinate.
-std::string tp_prefix(const SyncGroups& g) { return g.tp_size > 1 ? "tp" + std::to_string(g.tp_rank) + "-" : ""; }
-
-std::string dtype_name(c10::ScalarType t) { return c10::toString(t); }
-
-void write_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out, "checkpoint: cannot open '", tmp, "' for writing");
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    TORCH_CHECK(out, "checkpoint: writing '", tmp, "' failed (disk full?)");
-  }
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '", tmp, "' to '", path, "': ",
-              std::strerror(errno));
-}
-
-struct SavedSegment {
-  int64_t param, param_offset, numel, file_offset;  // file_offset: in elements, within one state block
-};
-
-struct Manifest {
-  std::string optimizer;
-  int64_t step = 0, dp_size = 0, num_states = 0;
-  std::vector<std::string> param_lines;                     // "name dtype numel shape"
-  std::map<int64_t, std::vector<SavedSegment>> segments;    // by DP rank
-  std::map<int64_t, int64_t> file_bytes;                    // by DP rank
-};
-
-// "name dtype numel [local shape] placement": for a TP shard the placement says which chunk of which
-// dim of the global param this is (global shape = local shape with that dim times tp_size).
-std::string param_line(const NamedParam& p, const Placement& placement) {
-  std::ostringstream out;
-  out << p.name << " " << dtype_name(p.param.scalar_type()) << " " << p.param.numel() << " [";
-  for (int64_t d = 0; d < p.param.dim(); ++d) out << (d ? "," : "") << p.param.size(d);
-  out << "] " << placement.str();
-  if (placement.is_shard()) out << ":" << placement.tp_rank << "/" << placement.tp_size;
-  return out.str();
-}
-
-Manifest read_manifest(const std::string& dir, const std::string& prefix) {
-  const std::string path = join(dir, prefix + "manifest.txt");
-  TORCH_CHECK(file_exists(path), "checkpoint: no ", prefix, "manifest.txt in '", dir,
-              "': not a complete meshddp checkpoint (a save that did not finish leaves none)");
-  std::ifstream in(path);
-  Manifest m;
-  std::string word;
-  int version = 0;
-  in >> word >> version;
-  TORCH_CHECK(word == kMagic && version == kVersion, "checkpoint: '", path, "' is not a meshddp checkpoint ",
-              "manifest of version ", kVersion, " (starts with '", word, " ", version, "')");
-  int64_t params = 0;
-  while (in >> word) {
-    if (word.rfind("#", 0) == 0) {
-      std::getline(in, word);  // a comment: the config, for people
-    } else if (word == "optimizer") {
-      in >> m.optimizer;
-    } else if (word == "step") {
-      in >> m.step;
-    } else if (word == "dp_size") {
-      in >> m.dp_size;
-    } else if (word == "states") {
-      in >> m.num_states;
-    } else if (word == "params") {
-      in >> params;
-      std::getline(in, word);
-      for (int64_t i = 0; i < params; ++i) {
-        std::string line;
-        std::getline(in, line);
-        m.param_lines.push_back(line);
-      }
-    } else if (word == "seg") {
-      int64_t rank;
-      SavedSegment s{};
-      in >> rank >> s.param >> s.param_offset >> s.numel >> s.file_offset;
-      m.segments[rank].push_back(s);
-    } else if (word == "file") {
-      int64_t rank, bytes;
-      std::string name;
-      in >> rank >> name >> bytes;
-      m.file_bytes[rank] = bytes;
-    } else if (word == "end") {
-      return m;
-    } else {
-      TORCH_CHECK(false, "checkpoint: '", path, "' has an unknown entry '", word, "'");
-    }
-  }
-  TORCH_CHECK(false, "checkpoint: '", path, "' is truncated (no 'end' line)");
+std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
+  if (kind == OptimizerKind::kAdamW) return {"exp_avg", "exp_avg_sq"};
+  return states > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
 }
 
 }  // namespace
 
-void DistributedOptimizer::save_checkpoint(const std::string& dir_name) {
-  const std::string& dir = dir_name;
-  c10d::ProcessGroup& group = buffer_.dp_group();
-  const int64_t dp = buffer_.dp_size(), rank = buffer_.dp_rank();
-  finish_param_sync();
-  const int64_t states = 1 + num_state_tensors();
-  const std::string prefix = tp_prefix(buffer_.groups());
-  auto shard_file_name = [&](int64_t r) { return prefix + "shard-dp" + std::to_string(r) + ".bin"; };
-  auto barrier = [&](const std::string& what, bool ok) {
-    at::Tensor failures = at::full({1}, ok ? 0.0 : 1.0, at::kFloat);
-    all_reduce_sum_now(group, failures, "checkpoint save: " + what);
-    return failures.item<float>() == 0;
-  };
-  std::string error;
-  try {
-    if (rank == 0) {
-      make_directories(dir);
-      std::remove(join(dir, prefix + "manifest.txt").c_str());  // from here until the new one is renamed in, the checkpoint is incomplete
-    }
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  TORCH_CHECK(barrier("prepare", error.empty()), "checkpoint save to '", dir, "' failed on DP rank ", rank,
-              ": ", error.empty() ? "see DP rank 0's error" : error);
-  try {
-    // This rank's shard: state-major, segments in shard order.
-    std::string bytes;
-    for (int64_t k = 0; k < states; ++k) {
-      const std::vector<at::Tensor>& source = k == 0 ? master_ : (k == 1 ? state1_ : state2_);
-      for (size_t b = 0; b < shards_.size(); ++b) {
-        for (const ShardSegment& seg : shards_[b].segments) {
-          at::Tensor values = source[b].narrow(0, seg.shard_offset, seg.numel).to(at::kCPU).contiguous();
-          bytes.append(reinterpret_cast<const char*>(values.data_ptr<float>()), values.nbytes());
-        }
-      }
-    }
-    write_atomically(join(dir, shard_file_name(rank)), bytes);
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  TORCH_CHECK(barrier("shards", error.empty()), "checkpoint save to '", dir, "': writing a shard failed",
-              error.empty() ? " on another DP rank (see its error)" : ": " + error);
-  if (rank == 0) {
-    try {
-      std::ostringstream m;
-      m << kMagic << " " << kVersion << "\n";
-      m << "optimizer " << (config_.kind == OptimizerKind::kAdamW ? "adamw" : "sgd") << "\n";
-      m << "step " << step_ << "\ndp_size " << dp << "\nstates " << states - 1 << "\n";
-      m << "# config lr " << config_.lr << " weight_decay " << config_.weight_decay << " beta1 " << config_.beta1
-        << " beta2 " << config_.beta2 << " eps " << config_.eps << " momentum " << config_.momentum << "\n";
-      const auto& params = buffer_.params();
-      m << "params " << params.size() << "\n";
-      for (size_t i = 0; i < params.size(); ++i) m << param_line(params[i], buffer_.placement(static_cast<int64_t>(i))) << "\n";
-      for (int64_t r = 0; r < dp; ++r) {
-        int64_t pos = 0;
-        for (const BucketShard& shard : shard_buckets(buffer_.layout(), r, dp)) {
-          for (const ShardSegment& seg : shard.segments) {
-            m << "seg " << r << " " << seg.param << " " << seg.param_offset << " " << seg.numel << " " << pos << "\n";
-            pos += seg.numel;
-          }
-        }
-        m << "file " << r << " " << shard_file_name(r) << " " << pos * states * 4 << "\n";
-      }
-      m << "end\n";
-      write_atomically(join(dir, prefix + "manifest.txt"), m.str());
-    } catch (const std::exception& e) {
-      error = message_of(e);
-    }
-  }
-  TORCH_CHECK(barrier("manifest", error.empty()), "checkpoint save to '", dir, "': writing the manifest failed",
-              error.empty() ? " on DP rank 0 (see its error)" : ": " + error);
+CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
+  const SyncGroups& g = buffer_.groups();
+  return {g.world ? g.world : g.dp, buffer_.dp_rank(), buffer_.dp_size(), g.tp_rank, g.tp_size};
 }
 
-void DistributedOptimizer::load_checkpoint(const std::string& dir_name) {
-  const std::string& dir = dir_name;
-  c10d::ProcessGroup& group = buffer_.dp_group();
-  const int64_t states = 1 + num_state_tensors();
-  const std::string prefix = tp_prefix(buffer_.groups());
-  auto shard_file_name = [&](int64_t r) { return prefix + "shard-dp" + std::to_string(r) + ".bin"; };
-  finish_param_sync();
-  // Everything is read into `loaded` first; state changes only after every rank succeeded.
-  std::vector<std::vector<at::Tensor>> loaded(states);
-  int64_t loaded_step = 0;
-  std::string error;
-  try {
-    const Manifest m = read_manifest(dir, prefix);
-    const std::string kind = config_.kind == OptimizerKind::kAdamW ? "adamw" : "sgd";
-    TORCH_CHECK(m.optimizer == kind && m.num_states == states - 1, "checkpoint '", dir, "' holds ", m.optimizer,
-                " state (", m.num_states, " tensors per element) but this optimizer is ", kind, " (", states - 1, ")");
-    const auto& params = buffer_.params();
-    for (size_t i = 0; i < std::max(params.size(), m.param_lines.size()); ++i) {
-      const std::string here =
-          i < params.size() ? param_line(params[i], buffer_.placement(static_cast<int64_t>(i))) : "(nothing)";
-      const std::string there = i < m.param_lines.size() ? m.param_lines[i] : "(nothing)";
-      TORCH_CHECK(here == there, "checkpoint '", dir, "' was saved from a different model: parameter #", i,
-                  " is '", there, "' in the checkpoint but '", here, "' here");
-    }
-    // Where each param's saved elements are: (param) -> list of (rank, segment).
-    std::map<int64_t, std::vector<std::pair<int64_t, SavedSegment>>> by_param;
-    for (const auto& [rank, segs] : m.segments) {
-      for (const auto& s : segs) by_param[s.param].push_back({rank, s});
-    }
-    std::map<int64_t, std::ifstream> files;
-    std::map<int64_t, int64_t> per_state_numel;
-    for (int64_t r = 0; r < m.dp_size; ++r) {
-      const std::string path = join(dir, shard_file_name(r));
-      TORCH_CHECK(file_exists(path), "checkpoint '", dir, "': shard file '", path, "' of DP rank ", r,
-                  " (of ", m.dp_size, ") is missing");
-      const auto expected = m.file_bytes.count(r) ? m.file_bytes.at(r) : -1;
-      const auto actual = file_size(path);
-      TORCH_CHECK(actual == expected, "checkpoint '", dir, "': shard file '", path, "' has ", actual,
-                  " bytes but the manifest says ", expected, " (truncated, or from another save)");
-      files[r].open(path, std::ios::binary);
-      per_state_numel[r] = expected / (4 * states);
-    }
-    for (int64_t k = 0; k < states; ++k) {
-      for (size_t b = 0; b < shards_.size(); ++b) {
-        at::Tensor dest = at::zeros({shards_[b].numel}, at::kFloat);
-        for (const ShardSegment& seg : shards_[b].segments) {
-          int64_t covered = 0;
-          for (const auto& [r, s] : by_param[seg.param]) {
-            const int64_t lo = std::max(s.param_offset, seg.param_offset);
-            const int64_t hi = std::min(s.param_offset + s.numel, seg.param_offset + seg.numel);
-            if (lo >= hi) continue;
-            std::ifstream& in = files[r];
-            in.seekg((k * per_state_numel[r] + s.file_offset + (lo - s.param_offset)) * 4);
-            in.read(reinterpret_cast<char*>(dest.data_ptr<float>() + seg.shard_offset + (lo - seg.param_offset)),
-                    (hi - lo) * 4);
-            TORCH_CHECK(in, "checkpoint '", dir, "': reading shard file of DP rank ", r, " failed");
-            covered += hi - lo;
-          }
-          TORCH_CHECK(covered == seg.numel, "checkpoint '", dir, "': elements [", seg.param_offset, ", ",
-                      seg.param_offset + seg.numel, ") of parameter '", params[seg.param].name,
-                      "' are not in any shard file (", covered, " of ", seg.numel, " found)");
-        }
-        loaded[k].push_back(dest);
-      }
-    }
-    loaded_step = m.step;
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  at::Tensor failures = at::full({1}, error.empty() ? 0.0 : 1.0, at::kFloat);
-  all_reduce_sum_now(group, failures, "checkpoint load: agreement");
-  TORCH_CHECK(error.empty(), error, " (nothing was loaded)");
-  TORCH_CHECK(failures.item<float>() == 0, "checkpoint load from '", dir,
-              "' failed on another DP rank (see its error); nothing was loaded");
+JsonValue DistributedOptimizer::checkpoint_info() const {
+  return JsonValue(JsonValue::Object{{"kind", JsonValue(kind_name(config_.kind))}, {"step", JsonValue(step_)}});
+}
 
-  c10::NoGradGuard no_grad;
+void DistributedOptimizer::check_checkpoint_info(const JsonValue& saved, const std::string& where) const {
+  TORCH_CHECK(!saved.is_null(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
+              "load it with plugin/checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
+  const std::string kind = saved.at("kind", where).as_string("optimizer.kind");
+  TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind,
+              " state but this optimizer is ", kind_name(config_.kind));
+}
+
+std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_save) {
+  finish_param_sync();
+  const auto& params = buffer_.params();
+  const int64_t tp_rank = buffer_.groups().tp_rank;
+  const std::vector<std::string> names = state_names(config_.kind, num_state_tensors());
+  std::vector<CheckpointTensor> out;
   for (size_t b = 0; b < shards_.size(); ++b) {
-    master_[b].copy_(loaded[0][b]);
-    if (states >= 2) state1_[b].copy_(loaded[1][b]);
-    if (states >= 3) state2_[b].copy_(loaded[2][b]);
+    for (const ShardSegment& seg : shards_[b].segments) {
+      const NamedParam& p = params[seg.param];
+      const Placement& placement = buffer_.placement(seg.param);
+      if (for_save && !placement.is_shard() && tp_rank != 0) continue;
+      const std::vector<int64_t> global = global_shape_of(p.param, placement);
+      const TpSlice slice = tp_slice_of(placement);
+      auto piece = [&](const std::string& key, const at::Tensor& source, bool optional) {
+        out.push_back({key, source.narrow(0, seg.shard_offset, seg.numel), global, slice, seg.param_offset,
+                       seg.param_offset + seg.numel, optional});
+      };
+      piece("model/" + p.name, param_shard(b), false);
+      if (!master_is_param_view_[b]) piece("optim/master/" + p.name, master_[b], /*optional=*/true);
+      if (names.size() >= 1) piece("optim/" + names[0] + "/" + p.name, state1_[b], false);
+      if (names.size() >= 2) piece("optim/" + names[1] + "/" + p.name, state2_[b], false);
+    }
   }
-  step_ = loaded_step;
-  // Params = the loaded master weights (cast), everywhere.
+  return out;
+}
+
+void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTensor>& wanted,
+                                                  const std::vector<at::Tensor>& loaded, int64_t step) {
+  c10::NoGradGuard no_grad;
+  std::set<std::string> masters_loaded;
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    if (loaded[i].defined() && wanted[i].key.rfind("optim/master/", 0) == 0) masters_loaded.insert(wanted[i].key);
+  }
+  const auto& params = buffer_.params();
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    if (master_is_param_view_[b]) continue;
+    for (const ShardSegment& seg : shards_[b].segments) {
+      if (masters_loaded.count("optim/master/" + params[seg.param].name)) continue;
+      // Saved without a master (fp32 params, or plain DDP): the param is the master.
+      master_[b].narrow(0, seg.shard_offset, seg.numel).copy_(param_shard(b).narrow(0, seg.shard_offset, seg.numel));
+    }
+  }
+  step_ = step;
   write_masters_into_param_buffer();
   buffer_.param_gather()->start(/*async=*/false);
+}
+
+std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options) {
+  CheckpointMeta meta;
+  meta.step = step_;
+  meta.optimizer = checkpoint_info();
+  return save_checkpoint_files(checkpoint_mesh(), dir, meta, checkpoint_tensors(/*for_save=*/true), options);
+}
+
+int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optional<int64_t> step) {
+  finish_param_sync();
+  CheckpointReader reader(checkpoint_mesh(), dir, step);
+  check_checkpoint_info(reader.meta().optimizer, reader.path());
+  std::vector<CheckpointTensor> wanted = checkpoint_tensors(/*for_save=*/false);
+  std::set<std::string> model_keys;
+  for (const NamedParam& p : buffer_.params()) model_keys.insert("model/" + p.name);
+  const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
+  commit_loaded(wanted, loaded);
+  finish_checkpoint_load(wanted, loaded, reader.meta().optimizer.at("step", reader.path()).as_int("optimizer.step"));
+  return reader.meta().step;
 }
 
 }  // namespace meshddp

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "grad_buffer/grad_buffer.h"
+#include "optimizer/checkpoint_store.h"
 #include "optimizer/shard_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -95,11 +96,25 @@ class DistributedOptimizer {
   // Learning rate of param `index` (after group rules), e.g. for checks.
   double lr_of(int64_t index) const { return groups_[group_of_[index]].lr; }
 
-  // Sharded checkpoints (optimizer/checkpoint.cpp). save: every DP rank writes its shard file, DP
-  // rank 0 then writes the manifest; all writes are atomic (temp file + rename). load: works at the
-  // same or another DP size; checks everything before changing anything; then all-gathers params.
-  void save_checkpoint(const std::string& dir);
-  void load_checkpoint(const std::string& dir);
+  // Checkpoints (optimizer/checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
+  // params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree);
+  // returns that directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP;
+  // checks everything on every rank before changing anything; then all-gathers the params; returns
+  // the step loaded. Module buffers, frozen params and user values: plugin/checkpoint.h.
+  std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
+  int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
+  // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this
+  // rank's pieces of the params ("model/<name>") and of the state ("optim/master|exp_avg|
+  // exp_avg_sq|momentum_buffer/<name>"); for_save leaves out replicated params' pieces on TP ranks
+  // other than 0 (they write each element once). checkpoint_info: {"kind", "step"}, checked by
+  // check_checkpoint_info before a load. finish_checkpoint_load: after commit_loaded() of
+  // checkpoint_tensors(false): masters for params saved without one, the step, the all-gather.
+  std::vector<CheckpointTensor> checkpoint_tensors(bool for_save);
+  JsonValue checkpoint_info() const;
+  void check_checkpoint_info(const JsonValue& saved, const std::string& where) const;
+  void finish_checkpoint_load(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded,
+                              int64_t step);
+  CheckpointMesh checkpoint_mesh() const;
 
  private:
   struct Group {

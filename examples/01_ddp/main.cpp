@@ -4,6 +4,7 @@
 // the same --seed and --global-batch give the same losses at any rank count that divides the batch.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/ddp_example --steps 30
+#include "examples/common/checkpointing.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
@@ -27,12 +28,14 @@ struct Flags {
   int64_t layers = 4;
   double bucket_mb = 40;
   bool distributed_optimizer = false;  // ZeRO-1: sharded AdamW state, reduce-scatter + param all-gather
+  examples::CheckpointFlags checkpoints;
 };
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
   std::cerr << "error: " << bad << "\nusage: " << prog
             << " [--steps N] [--global-batch N] [--seed N] [--lr X] [--hidden N] [--layers N] [--bucket-mb X]"
-               " [--distributed-optimizer]\n";
+               " [--distributed-optimizer]"
+            << examples::checkpoint_usage() << "\n";
   std::exit(2);
 }
 
@@ -44,6 +47,7 @@ Flags parse(int argc, char** argv) {
       f.distributed_optimizer = true;
       continue;
     }
+    if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string value = argv[++i];
     try {
@@ -126,7 +130,9 @@ int main(int argc, char** argv) {
                   mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer().layout().buckets.size(),
                   static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
     }
-    for (int step = 0; step < flags.steps; ++step) {
+    examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
+                                             mesh.rank(), flags.seed, flags.global_batch);
+    for (int step = checkpoints.resume(); step < flags.steps; ++step) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed * 1000003 + step + 7);
       auto x = torch::randn({flags.global_batch, kIn}, gen);
       auto y = torch::sin(x.matmul(teacher));
@@ -150,6 +156,7 @@ int main(int argc, char** argv) {
         std::printf("step %d loss %#.10g\n", step, global_loss.item<double>());
         std::fflush(stdout);
       }
+      checkpoints.after_step(step, flags.steps);
     }
   } catch (const c10::Error& e) {
     std::cerr << "ddp_example: " << e.what_without_backtrace() << std::endl;

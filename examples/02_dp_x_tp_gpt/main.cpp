@@ -8,6 +8,7 @@
 // with 10 significant digits; stderr: a one-line status per step. The same --seed and
 // --global-batch give the same loss curve at any DP x TP (to fp32 tolerance).
 #include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "examples/common/checkpointing.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
@@ -32,12 +33,14 @@ struct Flags {
   double lr = 1e-2;
   std::string log_file;
   gpt::Config model;
+  examples::CheckpointFlags checkpoints;
 };
 
 [[noreturn]] void usage(const char* prog, const std::string& error) {
   std::cerr << "error: " << error << "\nusage: " << prog
             << " --dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--steps N] [--global-batch N] "
-               "[--seed N] [--lr X] [--log-file PATH] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N]\n";
+               "[--seed N] [--lr X] [--log-file PATH] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N]"
+            << examples::checkpoint_usage() << "\n";
   std::exit(2);
 }
 
@@ -47,6 +50,7 @@ Flags parse(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--sequence-parallel") { f.sequence_parallel = true; continue; }
     if (arg == "--distributed-optimizer") { f.distributed_optimizer = true; continue; }
+    if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     try {
@@ -113,7 +117,9 @@ int main(int argc, char** argv) {
                    f.sequence_parallel ? ", sequence parallel" : "", f.distributed_optimizer ? ", ZeRO-1" : "",
                    static_cast<long long>(n), static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }
-    for (int step = 0; step < f.steps; ++step) {
+    examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
+                                             mesh.rank(), f.seed, f.global_batch);
+    for (int step = checkpoints.resume(); step < f.steps; ++step) {
       const auto start = std::chrono::steady_clock::now();
       auto [ids, targets] = gpt::make_batch(f.model, f.seed, step, f.global_batch);
       ddp.zero_grad_buffer();
@@ -136,6 +142,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "[dp %lld x tp %lld] step %d/%d  loss %.4f  %.0f ms\n", static_cast<long long>(f.dp),
                      static_cast<long long>(f.tp), step + 1, f.steps, global.item<double>(), ms);
       }
+      checkpoints.after_step(step, f.steps);
     }
     if (zero1) zero1->finish_param_sync();
     if (log != stdout) std::fclose(log);

@@ -6,15 +6,16 @@ import subprocess
 import sys
 
 
-def run_losses(binary, nproc, steps, args):
+def run_losses(binary, nproc, steps, args, first=0):
+    """Steps first..steps-1 are expected (first > 0: a run resumed from a checkpoint)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "--no-python", binary, "--steps", str(steps), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     if out.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
     found = re.findall(r"^step (\d+) loss (\S+)$", out.stdout, re.M)
-    if [int(s) for s, _ in found] != list(range(steps)):
-        sys.exit(f"FAILED: expected 'step 0..{steps - 1} loss X' from {' '.join(cmd)}, got:\n{out.stdout}\n{out.stderr}")
+    if [int(s) for s, _ in found] != list(range(first, steps)):
+        sys.exit(f"FAILED: expected 'step {first}..{steps - 1} loss X' from {' '.join(cmd)}, got:\n{out.stdout}\n{out.stderr}")
     for _, text in found:
         if len(text.lstrip("-").split("e")[0].replace(".", "").lstrip("0")) < 8:
             sys.exit(f"FAILED: loss '{text}' has fewer than 8 significant digits")

@@ -4,6 +4,7 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
+#include "plugin/checkpoint.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/tp_layers.h"
 #include "tests/support/rank_threads.h"
@@ -116,14 +117,19 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       oc.weight_decay = 0.0;
       oc.clip_grad_norm = s.clip;
       zero = std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), oc);
-      if (!s.load_dir.empty()) zero->load_checkpoint(s.load_dir);
     } else {
       opt = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+    }
+    const TrainingState state{model.ptr().get(), &ddp, zero.get(), opt.get()};
+    if (!s.load_dir.empty()) {
+      const LoadedCheckpoint loaded = load_checkpoint(state, s.load_dir);
+      TORCH_CHECK(loaded.step == s.first_step, "the checkpoint in '", s.load_dir, "' is of step ", loaded.step,
+                  ", not of first_step ", s.first_step);
     }
     const int64_t dp_rank = mesh.coordinate(dp_dim);
     tp::Group* tp_group = mesh[tp_dim].get();
     for (int step = s.first_step; step < s.steps; ++step) {
-      if (step == s.save_before_step) zero->save_checkpoint(s.save_dir);
+      if (step == s.save_before_step) save_checkpoint(state, s.save_dir, step, {{"next_step", int64_t{step}}});
       ddp.zero_grad_buffer();
       auto [ids, targets] = gpt::make_batch(s.model, kGptSeed, step, s.global_batch);
       double loss_sum = 0;

@@ -1,0 +1,116 @@
+// The examples' checkpoint flags: --save-dir DIR, --save-every N, --resume. Header-only, so each
+// example keeps its own main.cpp and calls three things: parse_checkpoint_flag() in its flag loop,
+// ExampleCheckpoints::resume() for the first step, after_step() at the end of each step.
+//
+//   --save-dir DIR   where checkpoints go: DIR/step-<N>/ (N = steps completed), DIR/latest
+//   --save-every N   save every N steps (and always after the last step); 0 = only after the last
+//   --resume         start from DIR's latest complete checkpoint (at any --dp/--tp), continue up to
+//                    --steps; with no checkpoint in DIR yet, start from step 0
+// The data position (the next step; batches are a function of (seed, step)), the seed and the
+// global batch are saved as user values; resuming with another seed or global batch is refused.
+#pragma once
+
+#include "optimizer/safetensors.h"
+#include "plugin/checkpoint.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace examples {
+
+struct CheckpointFlags {
+  std::string save_dir;
+  int save_every = 0;
+  bool resume = false;
+  bool any() const { return !save_dir.empty(); }
+};
+
+// Consumes argv[i] (and its value) if it is a checkpoint flag; returns false otherwise. A bad value
+// exits with status 2, like the examples' other flags.
+inline bool parse_checkpoint_flag(int argc, char** argv, int& i, CheckpointFlags& f) {
+  const std::string arg = argv[i];
+  if (arg == "--resume") {
+    f.resume = true;
+    return true;
+  }
+  if (arg != "--save-dir" && arg != "--save-every") return false;
+  const auto fail = [&](const std::string& why) {
+    std::fprintf(stderr, "error: %s %s\n", arg.c_str(), why.c_str());
+    std::exit(2);
+  };
+  if (i + 1 >= argc) fail("needs a value");
+  const std::string v = argv[++i];
+  if (arg == "--save-dir") {
+    f.save_dir = v;
+    return true;
+  }
+  char* end = nullptr;
+  const long n = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n < 0) fail("needs a count >= 0, got '" + v + "'");
+  f.save_every = static_cast<int>(n);
+  return true;
+}
+inline const char* checkpoint_usage() { return " [--save-dir DIR [--save-every N] [--resume]]"; }
+
+class ExampleCheckpoints {
+ public:
+  ExampleCheckpoints(CheckpointFlags flags, meshddp::TrainingState state, int64_t rank, uint64_t seed,
+                     int64_t global_batch)
+      : f_(std::move(flags)), state_(state), rank_(rank), seed_(static_cast<int64_t>(seed)), global_batch_(global_batch) {
+    TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
+  }
+
+  // The first step to run: 0, or the step after the checkpoint loaded.
+  int resume() {
+    if (!f_.resume) return 0;
+    try {
+      meshddp::resolve_checkpoint(f_.save_dir, std::nullopt);
+    } catch (const c10::Error&) {
+      if (rank_ == 0) std::fprintf(stderr, "# no complete checkpoint in '%s' yet: starting at step 0\n", f_.save_dir.c_str());
+      return 0;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const meshddp::LoadedCheckpoint loaded = meshddp::load_checkpoint(state_, f_.save_dir);
+    const auto value = [&](const char* key) {
+      auto it = loaded.values.find(key);
+      TORCH_CHECK(it != loaded.values.end(), "checkpoint '", loaded.path, "' has no value '", key, "'");
+      return std::get<int64_t>(it->second);
+    };
+    TORCH_CHECK(value("seed") == seed_ && value("global_batch") == global_batch_, "checkpoint '", loaded.path,
+                "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"), "; this run has --seed ",
+                seed_, " --global-batch ", global_batch_, ": pass the same ones to continue the same run");
+    if (rank_ == 0) {
+      std::fprintf(stderr, "# resumed from '%s' (step %lld) in %.0f ms\n", loaded.path.c_str(),
+                   static_cast<long long>(loaded.step), ms_since(start));
+    }
+    return static_cast<int>(value("data_position"));
+  }
+
+  // Call after step `step` (0-based) has finished; saves when due.
+  void after_step(int step, int steps) {
+    const int done = step + 1;
+    if (!f_.any() || !(done == steps || (f_.save_every > 0 && done % f_.save_every == 0))) return;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string path = meshddp::save_checkpoint(
+        state_, f_.save_dir, done, {{"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}});
+    if (rank_ == 0) {
+      int64_t bytes = 0;
+      for (const std::string& name : meshddp::list_directory(path)) bytes += meshddp::file_bytes(path + "/" + name);
+      std::fprintf(stderr, "# saved '%s' (%lld bytes) in %.0f ms\n", path.c_str(), static_cast<long long>(bytes),
+                   ms_since(start));
+    }
+  }
+
+ private:
+  static double ms_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  }
+  CheckpointFlags f_;
+  meshddp::TrainingState state_;
+  int64_t rank_;
+  int64_t seed_, global_batch_;
+};
+
+}  // namespace examples

@@ -1,0 +1,518 @@
+#include "optimizer/checkpoint_store.h"
+
+#include "mesh/collectives.h"
+#include "optimizer/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+namespace meshddp {
+namespace {
+
+constexpr const char* kFormat = "meshddp-checkpoint";
+constexpr int64_t kVersion = 2;
+constexpr const char* kManifest = "manifest.json";
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
+std::string file_name(int64_t rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank%05lld.safetensors", static_cast<long long>(rank));
+  return buf;
+}
+
+// step-<N> -> N, or -1.
+int64_t step_of(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() == 5) return -1;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+  }
+  return std::stoll(name.substr(5));
+}
+
+bool is_complete(const std::string& step_dir) { return path_exists(step_dir + "/" + kManifest); }
+
+std::string read_latest(const std::string& dir) {
+  const std::string path = dir + "/latest";
+  if (!path_exists(path)) return "";
+  std::string text = read_file(path);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+// Every rank's status (a JSON object; "error" set on failure), on every rank.
+std::vector<JsonValue> agree(c10d::ProcessGroup& world, const JsonValue& mine, const std::string& what) {
+  std::vector<JsonValue> all;
+  for (const std::string& text : all_gather_strings(world, mine.dump(), what)) all.push_back(JsonValue::parse(text, what));
+  return all;
+}
+
+// "" when no rank failed; else one line per distinct error, naming the ranks.
+std::string errors_of(const std::vector<JsonValue>& statuses) {
+  std::vector<std::pair<std::string, std::vector<size_t>>> errors;
+  for (size_t r = 0; r < statuses.size(); ++r) {
+    if (!statuses[r].has("error")) continue;
+    const std::string& e = statuses[r].at("error", "status").as_string("status");
+    auto it = std::find_if(errors.begin(), errors.end(), [&](const auto& x) { return x.first == e; });
+    if (it == errors.end()) {
+      errors.push_back({e, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  std::ostringstream out;
+  for (const auto& [e, ranks] : errors) {
+    out << "\n  rank" << (ranks.size() > 1 ? "s " : " ");
+    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << ranks[i];
+    out << ": " << e;
+  }
+  return out.str();
+}
+
+JsonValue status_ok() { return JsonValue(JsonValue::Object{}); }
+JsonValue status_error(const std::string& e) { return JsonValue(JsonValue::Object{{"error", JsonValue(e)}}); }
+
+std::string new_save_id() {
+  std::random_device device;
+  std::mt19937_64 gen((static_cast<uint64_t>(device()) << 32) ^ device() ^
+                      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()));
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
+JsonValue values_to_json(const CheckpointValues& values) {
+  JsonValue::Object o;
+  for (const auto& [k, v] : values) {
+    if (const auto* i = std::get_if<int64_t>(&v)) {
+      o[k] = JsonValue(*i);
+    } else if (const auto* d = std::get_if<double>(&v)) {
+      o[k] = JsonValue(*d);
+    } else {
+      o[k] = JsonValue(std::get<std::string>(v));
+    }
+  }
+  return JsonValue(std::move(o));
+}
+
+CheckpointValues values_from_json(const JsonValue& json) {
+  CheckpointValues values;
+  for (const auto& [k, v] : json.as_object("manifest values")) {
+    if (v.is_int()) {
+      values[k] = v.as_int(k);
+    } else if (v.is_number()) {
+      values[k] = v.as_double(k);
+    } else {
+      values[k] = v.as_string("manifest values." + k);
+    }
+  }
+  return values;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::vector<int64_t> shape_from_json(const JsonValue& json, const std::string& where) {
+  std::vector<int64_t> shape;
+  for (const auto& d : json.as_array(where)) shape.push_back(d.as_int(where));
+  return shape;
+}
+
+void prune(const std::string& dir, int64_t keep_last, const std::string& latest) {
+  std::vector<std::pair<int64_t, std::string>> complete;
+  for (const std::string& name : list_directory(dir)) {
+    if (step_of(name) < 0) continue;
+    if (is_complete(dir + "/" + name)) {
+      complete.push_back({step_of(name), name});
+    } else {
+      remove_tree(dir + "/" + name);  // a save that did not finish
+    }
+  }
+  std::sort(complete.begin(), complete.end());
+  int64_t kept = 0;
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
+    if (it->second == latest || kept < keep_last - 1) {
+      if (it->second != latest) ++kept;
+      continue;
+    }
+    remove_tree(dir + "/" + it->second);
+  }
+}
+
+}  // namespace
+
+TpSlice tp_slice_of(const Placement& p) {
+  if (!p.is_shard() || p.tp_size == 1) return {};
+  return {p.dim, p.tp_size, p.tp_rank};
+}
+
+std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& p) {
+  std::vector<int64_t> shape(local.sizes().begin(), local.sizes().end());
+  if (p.is_shard()) shape[p.dim] *= p.tp_size;
+  return shape;
+}
+
+std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
+                                  const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options) {
+  TORCH_CHECK(mesh.world, "checkpoint save: no world group");
+  c10d::ProcessGroup& world = *mesh.world;
+  const int64_t rank = world.getRank(), world_size = world.getSize();
+  const std::string name = step_name(meta.step), step_dir = dir + "/" + name;
+  const std::string context = "checkpoint save of step " + std::to_string(meta.step) + " to '" + step_dir + "'";
+  auto fail_if_any = [&](const std::vector<JsonValue>& statuses, const std::string& stage) {
+    const std::string errors = errors_of(statuses);
+    TORCH_CHECK(errors.empty(), context, " failed (", stage, "); nothing was committed and `latest` still names the ",
+                "previous checkpoint:", errors);
+  };
+
+  // (1) Rank 0 prepares the directory and picks the save id; every rank checks it saves the same step.
+  JsonValue mine = status_ok();
+  mine.object()["step"] = JsonValue(meta.step);
+  if (rank == 0) {
+    try {
+      make_directories(dir);
+      TORCH_CHECK(read_latest(dir) != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
+                  "overwrites it (save under another step, or delete it first)");
+      remove_tree(step_dir);
+      make_directories(step_dir);
+      fsync_path(dir);
+      mine.object()["save_id"] = JsonValue(new_save_id());
+    } catch (const std::exception& e) {
+      mine = status_error(message_of(e));
+    }
+  }
+  std::vector<JsonValue> statuses = agree(world, mine, "checkpoint save: prepare");
+  fail_if_any(statuses, "preparing the directory");
+  for (int64_t r = 0; r < world_size; ++r) {
+    const int64_t s = statuses[r].at("step", "status").as_int("step");
+    TORCH_CHECK(s == meta.step, context, " failed: rank ", r, " saves step ", s, " but rank ", rank, " step ",
+                meta.step, "; every rank must save the same step");
+  }
+  const std::string save_id = statuses[0].at("save_id", "rank 0's status").as_string("save_id");
+
+  // (2) Every rank writes, fsyncs and verifies its file.
+  const std::string file = file_name(rank);
+  mine = status_ok();
+  try {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    JsonValue::Array pieces;
+    for (const CheckpointTensor& t : tensors) {
+      TORCH_CHECK(t.data.numel() == t.end - t.begin, "checkpoint save: tensor '", t.key, "' has ", t.data.numel(),
+                  " elements for the range [", t.begin, ", ", t.end, ")");
+      named.push_back({t.key, t.data.reshape({-1})});
+      pieces.push_back(JsonValue(JsonValue::Object{
+          {"key", JsonValue(t.key)},
+          {"dtype", JsonValue(safetensors_dtype(t.data.scalar_type()))},
+          {"shape", JsonValue(JsonValue::Array(t.global_shape.begin(), t.global_shape.end()))},
+          {"dim", JsonValue(t.slice.dim)},
+          {"tp_size", JsonValue(t.slice.tp_size)},
+          {"tp_rank", JsonValue(t.slice.tp_rank)},
+          {"begin", JsonValue(t.begin)},
+          {"end", JsonValue(t.end)}}));
+    }
+    const std::map<std::string, std::string> metadata = {
+        {"format", kFormat}, {"save_id", save_id}, {"step", std::to_string(meta.step)},
+        {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}};
+    const WrittenFile written = write_safetensors_file(step_dir + "/" + file, named, metadata);
+    if (options.after_file_written) options.after_file_written(step_dir + "/" + file);
+    mine.object()["file"] = JsonValue(JsonValue::Object{
+        {"name", JsonValue(file)}, {"rank", JsonValue(rank)}, {"dp_rank", JsonValue(mesh.dp_rank)},
+        {"tp_rank", JsonValue(mesh.tp_rank)}, {"bytes", JsonValue(written.bytes)}, {"crc32c", JsonValue(crc_hex(written.crc))}});
+    mine.object()["pieces"] = JsonValue(std::move(pieces));
+  } catch (const std::exception& e) {
+    mine = status_error(message_of(e));
+  }
+  statuses = agree(world, mine, "checkpoint save: files");
+  fail_if_any(statuses, "writing the files");
+
+  // (3) Rank 0 writes the manifest, then moves `latest`, then prunes.
+  mine = status_ok();
+  if (rank == 0) {
+    try {
+      JsonValue manifest;
+      JsonValue::Object& m = manifest.object();
+      m["format"] = JsonValue(kFormat);
+      m["version"] = JsonValue(kVersion);
+      m["save_id"] = JsonValue(save_id);
+      m["step"] = JsonValue(meta.step);
+      m["mesh"] = JsonValue(JsonValue::Object{{"world_size", JsonValue(world_size)},
+                                              {"dp_size", JsonValue(mesh.dp_size)},
+                                              {"tp_size", JsonValue(mesh.tp_size)}});
+      m["values"] = values_to_json(meta.values);
+      m["optimizer"] = meta.optimizer;
+      JsonValue::Object files, entries;
+      for (int64_t r = 0; r < world_size; ++r) {
+        const JsonValue& f = statuses[r].at("file", "status");
+        files[f.at("name", "file").as_string("name")] = f;
+        for (const JsonValue& p : statuses[r].at("pieces", "status").as_array("pieces")) {
+          const std::string& key = p.at("key", "piece").as_string("key");
+          JsonValue entry(JsonValue::Object{{"dtype", p.at("dtype", key)},
+                                            {"shape", p.at("shape", key)},
+                                            {"dim", p.at("dim", key)},
+                                            {"tp_size", p.at("tp_size", key)}});
+          auto it = entries.find(key);
+          if (it == entries.end()) {
+            it = entries.emplace(key, entry).first;
+            it->second.object()["pieces"] = JsonValue(JsonValue::Array{});
+          }
+          for (const char* field : {"dtype", "shape", "dim", "tp_size"}) {
+            TORCH_CHECK(it->second.at(field, key).dump() == entry.at(field, key).dump(), "tensor '", key, "' has ",
+                        field, " ", entry.at(field, key).dump(), " on rank ", r, " but ",
+                        it->second.at(field, key).dump(), " on a lower rank");
+          }
+          it->second.object()["pieces"].array().push_back(JsonValue(JsonValue::Object{
+              {"file", JsonValue(file_name(r))}, {"tp_rank", p.at("tp_rank", key)},
+              {"begin", p.at("begin", key)}, {"end", p.at("end", key)}}));
+        }
+      }
+      m["files"] = JsonValue(std::move(files));
+      m["tensors"] = JsonValue(std::move(entries));
+      write_file_atomically(step_dir + "/" + kManifest, manifest.dump(1) + "\n");
+      write_file_atomically(dir + "/latest", name + "\n");
+      if (options.keep_last > 0) prune(dir, options.keep_last, name);
+    } catch (const std::exception& e) {
+      mine = status_error(message_of(e));
+    }
+  }
+  statuses = agree(world, mine, "checkpoint save: commit");
+  fail_if_any(statuses, "writing the manifest");
+  return step_dir;
+}
+
+std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> step) {
+  TORCH_CHECK(path_exists(dir), "checkpoint: directory '", dir, "' does not exist");
+  std::vector<std::string> complete, incomplete;
+  for (const std::string& name : list_directory(dir)) {
+    if (step_of(name) < 0) continue;
+    (is_complete(dir + "/" + name) ? complete : incomplete).push_back(name);
+  }
+  auto by_step = [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); };
+  std::sort(complete.begin(), complete.end(), by_step);
+  auto listing = [&] {
+    std::string s = " (complete:";
+    for (const auto& c : complete) s += " " + c;
+    if (complete.empty()) s += " none";
+    s += "; incomplete:";
+    for (const auto& c : incomplete) s += " " + c;
+    if (incomplete.empty()) s += " none";
+    return s + ")";
+  };
+  std::string name;
+  if (step) {
+    name = step_name(*step);
+    TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "' has no ", name, listing());
+  } else {
+    name = read_latest(dir);
+    if (name.empty()) {
+      TORCH_CHECK(!complete.empty(), "checkpoint: '", dir, "' holds no complete checkpoint", listing());
+      name = complete.back();  // `latest` is written after the manifest: a crash in between leaves none
+    }
+    TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "/latest' names '", name, "', which does not exist",
+                listing());
+  }
+  TORCH_CHECK(is_complete(dir + "/" + name), "checkpoint: '", dir, "/", name, "' is incomplete (no ", kManifest,
+              ": a save that did not finish); it is never loaded", listing());
+  return dir + "/" + name;
+}
+
+CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step)
+    : mesh_(mesh) {
+  TORCH_CHECK(mesh_.world, "checkpoint load: no world group");
+  c10d::ProcessGroup& world = *mesh_.world;
+  JsonValue mine = status_ok();
+  if (world.getRank() == 0) {
+    try {
+      mine.object()["path"] = JsonValue(resolve_checkpoint(dir, step));
+    } catch (const std::exception& e) {
+      mine = status_error(message_of(e));
+    }
+  }
+  std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: resolve");
+  std::string errors = errors_of(statuses);
+  TORCH_CHECK(errors.empty(), "checkpoint load from '", dir, "' failed; nothing was loaded on any rank:", errors);
+  path_ = statuses[0].at("path", "rank 0's status").as_string("path");
+  mine = status_ok();
+  try {
+    const std::string path = path_ + "/" + kManifest;
+    manifest_ = JsonValue::parse(read_file(path), "'" + path + "'");
+    const std::string format = manifest_.at("format", path).as_string("format");
+    const int64_t version = manifest_.at("version", path).as_int("version");
+    TORCH_CHECK(format == kFormat && version == kVersion, "checkpoint: '", path, "' is format '", format, "' version ",
+                version, "; this build reads '", kFormat, "' version ", kVersion);
+    meta_.step = manifest_.at("step", path).as_int("step");
+    meta_.values = values_from_json(manifest_.at("values", path));
+    meta_.optimizer = manifest_.at("optimizer", path);
+    manifest_.at("files", path).as_object("files");
+    manifest_.at("tensors", path).as_object("tensors");
+  } catch (const std::exception& e) {
+    mine = status_error(message_of(e));
+  }
+  errors = errors_of(agree(world, mine, "checkpoint load: manifest"));
+  TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
+}
+
+std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTensor>& wanted,
+                                               const std::set<std::string>& model_keys) {
+  c10d::ProcessGroup& world = *mesh_.world;
+  const int64_t rank = world.getRank(), world_size = world.getSize();
+  std::vector<at::Tensor> loaded(wanted.size());
+  JsonValue mine = status_ok();
+  try {
+    const JsonValue::Object& files = manifest_.at("files", "manifest").as_object("files");
+    const JsonValue::Object& tensors = manifest_.at("tensors", "manifest").as_object("tensors");
+    const std::string save_id = manifest_.at("save_id", "manifest").as_string("save_id");
+    std::vector<std::string> problems;
+    auto problem = [&](const std::string& p) {
+      if (problems.size() < 8) problems.push_back(p);
+    };
+
+    // The model against the manifest.
+    for (const auto& [key, entry] : tensors) {
+      if (key.rfind("model/", 0) == 0 && model_keys.count(key) == 0) {
+        problem("the checkpoint has '" + key + "' (global shape " + shape_str(shape_from_json(entry.at("shape", key), key)) +
+                ") but this model has no such parameter or buffer");
+      }
+    }
+    for (const CheckpointTensor& w : wanted) {
+      auto it = tensors.find(w.key);
+      if (it == tensors.end()) {
+        if (!w.optional) problem("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
+                                 " here): the model or the optimizer differs from the saved one");
+        continue;
+      }
+      const std::vector<int64_t> saved_shape = shape_from_json(it->second.at("shape", w.key), w.key);
+      if (saved_shape != w.global_shape) {
+        problem("'" + w.key + "' has global shape " + shape_str(saved_shape) + " in the checkpoint but " +
+                shape_str(w.global_shape) + " here");
+      }
+      const std::string saved_dtype = it->second.at("dtype", w.key).as_string(w.key);
+      if (w.key.rfind("model/", 0) == 0 && saved_dtype != safetensors_dtype(w.data.scalar_type())) {
+        problem("'" + w.key + "' is " + saved_dtype + " in the checkpoint but " +
+                safetensors_dtype(w.data.scalar_type()) + " here");
+      }
+    }
+
+    // Every world_size-th file, verified in full: size, save id, CRC32C.
+    int64_t index = 0;
+    for (const auto& [name, f] : files) {
+      if (index++ % world_size != rank) continue;
+      const std::string path = path_ + "/" + name;
+      const int64_t writer = f.at("rank", name).as_int("rank");
+      const std::string who = "file '" + path + "' (written by rank " + std::to_string(writer) + ")";
+      if (!path_exists(path)) {
+        problem(who + " is missing");
+        continue;
+      }
+      const int64_t expected_bytes = f.at("bytes", name).as_int("bytes"), actual_bytes = file_bytes(path);
+      if (actual_bytes != expected_bytes) {
+        problem(who + " has " + std::to_string(actual_bytes) + " bytes but the manifest says " +
+                std::to_string(expected_bytes) + " (truncated, or from another save)");
+        continue;
+      }
+      try {
+        const SafetensorsHeader h = read_safetensors_header(path, actual_bytes);
+        const auto id = h.metadata.find("save_id");
+        const std::string found = id == h.metadata.end() ? "(none)" : id->second;
+        if (found != save_id) {
+          const auto step = h.metadata.find("step");
+          problem(who + " is from another save (save id " + found + ", step " +
+                  (step == h.metadata.end() ? "?" : step->second) + ") than this checkpoint's (save id " + save_id +
+                  ", step " + std::to_string(meta_.step) + ")");
+          continue;
+        }
+      } catch (const std::exception& e) {
+        problem(who + ": " + message_of(e));
+        continue;
+      }
+      const std::string expected_crc = f.at("crc32c", name).as_string("crc32c");
+      const std::string actual_crc = crc_hex(checksum_file(path).crc);
+      if (actual_crc != expected_crc) {
+        problem(who + " has CRC32C " + actual_crc + " but the manifest says " + expected_crc + ": its bytes are corrupt");
+      }
+    }
+
+    // Read every wanted piece.
+    if (problems.empty()) {
+      std::map<std::string, SafetensorsHeader> headers;
+      for (size_t i = 0; i < wanted.size(); ++i) {
+        const CheckpointTensor& w = wanted[i];
+        auto it = tensors.find(w.key);
+        if (it == tensors.end()) continue;
+        const JsonValue& entry = it->second;
+        const c10::ScalarType saved_type = scalar_type_from_safetensors(entry.at("dtype", w.key).as_string(w.key));
+        const int64_t item = static_cast<int64_t>(c10::elementSize(saved_type));
+        const int64_t dim = entry.at("dim", w.key).as_int(w.key), tp = entry.at("tp_size", w.key).as_int(w.key);
+        std::vector<Piece> saved;
+        std::vector<std::string> saved_files;
+        for (const JsonValue& p : entry.at("pieces", w.key).as_array(w.key)) {
+          saved.push_back({{dim, tp, p.at("tp_rank", w.key).as_int(w.key)}, p.at("begin", w.key).as_int(w.key),
+                           p.at("end", w.key).as_int(w.key)});
+          saved_files.push_back(p.at("file", w.key).as_string(w.key));
+        }
+        const Piece want{w.slice, w.begin, w.end};
+        const std::vector<PieceCopy> copies = plan_copies(w.global_shape, saved, want);
+        if (covered_numel(copies) != w.end - w.begin) {
+          problem("elements of '" + w.key + "' are in no file: " + std::to_string(covered_numel(copies)) + " of " +
+                  std::to_string(w.end - w.begin) + " wanted found");
+          continue;
+        }
+        at::Tensor out = at::empty({w.end - w.begin}, at::TensorOptions().dtype(saved_type));
+        auto* dest = static_cast<char*>(out.data_ptr());
+        for (const PieceCopy& c : copies) {
+          const std::string path = path_ + "/" + saved_files[c.source];
+          auto h = headers.find(path);
+          if (h == headers.end()) h = headers.emplace(path, read_safetensors_header(path, file_bytes(path))).first;
+          auto t = h->second.tensors.find(w.key);
+          TORCH_CHECK(t != h->second.tensors.end(), "file '", path, "' has no tensor '", w.key, "' though the manifest ",
+                      "says it does (from another save?)");
+          const int64_t piece_numel = saved[c.source].end - saved[c.source].begin;
+          TORCH_CHECK(t->second.end - t->second.begin == piece_numel * item, "file '", path, "' holds ",
+                      t->second.end - t->second.begin, " bytes of '", w.key, "' but the manifest says ", piece_numel * item);
+          read_file_range(path, h->second.data_start + t->second.begin + c.source_offset * item, c.numel * item,
+                          dest + c.dest_offset * item);
+        }
+        loaded[i] = out.scalar_type() == w.data.scalar_type() ? out : out.to(w.data.scalar_type());
+      }
+    }
+    if (!problems.empty()) {
+      std::string text = problems[0];
+      for (size_t i = 1; i < problems.size(); ++i) text += "; " + problems[i];
+      mine = status_error(text);
+    }
+  } catch (const std::exception& e) {
+    mine = status_error(message_of(e));
+  }
+  const std::string errors = errors_of(agree(world, mine, "checkpoint load: read"));
+  TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
+  return loaded;
+}
+
+void commit_loaded(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded) {
+  TORCH_INTERNAL_ASSERT(wanted.size() == loaded.size());
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    if (!loaded[i].defined()) continue;
+    at::Tensor dest = wanted[i].data;
+    TORCH_INTERNAL_ASSERT(dest.numel() == loaded[i].numel(), wanted[i].key);
+    if (dest.is_contiguous()) {
+      dest.view({-1}).copy_(loaded[i]);
+    } else {
+      dest.copy_(loaded[i].view(dest.sizes()));
+    }
+  }
+}
+
+}  // namespace meshddp

@@ -1,0 +1,117 @@
+// Checkpoint directories: the crash-safe layout, the manifest, and the collective save and load of
+// a list of tensor pieces over the whole mesh. What goes into a checkpoint is the callers' business
+// (DistributedOptimizer::checkpoint_tensors, plugin/checkpoint.h); this file only stores pieces and
+// finds them again, at any DP x TP. The format is described in docs/checkpoints.md.
+//
+// Note [Checkpoint layout and commit protocol]
+//   <dir>/step-<N>/rank<R>.safetensors   one per rank R of the world group: the pieces it owns
+//   <dir>/step-<N>/manifest.json         written last, by world rank 0: tensors (global shape, TP
+//                                        placement, pieces), files (size, CRC32C), step, values
+//   <dir>/latest                         "step-<N>\n": the newest complete checkpoint
+// Save: (1) rank 0 creates step-<N>/ (refusing to touch the step `latest` names) and picks a save id;
+// all ranks agree. (2) every rank writes its file, fsyncs it, reads it back and checks its CRC; all
+// ranks agree and send rank 0 their file's size, CRC and pieces. (3) rank 0 writes manifest.json
+// (temp file, fsync, rename, directory fsync), then `latest` the same way, then prunes old steps;
+// all ranks agree. Any failure anywhere makes every rank throw the same error, before `latest`
+// moves: the previous checkpoint stays untouched and `latest` keeps naming it. A step directory
+// without manifest.json is incomplete and never loaded.
+// Load: rank 0 picks the step directory (`latest`, or the step asked for) and every rank reads the
+// manifest; then each rank verifies every W-th file in full (size, save id, CRC32C), reads what it
+// needs into temporaries and checks the model against the manifest; all ranks agree; only then do
+// callers copy the temporaries into their state (commit_loaded). Nothing changes on any rank unless
+// every rank succeeded.
+#pragma once
+
+#include "mesh/placement.h"
+#include "optimizer/json_value.h"
+#include "optimizer/reshard.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace meshddp {
+
+// User key-values saved with a checkpoint (data position, LR schedule state, anything): numbers are
+// kept exactly (int64) or as double; strings may hold anything, e.g. a JSON document of one's own.
+using CheckpointValue = std::variant<int64_t, double, std::string>;
+using CheckpointValues = std::map<std::string, CheckpointValue>;
+
+// One rank's piece of one tensor of the checkpoint.
+struct CheckpointTensor {
+  std::string key;                    // unique in the checkpoint: "model/<param or buffer>", "optim/exp_avg/<param>"...
+  at::Tensor data;                    // save: elements [begin, end) of the local tensor (numel end - begin, any
+                                      // device/layout); load: where they go (written only by commit_loaded)
+  std::vector<int64_t> global_shape;  // the whole tensor, as if TP were 1
+  TpSlice slice;                      // which TP chunk the local tensor is (dim -1: all of it)
+  int64_t begin = 0, end = 0;         // flat element range of the local tensor
+  bool optional = false;              // load: absent from the checkpoint is fine (the result is undefined)
+};
+
+TpSlice tp_slice_of(const Placement& placement);  // Shard(d) -> {d, tp_size, tp_rank}; others -> whole
+std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& placement);
+
+struct CheckpointMesh {
+  c10::intrusive_ptr<c10d::ProcessGroup> world;  // every rank of the mesh: saves and loads agree over it
+  int64_t dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;  // recorded in the manifest, for people
+};
+
+struct CheckpointSaveOptions {
+  int64_t keep_last = 0;  // > 0: after a save, delete all but the newest K complete step directories
+                          // (and incomplete ones); 0 = keep everything
+  // Tests: called on each rank after its file is written and verified; throwing from it is a crash
+  // between files (the save fails everywhere and nothing is committed).
+  std::function<void(const std::string& path)> after_file_written;
+};
+
+struct CheckpointMeta {
+  int64_t step = 0;           // names the directory: step-<step>
+  CheckpointValues values;    // world rank 0's are saved
+  JsonValue optimizer;        // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
+};
+
+// Collective over mesh.world. Writes <dir>/step-<meta.step>/ as in the Note and moves `latest` to
+// it; returns that directory. Throws on every rank, with every failing rank's error, if any fails.
+std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
+                                  const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options = {});
+
+// The newest complete step directory in `dir` (`latest`'s, else the highest complete step-<N>);
+// throws saying what is there when there is none. Local, no communication.
+std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> step);
+
+class CheckpointReader {
+ public:
+  // Collective: world rank 0 resolves the step directory (`step` or `latest`), every rank parses its
+  // manifest; throws on every rank if any rank cannot.
+  CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step = std::nullopt);
+
+  const std::string& path() const { return path_; }  // <dir>/step-<N>
+  const CheckpointMeta& meta() const { return meta_; }
+  const JsonValue& manifest() const { return manifest_; }
+  bool has(const std::string& key) const { return manifest_.at("tensors", "manifest").has(key); }
+
+  // Collective: verifies files, checks `wanted` against the manifest (missing, reshaped, dtype;
+  // and keys under "model/" in the checkpoint that are not in `model_keys`: a model that lost a
+  // tensor), reads every wanted piece (any DP x TP) into new CPU tensors of wanted.data's dtype.
+  // Throws on every rank, naming file, rank and expected vs actual, if any rank fails.
+  std::vector<at::Tensor> read(const std::vector<CheckpointTensor>& wanted, const std::set<std::string>& model_keys);
+
+ private:
+  CheckpointMesh mesh_;
+  std::string path_;
+  JsonValue manifest_;
+  CheckpointMeta meta_;
+};
+
+// Copies each loaded tensor into its wanted.data (skipping undefined ones). Local; cannot fail on
+// shapes read() produced.
+void commit_loaded(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded);
+
+}  // namespace meshddp

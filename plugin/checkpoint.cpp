@@ -1,0 +1,194 @@
+#include "plugin/checkpoint.h"
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <set>
+
+namespace meshddp {
+namespace {
+
+struct Parts {
+  CheckpointMesh mesh;
+  int64_t dp_rank = 0, dp_size = 1, tp_rank = 0;
+};
+
+Parts parts_of(const TrainingState& state) {
+  TORCH_CHECK(state.module && state.ddp, "checkpoint: TrainingState needs module and ddp");
+  TORCH_CHECK(!(state.distributed_optimizer && state.optimizer),
+              "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
+  const GradBuffer& buffer = state.ddp->grad_buffer();
+  const SyncGroups& g = buffer.groups();
+  Parts p;
+  p.mesh = {g.world ? g.world : g.dp, buffer.dp_rank(), buffer.dp_size(), g.tp_rank, g.tp_size};
+  p.dp_rank = buffer.dp_rank();
+  p.dp_size = buffer.dp_size();
+  p.tp_rank = g.tp_rank;
+  return p;
+}
+
+// One module tensor (param or buffer) as a piece: for a save, this DP rank's even share of the
+// local tensor (TP rank 0 only for tensors not sharded over TP); for a load, all of it.
+void add_module_tensor(std::vector<CheckpointTensor>& out, const std::string& key, const at::Tensor& tensor,
+                       const Placement& placement, const Parts& parts, bool for_save) {
+  if (for_save && !placement.is_shard() && parts.tp_rank != 0) return;
+  at::Tensor flat = tensor.detach();
+  TORCH_CHECK(flat.is_contiguous(), "checkpoint: '", key, "' is not contiguous");
+  flat = flat.view({-1});
+  int64_t begin = 0, end = flat.numel();
+  if (for_save) std::tie(begin, end) = even_split(flat.numel(), parts.dp_rank, parts.dp_size);
+  out.push_back({key, flat.narrow(0, begin, end - begin), global_shape_of(tensor, placement), tp_slice_of(placement),
+                 begin, end, false});
+}
+
+// The module's tensors this checkpoint covers: every param (but trainable ones under ZeRO-1: the
+// DistributedOptimizer saves those from its shards) and every buffer.
+std::vector<CheckpointTensor> module_tensors(const TrainingState& state, const Parts& parts, bool for_save,
+                                             std::set<std::string>& model_keys) {
+  std::vector<CheckpointTensor> out;
+  for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
+    model_keys.insert("model/" + item.key());
+    if (state.distributed_optimizer && item.value().requires_grad()) continue;
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), parts, for_save);
+  }
+  for (const auto& item : state.module->named_buffers(/*recurse=*/true)) {
+    model_keys.insert("model/" + item.key());
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), parts, for_save);
+  }
+  return out;
+}
+
+// A torch optimizer's per-param state: AdamW (exp_avg, exp_avg_sq, step) or SGD (momentum_buffer).
+struct TorchOptimizerState {
+  std::string kind;
+  std::vector<std::string> names;
+};
+
+TorchOptimizerState torch_kind(torch::optim::Optimizer& opt) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt)) return {"adamw", {"exp_avg", "exp_avg_sq"}};
+  if (dynamic_cast<torch::optim::SGD*>(&opt)) return {"sgd", {"momentum_buffer"}};
+  TORCH_CHECK(false, "checkpoint: only torch::optim::AdamW and SGD (or meshddp's DistributedOptimizer) can be saved");
+}
+
+at::Tensor torch_state_tensor(const torch::optim::OptimizerParamState& s, const std::string& name) {
+  if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(&s)) {
+    TORCH_CHECK(!a->max_exp_avg_sq().defined(), "checkpoint: AdamW with amsgrad is not supported");
+    return name == "exp_avg" ? a->exp_avg() : a->exp_avg_sq();
+  }
+  return static_cast<const torch::optim::SGDParamState&>(s).momentum_buffer();
+}
+
+}  // namespace
+
+std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
+                            const CheckpointValues& values, const CheckpointSaveOptions& options) {
+  const Parts parts = parts_of(state);
+  std::set<std::string> model_keys;
+  std::vector<CheckpointTensor> tensors = module_tensors(state, parts, /*for_save=*/true, model_keys);
+  CheckpointMeta meta;
+  meta.step = step;
+  meta.values = values;
+  if (state.distributed_optimizer) {
+    for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/true)) tensors.push_back(std::move(t));
+    meta.optimizer = state.distributed_optimizer->checkpoint_info();
+  } else if (state.optimizer) {
+    const TorchOptimizerState kind = torch_kind(*state.optimizer);
+    int64_t opt_step = 0;
+    for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
+      auto it = state.optimizer->state().find(item.value().unsafeGetTensorImpl());
+      if (it == state.optimizer->state().end()) continue;
+      if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) {
+        opt_step = std::max(opt_step, a->step());
+      }
+      for (const std::string& name : kind.names) {
+        const at::Tensor t = torch_state_tensor(*it->second, name);
+        if (!t.defined()) continue;
+        add_module_tensor(tensors, "optim/" + name + "/" + item.key(), t, get_placement(item.value()), parts,
+                          /*for_save=*/true);
+      }
+    }
+    meta.optimizer = JsonValue(JsonValue::Object{{"kind", JsonValue(kind.kind)}, {"step", JsonValue(opt_step)}});
+  }
+  return save_checkpoint_files(parts.mesh, dir, meta, tensors, options);
+}
+
+LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& dir, std::optional<int64_t> step) {
+  const Parts parts = parts_of(state);
+  if (state.distributed_optimizer) state.distributed_optimizer->finish_param_sync();
+  CheckpointReader reader(parts.mesh, dir, step);
+  std::set<std::string> model_keys;
+  std::vector<CheckpointTensor> wanted = module_tensors(state, parts, /*for_save=*/false, model_keys);
+  const size_t module_count = wanted.size();
+  const JsonValue& saved_optimizer = reader.meta().optimizer;
+  // Torch optimizer: fresh tensors, installed as its state after the commit.
+  struct TorchSlot {
+    at::Tensor param;
+    std::vector<at::Tensor> tensors;
+  };
+  std::vector<TorchSlot> torch_slots;
+  int64_t optimizer_step = 0;
+  if (state.distributed_optimizer) {
+    state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
+    for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
+    optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+  } else if (state.optimizer) {
+    const TorchOptimizerState kind = torch_kind(*state.optimizer);
+    TORCH_CHECK(!saved_optimizer.is_null(), "checkpoint '", reader.path(), "' holds no optimizer state; load it ",
+                "without an optimizer in the TrainingState, or start the optimizer afresh");
+    const std::string saved_kind = saved_optimizer.at("kind", reader.path()).as_string("optimizer.kind");
+    TORCH_CHECK(saved_kind == kind.kind, "checkpoint '", reader.path(), "' holds ", saved_kind,
+                " state but this optimizer is ", kind.kind);
+    optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+    for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
+      if (!item.value().requires_grad()) continue;
+      TorchSlot slot{item.value(), {}};
+      for (const std::string& name : kind.names) {
+        const std::string key = "optim/" + name + "/" + item.key();
+        at::Tensor t = at::zeros_like(item.value().detach(), at::MemoryFormat::Contiguous);
+        // Absent before the first step (AdamW) or without momentum (SGD): then the state stays empty.
+        const bool expected = kind.kind == "adamw" ? optimizer_step > 0 : reader.has(key);
+        add_module_tensor(wanted, key, t, get_placement(item.value()), parts, /*for_save=*/false);
+        wanted.back().optional = !expected;
+        slot.tensors.push_back(t);
+      }
+      torch_slots.push_back(slot);
+    }
+  }
+  const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
+
+  // Everyone succeeded: commit.
+  commit_loaded(wanted, loaded);
+  if (state.distributed_optimizer) {
+    const std::vector<CheckpointTensor> opt_wanted(wanted.begin() + module_count, wanted.end());
+    const std::vector<at::Tensor> opt_loaded(loaded.begin() + module_count, loaded.end());
+    state.distributed_optimizer->finish_checkpoint_load(opt_wanted, opt_loaded, optimizer_step);
+  } else if (state.optimizer) {
+    const TorchOptimizerState kind = torch_kind(*state.optimizer);
+    size_t index = module_count;
+    for (const TorchSlot& slot : torch_slots) {
+      bool present = true;
+      for (size_t k = 0; k < slot.tensors.size(); ++k) present = present && loaded[index + k].defined();
+      index += slot.tensors.size();
+      void* key = slot.param.unsafeGetTensorImpl();
+      state.optimizer->state().erase(key);
+      if (!present) continue;
+      if (kind.kind == "adamw") {
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->step(optimizer_step);
+        s->exp_avg(slot.tensors[0]);
+        s->exp_avg_sq(slot.tensors[1]);
+        state.optimizer->state()[key] = std::move(s);
+      } else {
+        auto s = std::make_unique<torch::optim::SGDParamState>();
+        s->momentum_buffer(slot.tensors[0]);
+        state.optimizer->state()[key] = std::move(s);
+      }
+    }
+  }
+  return {reader.path(), reader.meta().step, reader.meta().values};
+}
+
+}  // namespace meshddp

@@ -1,0 +1,51 @@
+// Checkpoints of a whole training state, with or without the ZeRO-1 DistributedOptimizer: the
+// module's params (frozen ones too) and buffers, the optimizer's state and step, and user values
+// (data position, LR schedule, ...). Crash-safe, checksummed, all-or-nothing over the whole mesh,
+// loadable at any other DP x TP. The layout and commit protocol: optimizer/checkpoint_store.h; the
+// format and guarantees: docs/checkpoints.md.
+//
+//   meshddp::TrainingState state{&ddp.module(), &ddp, &zero_optimizer};   // or {..., nullptr, &adamw}
+//   meshddp::save_checkpoint(state, "ckpt", step, {{"data_position", step * batch}});
+//   auto loaded = meshddp::load_checkpoint(state, "ckpt");             // latest complete; loaded.step
+#pragma once
+
+#include "optimizer/checkpoint_store.h"
+#include "optimizer/distributed_optimizer.h"
+#include "plugin/distributed_data_parallel.h"
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <string>
+
+namespace meshddp {
+
+struct TrainingState {
+  torch::nn::Module* module = nullptr;  // required: params (trainable and frozen) and buffers
+  DdpEngine* ddp = nullptr;             // required: its groups say who writes what, and agree over the mesh
+  DistributedOptimizer* distributed_optimizer = nullptr;  // ZeRO-1: saves trainable params and state; or
+  torch::optim::Optimizer* optimizer = nullptr;  // torch::optim::AdamW or SGD over the module's params
+                                                 // (replicated over DP); or neither: model only
+};
+
+// Collective over every rank of the mesh: writes <dir>/step-<step>/ and moves <dir>/latest to it.
+// `values` (world rank 0's) are stored in the manifest. Returns the step directory. Throws on every
+// rank, with every failing rank's error, if any rank fails; then nothing is committed.
+std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
+                            const CheckpointValues& values = {}, const CheckpointSaveOptions& options = {});
+
+struct LoadedCheckpoint {
+  std::string path;          // <dir>/step-<N>
+  int64_t step = 0;          // the step given to save_checkpoint
+  CheckpointValues values;   // as saved
+};
+
+// Collective: loads `dir`'s latest complete checkpoint (or step-<step>) into the state, at this
+// run's DP x TP, whatever the saved one was. Checks everything (files, checksums, the model: a
+// param or buffer missing, extra or reshaped is named) on every rank before anything changes; on
+// any failure every rank throws and no rank's state has changed.
+LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& dir,
+                                 std::optional<int64_t> step = std::nullopt);
+
+}  // namespace meshddp

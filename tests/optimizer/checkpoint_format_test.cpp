@@ -1,0 +1,170 @@
+// The checkpoint format's pure parts: CRC32C, the JSON value, safetensors files, and the resharding
+// arithmetic (checked element by element against torch's own chunk/narrow on real tensors).
+#include "optimizer/json_value.h"
+#include "optimizer/reshard.h"
+#include "optimizer/safetensors.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <unistd.h>
+
+using namespace meshddp;
+using ::testing::HasSubstr;
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+std::string temp_path(const std::string& name) {
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp ? tmp : "/tmp") + "/meshddp-fmt-" + name + "-" + std::to_string(::getpid());
+}
+
+// The local tensor a rank holds: chunk tp_rank of tp_size along dim (torch's own arithmetic).
+torch::Tensor local_of(const torch::Tensor& global, const TpSlice& s) {
+  if (s.dim < 0 || s.tp_size == 1) return global;
+  return global.chunk(s.tp_size, s.dim)[s.tp_rank].contiguous();
+}
+
+}  // namespace
+
+TEST(Crc32c, MatchesTheStandardCheckValueAndContinues) {
+  const std::string text = "123456789";
+  EXPECT_EQ(crc32c(text.data(), text.size()), 0xE3069283u);  // the CRC-32C check value (RFC 3720)
+  EXPECT_EQ(crc32c(text.data() + 4, 5, crc32c(text.data(), 4)), 0xE3069283u);
+  std::string big(1000003, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + 7);
+  const uint32_t whole = crc32c(big.data(), big.size());
+  EXPECT_EQ(crc32c(big.data() + 500001, big.size() - 500001, crc32c(big.data(), 500001)), whole);
+  big[777] ^= 1;
+  EXPECT_NE(crc32c(big.data(), big.size()), whole);
+  EXPECT_EQ(crc_hex(0xE3069283u), "0xe3069283");
+}
+
+TEST(JsonValue, RoundTripsIntegersDoublesStringsAndNesting) {
+  JsonValue v(JsonValue::Object{{"int", JsonValue(int64_t{9007199254740993})},  // > 2^53: must stay exact
+                                {"double", JsonValue(0.1)},
+                                {"whole_double", JsonValue(2.0)},
+                                {"text", JsonValue("a \"quoted\"\n\\ string")},
+                                {"list", JsonValue(JsonValue::Array{JsonValue(1), JsonValue(), JsonValue(true)})}});
+  for (int indent : {0, 1}) {
+    const JsonValue back = JsonValue::parse(v.dump(indent), "test");
+    EXPECT_EQ(back.dump(), v.dump());
+    EXPECT_EQ(back.at("int", "t").as_int("int"), int64_t{9007199254740993});
+    EXPECT_FALSE(back.at("whole_double", "t").is_int());
+    EXPECT_EQ(back.at("double", "t").as_double("d"), 0.1);
+    EXPECT_EQ(back.at("text", "t").as_string("s"), "a \"quoted\"\n\\ string");
+  }
+}
+
+TEST(JsonValue, ParseErrorsNameTheByteAndTheSource) {
+  EXPECT_THAT(error_of([] { JsonValue::parse("{\"a\": [1, 2}", "'m.json'"); }), HasSubstr("at byte 11 of 'm.json'"));
+  EXPECT_THAT(error_of([] { JsonValue::parse("{} x", "'m.json'"); }), HasSubstr("trailing bytes"));
+  EXPECT_THAT(error_of([] { JsonValue::parse("{\"a\":1,\"a\":2}", "s"); }), HasSubstr("duplicate key"));
+  EXPECT_THAT(error_of([] { JsonValue::parse("[1]", "s").at("x", "the manifest"); }), HasSubstr("expected an object at the manifest"));
+}
+
+TEST(Safetensors, WritesAFileWhoseHeaderAndBytesReadBack) {
+  const std::string path = temp_path("st");
+  const auto a = torch::arange(12, torch::kFloat).view({3, 4});
+  const auto b = torch::tensor({1.5, -2.25}, torch::kBFloat16);
+  const WrittenFile w = write_safetensors_file(path, {{"a", a}, {"b", b}}, {{"save_id", "abc"}});
+  EXPECT_EQ(w.bytes, file_bytes(path));
+  EXPECT_EQ(w.crc, checksum_file(path).crc);
+  const SafetensorsHeader h = read_safetensors_header(path, w.bytes);
+  EXPECT_EQ(h.data_start % 8, 0) << "data 8-aligned, as safetensors writes it";
+  EXPECT_EQ(h.metadata.at("save_id"), "abc");
+  EXPECT_EQ(h.tensors.at("a").dtype, "F32");
+  EXPECT_EQ(h.tensors.at("a").shape, (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(h.tensors.at("b").dtype, "BF16");
+  torch::Tensor back = torch::empty({3, 4});
+  read_file_range(path, h.data_start + h.tensors.at("a").begin, 48, back.data_ptr());
+  EXPECT_TRUE(torch::equal(back, a));
+  ASSERT_EQ(::truncate(path.c_str(), w.bytes - 1), 0);
+  EXPECT_THAT(error_of([&] { read_safetensors_header(path, w.bytes - 1); }), HasSubstr("truncated"));
+  std::remove(path.c_str());
+}
+
+TEST(Reshard, GlobalRunsOfAColumnShardAreOneRunPerRow) {
+  // [4, 6] sharded on dim 1 over 3 ranks: rank 1 holds columns 2..3 of every row.
+  const auto runs = global_runs({4, 6}, {1, 3, 1}, 1, 7);  // local elements 1..6 of the [4, 2] shard
+  ASSERT_EQ(runs.size(), 4u);
+  EXPECT_EQ(runs[0].global_begin, 3);   // row 0, column 3
+  EXPECT_EQ(runs[0].numel, 1);
+  EXPECT_EQ(runs[1].global_begin, 8);   // row 1, columns 2..3
+  EXPECT_EQ(runs[1].numel, 2);
+  EXPECT_EQ(runs[3].global_begin, 20);  // row 3, column 2
+  EXPECT_EQ(runs[3].local_begin, 6);
+  EXPECT_EQ(global_runs({8, 4}, {0, 2, 1}, 0, 16).size(), 1u) << "a row shard is one run";
+  EXPECT_THAT(error_of([] { global_runs({5, 4}, {0, 2, 0}, 0, 1); }), HasSubstr("does not split into 2 equal TP chunks"));
+}
+
+// Every (saved DP x TP) -> (loaded DP x TP) pair, on shapes sharded on each dim: the planned copies
+// rebuild exactly torch's chunk of the global tensor, element for element.
+TEST(Reshard, PlannedCopiesRebuildEveryLocalShardAcrossDpAndTpSizes) {
+  const std::vector<std::vector<int64_t>> shapes = {{8, 12}, {4, 8, 12}, {16}};
+  for (const auto& shape : shapes) {
+    const auto global = torch::arange(numel_of(shape), torch::kFloat).view(shape);
+    for (int64_t dim = -1; dim < static_cast<int64_t>(shape.size()); ++dim) {
+      for (auto [save_dp, save_tp] : {std::pair{2, 2}, std::pair{4, 1}, std::pair{1, 4}, std::pair{3, 2}}) {
+        // Saved pieces: each TP rank's local tensor, split evenly over DP (only TP rank 0 when unsharded).
+        std::vector<Piece> saved;
+        std::vector<torch::Tensor> data;
+        const int64_t tp_used = dim < 0 ? 1 : save_tp;
+        for (int64_t t = 0; t < tp_used; ++t) {
+          const TpSlice slice = dim < 0 ? TpSlice{} : TpSlice{dim, save_tp, t};
+          const auto local = local_of(global, slice).reshape({-1});
+          for (int64_t d = 0; d < save_dp; ++d) {
+            auto [b, e] = even_split(local.numel(), d, save_dp);
+            saved.push_back({slice, b, e});
+            data.push_back(local.narrow(0, b, e - b));
+          }
+        }
+        for (auto [load_dp, load_tp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 4}, std::pair{4, 1}, std::pair{2, 4}}) {
+          for (int64_t t = 0; t < (dim < 0 ? 1 : load_tp); ++t) {
+            const TpSlice slice = dim < 0 ? TpSlice{} : TpSlice{dim, load_tp, t};
+            const auto expected = local_of(global, slice).reshape({-1});
+            for (int64_t d = 0; d < load_dp; ++d) {
+              auto [b, e] = even_split(expected.numel(), d, load_dp);
+              const auto copies = plan_copies(shape, saved, {slice, b, e});
+              ASSERT_EQ(covered_numel(copies), e - b);
+              auto got = torch::full({e - b}, -1.0);
+              for (const PieceCopy& c : copies) {
+                got.narrow(0, c.dest_offset, c.numel).copy_(data[c.source].narrow(0, c.source_offset, c.numel));
+              }
+              ASSERT_TRUE(torch::equal(got, expected.narrow(0, b, e - b)))
+                  << "shape dim " << dim << " saved " << save_dp << "x" << save_tp << " loaded " << load_dp << "x"
+                  << load_tp << " tp rank " << t << " dp rank " << d;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Reshard, MissingPiecesLeaveElementsUncovered) {
+  const std::vector<Piece> saved = {{{}, 0, 5}};  // elements 5..9 of a [10] tensor were never saved
+  EXPECT_EQ(covered_numel(plan_copies({10}, saved, {{}, 0, 10})), 5);
+}
+
+TEST(Reshard, EvenSplitCoversEveryElementOnce) {
+  int64_t next = 0;
+  for (int64_t p = 0; p < 4; ++p) {
+    auto [b, e] = even_split(10, p, 4);
+    EXPECT_EQ(b, next);
+    EXPECT_GE(e - b, 2);
+    next = e;
+  }
+  EXPECT_EQ(next, 10);
+}
