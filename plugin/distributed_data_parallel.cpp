@@ -26,16 +26,27 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
   init(module, {});
 }
 
+DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
+                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config)
+    : dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
+  TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
+  init(std::move(params), std::move(buffers), dp_global_ranks);
+}
+
 void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks) {
-  config_.validate();
   TORCH_CHECK(module, "DistributedDataParallel: the module is null");
   std::vector<NamedTensor> params;
-  std::vector<NamedTensor> state;
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    params.push_back({item.key(), item.value()});
-    state.push_back({item.key(), item.value()});
-  }
-  for (const auto& item : module->named_buffers(/*recurse=*/true)) state.push_back({item.key(), item.value()});
+  std::vector<NamedTensor> buffers;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) params.push_back({item.key(), item.value()});
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) buffers.push_back({item.key(), item.value()});
+  init(std::move(params), std::move(buffers), dp_global_ranks);
+}
+
+void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
+                     const std::vector<int64_t>& dp_global_ranks) {
+  config_.validate();
+  std::vector<NamedTensor> state = params;
+  state.insert(state.end(), buffers.begin(), buffers.end());
   if (config_.verify_model_across_ranks) {
     verify_same_tensors_across_ranks(*dp_group_, params, "parameter", dp_global_ranks);
   }

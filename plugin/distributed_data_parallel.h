@@ -16,6 +16,7 @@
 
 #include "grad_buffer/grad_buffer.h"
 #include "mesh/device_mesh.h"
+#include "plugin/model_sync.h"
 
 #include <torch/nn/module.h>
 
@@ -41,6 +42,11 @@ class DdpEngine {
             DdpConfig config);
   DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
             DdpConfig config);
+  // For callers that hold no torch::nn::Module (the Python package, plugin/python/): the module's
+  // trainable parameters (deduplicated, registration order) and its buffers, the groups, and DP
+  // rank -> global rank for messages (may be empty). Same checks and broadcast as above.
+  DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
+            const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
 
   // Blocks until every bucket is reduced (launching those not launched yet, in order).
   void finish_grad_sync() { buffer_->finish_grad_sync(); }
@@ -92,6 +98,8 @@ class DdpEngine {
 
  private:
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks);
+  void init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
+            const std::vector<int64_t>& dp_global_ranks);
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   SyncGroups groups_;
