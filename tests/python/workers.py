@@ -190,3 +190,19 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
         "dtensor_params": sorted(n for n, p in ddp.named_parameters() if isinstance(p, DTensor)),
         "grad_bytes": ddp.grad_buffer_bytes(),
     }
+
+
+def ddp_suite(rank, world_size):
+    """Every vs_torch_ddp case and zero1_vs_adamw in one launch (process start-up dominates)."""
+    out = {(v, o): vs_torch_ddp(rank, world_size, v, o)
+           for v in ("plain", "accumulate", "unused", "tied") for o in ("sgd", "adamw")}
+    out["zero1"] = zero1_vs_adamw(rank, world_size)
+    return out
+
+
+def tp_suite(rank, world_size, dp, tp):
+    return {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+
+
+def noop(rank, world_size):
+    return None
