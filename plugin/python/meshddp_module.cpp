@@ -240,7 +240,9 @@ PYBIND11_MODULE(_C, m) {
                         py::arg("grad_scratch_bytes") = m.grad_scratch_bytes, py::arg("total") = m.total());
       })
       .def_property_readonly("config", &DistributedOptimizer::config);
-  // Hook for set_lr (issue 12, branch `trainer`): once DistributedOptimizer::set_lr exists, bind it
-  // here, e.g. .def("set_lr", &DistributedOptimizer::set_lr); meshddp/optimizer.py already forwards
-  // DistributedOptimizer.set_lr(...) to it and says so when it is missing.
+  // Hook for set_lr (issue 12, branch `trainer`): once DistributedOptimizer::set_lr exists on main,
+  // add to the chain above:  .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
+  //                          .def("set_group_lr", &DistributedOptimizer::set_group_lr)
+  // meshddp/optimizer.py's DistributedOptimizer.set_lr(...) already forwards to it (and says it is
+  // missing until then); tests/python/test_misuse.py has nothing to change.
 }

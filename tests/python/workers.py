@@ -101,9 +101,10 @@ def vs_torch_ddp(rank, world_size, variant, optimizer):
     }
 
 
-def zero1_vs_adamw(rank, world_size):
+def zero1_vs_adamw(rank, world_size, checkpoint_dir):
     """ZeRO-1 from Python (meshddp.DistributedOptimizer, AdamW) against torch.optim.AdamW in one
-    process on the global batch (every rank computes the golden itself)."""
+    process on the global batch (every rank computes the golden itself); then a checkpoint saved
+    from Python and loaded into a freshly built model and optimizer."""
     torch.manual_seed(0)
     model = Net()
     golden = copy.deepcopy(model)
@@ -123,7 +124,14 @@ def zero1_vs_adamw(rank, world_size):
         F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
         opt_golden.step()
     opt.finish_param_sync()
+    opt.save_checkpoint(checkpoint_dir)
+    torch.manual_seed(1)  # other initial values, which the load must overwrite
+    fresh = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
+                                                                                 use_distributed_optimizer=True))
+    fresh_opt = meshddp.DistributedOptimizer(fresh, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    fresh_opt.load_checkpoint(checkpoint_dir)
     return {
+        "reloaded_diff": max_diff(list(ddp.parameters()), list(fresh.parameters())),
         "param_diff": max_diff(list(golden.parameters()), list(ddp.parameters())),
         "skipped": [r.skipped for r in results],
         "grad_norms": [r.grad_norm for r in results],
@@ -192,11 +200,11 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
     }
 
 
-def ddp_suite(rank, world_size):
+def ddp_suite(rank, world_size, checkpoint_dir):
     """Every vs_torch_ddp case and zero1_vs_adamw in one launch (process start-up dominates)."""
     out = {(v, o): vs_torch_ddp(rank, world_size, v, o)
            for v in ("plain", "accumulate", "unused", "tied") for o in ("sgd", "adamw")}
-    out["zero1"] = zero1_vs_adamw(rank, world_size)
+    out["zero1"] = zero1_vs_adamw(rank, world_size, checkpoint_dir)
     return out
 
 
