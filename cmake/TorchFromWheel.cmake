@@ -13,7 +13,11 @@
 # - gloo's headers are not in the wheel either: third_party/gloo/include has the few that
 #   ProcessGroupGloo.hpp parses (every gloo type there is held by pointer, so only declarations matter).
 
-set(MESHDDP_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+set(_meshddp_default_python "${PROJECT_SOURCE_DIR}/.venv/bin/python")
+if(SKBUILD AND DEFINED Python_EXECUTABLE)  # `pip install .`: the Python running the build holds torch
+  set(_meshddp_default_python "${Python_EXECUTABLE}")
+endif()
+set(MESHDDP_PYTHON "${_meshddp_default_python}" CACHE FILEPATH
     "Python of the virtualenv that holds torch==2.11.0 (made by scripts/setup.sh)")
 if(NOT EXISTS "${MESHDDP_PYTHON}")
   message(FATAL_ERROR "meshddp: no Python at MESHDDP_PYTHON='${MESHDDP_PYTHON}'. "

@@ -97,21 +97,32 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
   init(module, {}, *dp_group_);
 }
 
+DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
+                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config)
+    : dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
+  TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
+  init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_);
+}
+
 void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
                      c10d::ProcessGroup& agreement_group) {
-  config_.validate();
   TORCH_CHECK(module, "DistributedDataParallel: the module is null");
+  std::vector<NamedTensor> params, buffers;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) params.push_back({item.key(), item.value()});
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) buffers.push_back({item.key(), item.value()});
+  init(std::move(params), std::move(buffers), dp_global_ranks, agreement_group);
+}
+
+void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
+                     const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group) {
+  config_.validate();
   // First, before any collective whose kind depends on them: the settings agree on every rank.
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_), "DistributedDataParallel",
                                     "the DdpConfig settings");
-  std::vector<NamedTensor> params;
   std::vector<NamedParam> named;
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    params.push_back({item.key(), item.value()});
-    named.push_back({item.key(), item.value()});
-  }
+  for (const auto& p : params) named.push_back({p.name, p.tensor});
   unique_params_ = deduplicate_params(named);
-  for (const auto& item : module->named_buffers(/*recurse=*/true)) module_buffers_.push_back({item.key(), item.value()});
+  module_buffers_ = std::move(buffers);
   if (config_.verify_model_across_ranks) {
     // Compared within each DP group; the verdict is then agreed over the whole mesh, so that a
     // mismatch in one DP group stops every rank here rather than leaving the others to hang in

@@ -56,6 +56,12 @@ class DdpEngine {
             DdpConfig config);
   DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
             DdpConfig config);
+  // For callers that hold no torch::nn::Module (the Python package, plugin/python/): the module's
+  // parameters (registration order; a tensor under two names is one param) and its buffers, the
+  // groups, and DP rank -> global rank for messages (may be empty). Same checks and broadcasts as
+  // above; the settings are agreed over groups.world (or the DP group when it is null).
+  DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
+            const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
 
   // Blocks until every bucket is reduced (launching those not launched yet, in order).
   void finish_grad_sync() { buffer_->finish_grad_sync(); }
@@ -123,6 +129,8 @@ class DdpEngine {
  private:
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
             c10d::ProcessGroup& agreement_group);
+  void init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
+            const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group);
   void maybe_check_tp_replicas();
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;

@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 
-def run_losses(binary, nproc, steps, args, first=0):
-    """Steps first..steps-1 are expected (first > 0: a run resumed from a checkpoint)."""
+def run_losses(binary, nproc, steps, args, first=0, env=None):
+    """`binary`: an executable, or a .py script (run by torchrun's Python). Steps first..steps-1 are
+    expected (first > 0: a run resumed from a checkpoint)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "--no-python", binary, "--steps", str(steps), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    launch = [binary] if binary.endswith(".py") else ["--no-python", binary]
+    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", *launch, "--steps", str(steps), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     if out.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
     found = re.findall(r"^step (\d+) loss (\S+)$", out.stdout, re.M)

@@ -1,0 +1,194 @@
+"""meshddp.DistributedDataParallel: wraps a torch.nn.Module for data parallelism over one dim of a
+torch DeviceMesh (or a DP ProcessGroup). Everything per step runs in C++ (meshddp._C): this file
+only turns the module, the mesh and DTensor params into named tensors and c10d groups, once.
+
+A step (as with Megatron's DDP):
+    ddp.zero_grad_buffer()                  # not optimizer.zero_grad(): grads are views of the buffer
+    for m in range(k):
+        ddp.set_is_last_microbatch(m == k - 1)    # or wrap micro-batches 0..k-2 in `with ddp.no_sync():`
+        loss_fn(ddp(x[m]), y[m]).div(k).backward()  # buckets reduce over "dp" while backward runs
+    ddp.finish_grad_sync()                  # param.grad now holds the DP mean
+    optimizer.step()
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.utils._pytree import tree_leaves
+
+from meshddp import _C
+
+
+def _error(what):
+    return RuntimeError(f"meshddp.DistributedDataParallel: {what}")
+
+
+def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
+    """(dp group, world group or None, tp dim name or None, tp_rank, tp_size)."""
+    if process_group is not None:
+        if mesh is not None:
+            raise _error("give either a DeviceMesh (mesh=) or a DP process group (process_group=), not both")
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise _error(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        return process_group, None, None, 0, 1
+    if not isinstance(mesh, DeviceMesh):
+        raise _error(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. from init_device_mesh), got "
+            f"{type(mesh).__name__}; for a plain DP group pass process_group= a torch.distributed.ProcessGroup")
+    names = mesh.mesh_dim_names
+    if names is None or dp_dim not in names:
+        raise _error(
+            f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape {tuple(mesh.shape)}; "
+            f"pass dp_dim= one of them, or name the mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
+    others = [n for n in names if n != dp_dim]
+    if tp_dim is None:
+        if len(others) > 1:
+            raise _error(f"the mesh has dims {names}: name the tensor-parallel one with tp_dim= (meshddp syncs one "
+                         f"DP dim and knows one TP dim)")
+        tp_dim = others[0] if others else None
+    elif tp_dim not in others:
+        raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim '{dp_dim}': the dims are {names}")
+    dp_group = mesh.get_group(dp_dim)
+    if tp_dim is None:
+        return dp_group, None, None, 0, 1
+    tp_size = mesh.size(names.index(tp_dim))
+    tp_rank = mesh.get_local_rank(tp_dim)
+    if mesh.size() == dist.get_world_size():
+        world = dist.distributed_c10d._get_default_group()
+    else:
+        world = mesh[(dp_dim, tp_dim)]._flatten().get_group()
+    return dp_group, world, tp_dim, tp_rank, tp_size
+
+
+def _tp_shard_dim(name, param, tp_dim, tp_size):
+    """The tensor dim a DTensor param is sharded on over TP (-1: Replicate), checking its mesh."""
+    pmesh = param.device_mesh
+    pnames = pmesh.mesh_dim_names or ()
+    if tp_dim is None or (pmesh.ndim == 1 and pnames != (tp_dim,) and pmesh.size() != tp_size):
+        raise _error(
+            f"parameter '{name}' is a DTensor on a mesh with dims {pnames} (shape {tuple(pmesh.shape)}), but the "
+            f"DDP mesh has no tensor-parallel dim of that size; parallelize the module over the TP dim of the mesh "
+            f"given to DistributedDataParallel (parallelize_module(module, mesh['tp'], plan))")
+    shard_dim = -1
+    for i, placement in enumerate(param.placements):
+        on_tp = pmesh.ndim == 1 or pnames[i] == tp_dim
+        if isinstance(placement, Shard) and on_tp:
+            shard_dim = placement.dim
+        elif not isinstance(placement, (Shard, Replicate)) or (isinstance(placement, Shard) and not on_tp):
+            raise _error(f"parameter '{name}' has placements {param.placements} on mesh dims {pnames}: meshddp "
+                         f"supports DTensor params that are Shard or Replicate over TP and replicated over DP")
+    return shard_dim
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data parallelism for `module` over the `dp_dim` dim of `mesh` (a torch DeviceMesh), or over
+    `process_group`. Construction is a collective over DP: it checks that every DP rank holds the
+    same parameters and broadcasts DP rank 0's parameters and buffers (DdpConfig fields
+    verify_model_across_ranks, broadcast_from_rank0). DTensor params (torch TP via
+    parallelize_module over the mesh's TP dim) are synced by their local shards; DTensor does TP."""
+
+    def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise _error(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        config = _C.DdpConfig() if config is None else config
+        if not isinstance(config, _C.DdpConfig):
+            raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
+        dp_group, world, tp_dim, tp_rank, tp_size = _resolve_groups(mesh, dp_dim, process_group, tp_dim)
+        self.module = module
+        self.mesh = mesh
+        self.dp_dim = dp_dim
+        self.tp_dim = tp_dim
+
+        params, dtensors = [], []
+        for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
+            if isinstance(p, DTensor):
+                local = p._local_tensor
+                if p.requires_grad:
+                    if config.grad_reduce_in_fp32 and p.dtype in (torch.bfloat16, torch.float16):
+                        raise _error(f"parameter '{name}' is a {p.dtype} DTensor: grad_reduce_in_fp32 is not "
+                                     f"supported for DTensor params (their .grad must be a view of the buffer)")
+                    local.requires_grad_(True)  # trainable for the GradBuffer (Note [DTensor parameters])
+                    dtensors.append((name, p, local, _tp_shard_dim(name, p, tp_dim, tp_size)))
+                params.append((name, local))
+            else:
+                params.append((name, p))
+        buffers = [(n, b._local_tensor if isinstance(b, DTensor) else b) for n, b in module.named_buffers()]
+        self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_rank, tp_size,
+                               dist.get_process_group_ranks(dp_group), config)
+        grads = []
+        for name, p, _, _ in dtensors:
+            grads.append(DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
+                                            run_check=False, shape=p.shape, stride=p.stride()))
+        self._engine.set_dtensor_grads(grads)
+        self._find_unused = config.find_unused_parameters
+
+    # -- a step -----------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """The module's forward, after checking the previous step's sync has finished (a RuntimeError
+        naming the params otherwise). With the distributed optimizer's overlapped param gather, each
+        op waits for the all-gather of its own params' bucket."""
+        self._engine.check_before_forward()
+        scope = self._engine.open_forward_scope()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            del scope
+        if self._find_unused:
+            self._engine.mark_unused([t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+        return output
+
+    def finish_grad_sync(self):
+        """Launches every bucket not launched yet, in order, and waits for all (GIL released).
+        Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
+        self._engine.finish_grad_sync()
+
+    def zero_grad_buffer(self):
+        """Zeroes the gradient buffers and points every .grad back at them. Call it (not
+        optimizer.zero_grad(), which would set the grads to None) before each step's first backward."""
+        self._engine.zero_grad_buffer()
+
+    def set_is_last_microbatch(self, is_last):
+        """False for micro-batches before the last: backward only accumulates. Default True."""
+        self._engine.set_is_last_microbatch(bool(is_last))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this context only accumulates into the buffer (torch DDP's no_sync())."""
+        previous = self._engine.is_last_microbatch()
+        self._engine.set_is_last_microbatch(False)
+        try:
+            yield
+        finally:
+            self._engine.set_is_last_microbatch(previous)
+
+    # -- parameters and gradients -----------------------------------------------------------------
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The wrapped module's parameters by their own names (no 'module.' prefix), deduplicated."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=True)
+
+    def parameters(self, recurse=True):
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def main_grad(self, name):
+        """The synced gradient of trainable param `name` (module path): a view of its slot in the flat
+        buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32)."""
+        return self._engine.main_grad(name)
+
+    @property
+    def config(self):
+        return self._engine.config
+
+    def grad_buffer_bytes(self):
+        """Bytes of the flat gradient buffers (the gradients' only long-lived home)."""
+        return self._engine.grad_buffer_bytes()

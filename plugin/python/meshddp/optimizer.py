@@ -1,0 +1,62 @@
+"""meshddp.DistributedOptimizer: the ZeRO-1 optimizer (C++) over a meshddp.DistributedDataParallel
+built with DdpConfig(use_distributed_optimizer=True): each DP rank keeps fp32 master weights and
+AdamW/SGD state for its 1/DP shard of every bucket; step() updates them and all-gathers params."""
+
+import os
+
+from meshddp import _C
+from meshddp.ddp import DistributedDataParallel
+
+
+class DistributedOptimizer:
+    def __init__(self, ddp, config=None):
+        if not isinstance(ddp, DistributedDataParallel):
+            raise RuntimeError(f"meshddp.DistributedOptimizer: ddp must be a meshddp.DistributedDataParallel, got "
+                               f"{type(ddp).__name__}")
+        config = _C.OptimizerConfig() if config is None else config
+        if not isinstance(config, _C.OptimizerConfig):
+            raise RuntimeError(f"meshddp.DistributedOptimizer: config must be a meshddp.OptimizerConfig, got "
+                               f"{type(config).__name__}")
+        self.ddp = ddp
+        self._impl = _C._DistributedOptimizer(ddp._engine, config)
+
+    def step(self):
+        """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
+        check, clipping, the sharded update and the param all-gather. Returns a StepResult
+        (skipped, grad_norm, clipped, report)."""
+        return self._impl.step()
+
+    def zero_grad(self):
+        """Same as ddp.zero_grad_buffer()."""
+        self.ddp.zero_grad_buffer()
+
+    def finish_param_sync(self):
+        """Blocks until params are all-gathered (before reading params outside ddp's forward)."""
+        self._impl.finish_param_sync()
+
+    def set_lr(self, *args, **kwargs):
+        """Sets the learning rate (bound once the C++ DistributedOptimizer::set_lr exists)."""
+        if not hasattr(self._impl, "set_lr"):
+            raise NotImplementedError("meshddp.DistributedOptimizer.set_lr: this build's C++ DistributedOptimizer has "
+                                      "no set_lr yet (issue 12); bind it in plugin/python/meshddp_module.cpp")
+        return self._impl.set_lr(*args, **kwargs)
+
+    def save_checkpoint(self, directory):
+        """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md)."""
+        self._impl.save_checkpoint(os.fspath(directory))
+
+    def load_checkpoint(self, directory):
+        """Loads a checkpoint saved at this or another DP size, then all-gathers params."""
+        self._impl.load_checkpoint(os.fspath(directory))
+
+    @property
+    def steps_taken(self):
+        return self._impl.steps_taken()
+
+    @property
+    def config(self):
+        return self._impl.config
+
+    def memory(self):
+        """Bytes held by this rank, by component (param/grad buffers, masters, optimizer state)."""
+        return self._impl.memory()

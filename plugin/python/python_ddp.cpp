@@ -1,0 +1,100 @@
+#include "plugin/python/python_ddp.h"
+
+#include "mesh/placement.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace meshddp {
+
+struct PythonDdp::Relay {
+  std::shared_ptr<torch::autograd::Node> accumulator;  // the leaf keeps only a weak_ptr to it
+  uintptr_t key = 0;
+};
+
+namespace {
+
+// Records each DTensor param's TP placement on its local tensor (read by the GradBuffer's norm and
+// checkpoint code) before the engine lays the buffer out. Returns `params` unchanged.
+std::vector<NamedTensor> with_placements(std::vector<NamedTensor> params, const std::vector<DtensorParam>& dtensors,
+                                         const SyncGroups& groups) {
+  for (const auto& d : dtensors) {
+    TORCH_CHECK(d.leaf.defined() && d.local.defined(), "meshddp: DTensor parameter '", d.name, "' is undefined");
+    set_placement(d.local, d.shard_dim >= 0 ? Placement::shard(d.shard_dim, groups.tp_size, groups.tp_rank)
+                                            : Placement::replicate());
+  }
+  return params;
+}
+
+int64_t index_in_buffer(const GradBuffer& buffer, const DtensorParam& d) {
+  const auto& params = buffer.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].param.unsafeGetTensorImpl() == d.local.unsafeGetTensorImpl()) return static_cast<int64_t>(i);
+  }
+  TORCH_CHECK(false, "meshddp: DTensor parameter '", d.name, "' has no trainable local tensor in the gradient buffer; ",
+              "its local tensor must require grad");
+}
+
+}  // namespace
+
+PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
+                     std::vector<DtensorParam> dtensors, SyncGroups groups, const std::vector<int64_t>& dp_global_ranks,
+                     DdpConfig config)
+    : DdpEngine(with_placements(std::move(params), dtensors, groups), std::move(buffers), groups, dp_global_ranks,
+                config),
+      dtensors_(std::move(dtensors)) {
+  TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
+              "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",
+              dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",
+              "buffer holds. Unused DTensor params still work without it: finish_grad_sync() reduces their zeros");
+  for (const auto& d : dtensors_) {
+    const int64_t index = index_in_buffer(grad_buffer(), d);
+    auto relay = std::make_unique<Relay>();
+    relay->accumulator = torch::autograd::impl::grad_accumulator(d.leaf);
+    TORCH_INTERNAL_ASSERT(relay->accumulator, "no grad accumulator for DTensor parameter ", d.name);
+    GradBuffer* buffer = &grad_buffer();
+    const size_t which = relays_.size();
+    relay->key = relay->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, buffer, index, which](const torch::autograd::variable_list& outputs,
+                                     const torch::autograd::variable_list&) {
+          const DtensorParam& d = dtensors_[which];
+          TORCH_CHECK(which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
+                      "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",
+                      ".grad was not its slot in meshddp's buffer (was it set to None, e.g. by optimizer.zero_grad()?); ",
+                      "this gradient missed the buffer. Call ddp.zero_grad_buffer() between steps instead");
+          buffer->on_grad_accumulated(index);
+          return outputs;
+        }));
+    relays_.push_back(std::move(relay));
+  }
+}
+
+PythonDdp::~PythonDdp() {
+  for (auto& r : relays_) r->accumulator->del_post_hook(r->key);
+}
+
+void PythonDdp::set_dtensor_grads(std::vector<at::Tensor> grads) {
+  TORCH_CHECK(grads.size() == dtensors_.size(), "meshddp: ", grads.size(), " DTensor grads for ", dtensors_.size(),
+              " DTensor parameters");
+  dtensor_grads_ = std::move(grads);
+  for (size_t i = 0; i < dtensors_.size(); ++i) dtensors_[i].leaf.mutable_grad() = dtensor_grads_[i];
+}
+
+void PythonDdp::zero_grad_buffer() {
+  DdpEngine::zero_grad_buffer();
+  for (size_t i = 0; i < dtensor_grads_.size(); ++i) dtensors_[i].leaf.mutable_grad() = dtensor_grads_[i];
+}
+
+std::unique_ptr<ParamGather::ForwardScope> PythonDdp::open_forward_scope() const {
+  return std::make_unique<ParamGather::ForwardScope>(grad_buffer().param_gather());
+}
+
+std::vector<std::string> PythonDdp::param_names() const {
+  std::vector<std::string> names;
+  for (const auto& p : grad_buffer().params()) names.push_back(p.name);
+  return names;
+}
+
+}  // namespace meshddp

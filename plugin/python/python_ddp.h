@@ -1,0 +1,76 @@
+// PythonDdp: DistributedDataParallel for a Python torch.nn.Module, the engine under meshddp's Python
+// package. Python hands over named tensors and c10d process groups once; every step (hooks, bucket
+// collectives, waits) then runs in C++ exactly as for a LibTorch module. Knows nothing of pybind11:
+// the bindings are in meshddp_module.cpp.
+//
+// Note [DTensor parameters]
+//   A parameter that torch's parallelize_module turned into a DTensor is an autograd leaf whose
+//   data is a plain local tensor (this TP rank's shard). The GradBuffer is given the local tensor
+//   (layout, buckets and DP collectives cover local shards only), with requires_grad set so it is
+//   trainable; its .grad is its slot in the buffer, as for any param. The DTensor's own .grad is a
+//   DTensor wrapping that same slot with the param's placements (made once by the Python side), so
+//   autograd's AccumulateGrad adds each new DTensor gradient into the slot in place, through
+//   DTensor, which first redistributes a Partial gradient to the param's placement: the TP
+//   reduction is DTensor's, done once, and meshddp never reduces over TP again. A post-hook on the
+//   DTensor's AccumulateGrad node (C++, no Python) then reports the local param ready to the
+//   GradBuffer, which launches its bucket over DP. zero_grad_buffer() puts the DTensor grads back
+//   if something (torch's optimizer.zero_grad()) replaced them.
+#pragma once
+
+#include "plugin/distributed_data_parallel.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace meshddp {
+
+// A DTensor param: its name, the DTensor leaf (autograd's view of it), its local tensor (what the
+// GradBuffer holds: it must be among the params given to PythonDdp under the same name), and the
+// DTensor .grad wrapping the local slot (see the Note). `shard_dim` is the tensor dim the param is
+// sharded on over TP, -1 for Replicate.
+struct DtensorParam {
+  std::string name;
+  at::Tensor leaf;
+  at::Tensor local;
+  int64_t shard_dim = -1;
+};
+
+class PythonDdp : public DdpEngine {
+ public:
+  // `params`: every parameter (DTensor params by their local tensor), deduplicated, registration
+  // order; `buffers`: the module's buffers (local tensors likewise). Collective over the DP group.
+  PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, std::vector<DtensorParam> dtensors,
+            SyncGroups groups, const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
+  ~PythonDdp();
+  PythonDdp(const PythonDdp&) = delete;
+  PythonDdp& operator=(const PythonDdp&) = delete;
+
+  // The DTensor grads (same order as `dtensors`), each a DTensor over its param's local slot
+  // (main_grad(name)). Assigned to the leaves' .grad now and after every zero_grad_buffer().
+  void set_dtensor_grads(std::vector<at::Tensor> grads);
+  // Zeroes the buffers and points every param's .grad (DTensor ones included) back at its slot.
+  void zero_grad_buffer();
+
+  // Around the Python module's forward: the check that the previous step's sync has finished, the
+  // param all-gather wait scope (distributed optimizer with overlap), and, with
+  // find_unused_parameters, marking the params the outputs cannot reach.
+  void check_before_forward() { before_forward(); }
+  std::unique_ptr<ParamGather::ForwardScope> open_forward_scope() const;
+  void mark_unused(const std::vector<at::Tensor>& outputs) const { after_forward(outputs); }
+
+  // Names of the trainable params in GradBuffer (bucket) order, after deduplication.
+  std::vector<std::string> param_names() const;
+
+ private:
+  struct Relay;
+  std::vector<DtensorParam> dtensors_;
+  std::vector<at::Tensor> dtensor_grads_;
+  std::vector<std::unique_ptr<Relay>> relays_;
+};
+
+}  // namespace meshddp

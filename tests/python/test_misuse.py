@@ -1,0 +1,87 @@
+"""Misuse from Python: each a RuntimeError (or TypeError for a wrong keyword) naming the problem,
+with the C++ engine's own text where the check is C++'s. One rank, in this process."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import meshddp
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import multiprocess
+
+    os.environ["MASTER_PORT"] = str(multiprocess._free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    dist.destroy_process_group()
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def test_wrong_dim_name_names_the_dims(mesh):
+    with pytest.raises(RuntimeError, match=r"no dim named 'data'.*\('dp', 'tp'\)"):
+        meshddp.DistributedDataParallel(model(), mesh, dp_dim="data")
+
+
+def test_non_device_mesh_argument_names_the_type(mesh):
+    with pytest.raises(RuntimeError, match=r"mesh must be a torch.distributed.device_mesh.DeviceMesh.*got str"):
+        meshddp.DistributedDataParallel(model(), "dp")
+    with pytest.raises(RuntimeError, match=r"process_group must be a torch.distributed.ProcessGroup, got DeviceMesh"):
+        meshddp.DistributedDataParallel(model(), process_group=mesh)
+
+
+def test_forward_before_finish_grad_sync_names_the_params(mesh):
+    ddp = meshddp.DistributedDataParallel(model(), mesh, config=meshddp.DdpConfig(bucket_bytes=0))
+    ddp.zero_grad_buffer()
+    x = torch.randn(3, 4)
+    out = ddp(x)
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match=r"DistributedDataParallel::forward: a new step began before "
+                                           r"finish_grad_sync\(\)"):
+        ddp(x)
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    ddp(x)  # fine again
+
+
+def test_config_errors_carry_the_cpp_text():
+    with pytest.raises(RuntimeError, match=r"DdpConfig: bucket_bytes = -1 is negative"):
+        meshddp.DdpConfig(bucket_bytes=-1)
+    with pytest.raises(RuntimeError, match=r"GradBufferConfig: bucket_bytes = 2199023255552 \(over 1 TiB\)"):
+        meshddp.DdpConfig(bucket_bytes=1 << 41)
+    with pytest.raises(TypeError, match=r"DdpConfig: no field 'bucket_size'; the fields are .*bucket_bytes"):
+        meshddp.DdpConfig(bucket_size=1)
+    with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
+        meshddp.OptimizerConfig(lr=-1.0)
+    with pytest.raises(RuntimeError, match=r"kind must be 'adamw' or 'sgd', got 'adam'"):
+        meshddp.OptimizerConfig(kind="adam")
+    c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
+    assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
+
+
+def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):
+    ddp = meshddp.DistributedDataParallel(model(), mesh)
+    with pytest.raises(RuntimeError, match=r"DistributedOptimizer: the gradient buffer was built without "
+                                           r"use_distributed_optimizer"):
+        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig())
+
+
+def test_dtensor_grad_set_to_none_is_named(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    m = model()
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(output_layouts=None)})
+    ddp = meshddp.DistributedDataParallel(m, mesh)
+    ddp.zero_grad_buffer()
+    m[0].weight.grad = None  # what torch's optimizer.zero_grad() does
+    with pytest.raises(RuntimeError, match=r"DTensor parameter '0.weight' got a gradient while its \.grad was not"):
+        F.mse_loss(ddp(torch.randn(3, 4)), torch.zeros(3, 2)).backward()

@@ -1,0 +1,216 @@
+"""Per-rank bodies of the multi-rank Python tests (run by multiprocess.run in spawned processes).
+Each returns plain numbers/tensors that the test asserts on in the parent."""
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import meshddp
+
+STEPS = 10
+BATCH = 4  # per rank and micro-batch
+
+
+class Net(torch.nn.Module):
+    """An MLP; `unused` adds a branch forward never runs, `tied` a layer sharing `hidden`'s weight."""
+
+    def __init__(self, unused=False, tied=False):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.hidden = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 8)
+        self.branch = torch.nn.Linear(16, 16) if unused else None
+        self.hidden2 = None
+        if tied:
+            self.hidden2 = torch.nn.Linear(16, 16, bias=False)
+            self.hidden2.weight = self.hidden.weight  # the same Parameter in two modules
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.hidden(h))
+        if self.hidden2 is not None:
+            h = torch.tanh(self.hidden2(h))
+        return self.out(h)
+
+
+def batch(step, rank, micro, dim_in=8, dim_out=8):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(BATCH, dim_in, generator=g), torch.randn(BATCH, dim_out, generator=g)
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def grads_of(model):
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def make_optimizer(kind, params, weight_decay):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=weight_decay)
+
+
+def vs_torch_ddp(rank, world_size, variant, optimizer):
+    """meshddp's DDP and torch's DDP on the same model and data: the gradients after the first
+    step's backward, and the params after STEPS optimizer steps. variant: plain | accumulate
+    (2 micro-batches, no_sync) | unused (a branch no forward reaches) | tied (a shared weight)."""
+    torch.manual_seed(0)
+    model = Net(unused=variant == "unused", tied=variant == "tied")
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=variant == "unused")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    config = meshddp.DdpConfig(bucket_bytes=1024, find_unused_parameters=variant == "unused")
+    ours = meshddp.DistributedDataParallel(model, mesh, "dp", config)
+    weight_decay = 0.0 if variant == "unused" else 0.01  # torch skips None grads; ours are zeros
+    opt_ref = make_optimizer(optimizer, ref.parameters(), weight_decay)
+    opt_ours = make_optimizer(optimizer, ours.parameters(), weight_decay)
+    micro = 2 if variant == "accumulate" else 1
+    grad_diff = None
+    for step in range(STEPS):
+        opt_ref.zero_grad()
+        ours.zero_grad_buffer()
+        for m in range(micro):
+            x, y = batch(step, rank, m)
+            last = m == micro - 1
+            with contextlib.nullcontext() if last else ref.no_sync():
+                (F.mse_loss(ref(x), y) / micro).backward()
+            with contextlib.nullcontext() if last else ours.no_sync():
+                (F.mse_loss(ours(x), y) / micro).backward()
+        ours.finish_grad_sync()
+        if step == 0:
+            grad_diff = max_diff(grads_of(ref.module), grads_of(ours.module))
+            grad_scale = max(g.abs().max().item() for g in grads_of(ref.module))
+        opt_ref.step()
+        opt_ours.step()
+    names = [n for n, _ in ours.named_parameters()]
+    return {
+        "grad_diff": grad_diff,
+        "grad_scale": grad_scale,
+        "param_diff": max_diff(list(ref.module.parameters()), list(ours.parameters())),
+        "names": names,
+        "num_buckets": ours._engine.num_buckets(),
+        "launched_by_hooks": ours._engine.buckets_launched_by_hooks(),
+        "hidden2_is_hidden": variant != "tied" or ours.module.hidden2.weight is ours.module.hidden.weight,
+    }
+
+
+def zero1_vs_adamw(rank, world_size, checkpoint_dir):
+    """ZeRO-1 from Python (meshddp.DistributedOptimizer, AdamW) against torch.optim.AdamW in one
+    process on the global batch (every rank computes the golden itself); then a checkpoint saved
+    from Python and loaded into a freshly built model and optimizer."""
+    torch.manual_seed(0)
+    model = Net()
+    golden = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
+                                                                                 use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
+    results = []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        x, y = batch(step, rank, 0)
+        F.mse_loss(ddp(x), y).backward()
+        results.append(opt.step())
+        xs, ys = zip(*(batch(step, r, 0) for r in range(world_size)))
+        opt_golden.zero_grad()
+        F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
+        opt_golden.step()
+    opt.finish_param_sync()
+    opt.save_checkpoint(checkpoint_dir)
+    torch.manual_seed(1)  # other initial values, which the load must overwrite
+    fresh = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
+                                                                                 use_distributed_optimizer=True))
+    fresh_opt = meshddp.DistributedOptimizer(fresh, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    fresh_opt.load_checkpoint(checkpoint_dir)
+    return {
+        "reloaded_diff": max_diff(list(ddp.parameters()), list(fresh.parameters())),
+        "param_diff": max_diff(list(golden.parameters()), list(ddp.parameters())),
+        "skipped": [r.skipped for r in results],
+        "grad_norms": [r.grad_norm for r in results],
+        "steps_taken": opt.steps_taken,
+    }
+
+
+class Block(torch.nn.Module):
+    """A transformer-style MLP block: LayerNorm, fc1 (column-parallel), GELU, fc2 (row-parallel), head."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.head(h + self.fc2(F.gelu(self.fc1(h))))
+
+
+def full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def tp_vs_single(rank, world_size, dp, tp, optimizer):
+    """The Block parallelized with torch TP (parallelize_module over the mesh's "tp" dim) and wrapped
+    in meshddp DDP on a dp x tp mesh, against the same Block at 1x1 (one process, global batch).
+    optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer)."""
+    torch.manual_seed(0)
+    model = Block()
+    golden = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    zero1 = optimizer == "zero1"
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(bucket_bytes=512,
+                                                                               use_distributed_optimizer=zero1))
+    if zero1:
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+        opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
+    else:
+        opt = make_optimizer(optimizer, ddp.parameters(), 0.01)
+        opt_golden = make_optimizer(optimizer, golden.parameters(), 0.01)
+    dp_rank = mesh.get_local_rank("dp")
+    grad_diff = None
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        x, y = batch(step, dp_rank, 0, 16, 8)
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_grad_sync()
+        xs, ys = zip(*(batch(step, r, 0, 16, 8) for r in range(dp)))
+        opt_golden.zero_grad()
+        F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
+        if step == 0 and not zero1:  # with ZeRO-1 only this rank's shard of each bucket is synced
+            grad_diff = max_diff([full(p.grad) for p in ddp.parameters()], [p.grad for p in golden.parameters()])
+        opt.step()
+        opt_golden.step()
+    if zero1:
+        opt.finish_param_sync()
+    return {
+        "grad_diff": grad_diff,
+        "param_diff": max_diff([full(p) for p in ddp.parameters()], list(golden.parameters())),
+        "dtensor_params": sorted(n for n, p in ddp.named_parameters() if isinstance(p, DTensor)),
+        "grad_bytes": ddp.grad_buffer_bytes(),
+    }
+
+
+def ddp_suite(rank, world_size, checkpoint_dir):
+    """Every vs_torch_ddp case and zero1_vs_adamw in one launch (process start-up dominates)."""
+    out = {(v, o): vs_torch_ddp(rank, world_size, v, o)
+           for v in ("plain", "accumulate", "unused", "tied") for o in ("sgd", "adamw")}
+    out["zero1"] = zero1_vs_adamw(rank, world_size, checkpoint_dir)
+    return out
+
+
+def tp_suite(rank, world_size, dp, tp):
+    return {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+
+
+def noop(rank, world_size):
+    return None
