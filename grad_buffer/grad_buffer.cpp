@@ -262,8 +262,9 @@ void GradBuffer::launch_bucket(int64_t b) {
   BucketState& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   at::Tensor data = bucket_data(b);
-  if (config_.use_distributed_optimizer) {
-    nonfinite_counts_[b] = count_nonfinite(data);  // read only by the optimizer
+  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
+    nonfinite_counts_[b] = count_nonfinite(data);  // read by the optimizer, and by raise_if_nonfinite()
+    if (config_.check_for_nan_in_grad) note_nonfinite_params(b);
   }
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
@@ -296,8 +297,10 @@ void GradBuffer::finish_grad_sync() {
   if (state_ == StepState::kSynced) return;
   while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
   wait_launched_buckets();
+  ++syncs_;
   std::fill(ready_.begin(), ready_.end(), true);
   state_ = StepState::kSynced;
+  if (config_.check_for_nan_in_grad) raise_if_nonfinite();
 }
 
 void GradBuffer::zero_grad_buffer() {
@@ -321,7 +324,8 @@ void GradBuffer::reset_step_state() {
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;
-  if (config_.use_distributed_optimizer) {
+  nonfinite_notes_.assign(buckets_.size(), std::string());
+  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
     const c10::Device device = layout_.buffers.empty() ? c10::Device(c10::kCPU) : layout_.buffers[0].key.device;
     nonfinite_counts_.assign(buckets_.size(), at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device)));
   }
