@@ -145,7 +145,9 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
   record->rank = group->getRank();
   record->report_after = report_after;
   record->timeout = timeout;
-  record->publish_interval = std::clamp(report_after / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(5000));
+  // Fresh enough for the first report (or, with reports off, for the timeout's error).
+  const auto horizon = report_after.count() > 0 ? report_after : timeout;
+  record->publish_interval = std::clamp(horizon / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(5000));
   record->store->set(std::to_string(record->rank), to_bytes(0));
   Board::get().add(group.get(), std::move(record));
 }

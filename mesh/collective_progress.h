@@ -9,7 +9,8 @@
 //              (Work*, launch number) write into a 64-entry ring: ~0.1 us, no store traffic.
 //   publish    one background thread per process writes each group's count to the store key
 //              <mesh prefix>/<group>/progress/<group rank> when it changed, at most once per
-//              publish interval (report_after / 4, clamped to [10 ms, 5 s]).
+//              publish interval (report_after / 4, or timeout / 4 with reports off; clamped to
+//              [10 ms, 5 s]).
 //   wait       waits report_after; only then (a rank that is already late) reads the peers' keys:
 //              2 store reads per peer, once per report; reports at report_after, then 2x, 4x, ...
 //   A peer "has not reached" launch n when its published count is < n. A count is at most one
