@@ -2,6 +2,7 @@
 // torch::optim and DistributedOptimizer param groups, state save/restore, and a ZeRO-1 run under a
 // schedule against torch::optim::AdamW under the same schedule, step by step.
 #include "optimizer/lr_scheduler.h"
+#include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
 
 #include <gmock/gmock.h>
