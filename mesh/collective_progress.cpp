@@ -52,6 +52,7 @@ class Board {
   void add(const c10d::ProcessGroup* key, std::shared_ptr<GroupProgress> record) {
     std::lock_guard<std::mutex> lock(mutex_);
     records_[key] = std::move(record);
+    ++added_;  // a new record may need a shorter interval than the one the thread sleeps for
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
     wake_.notify_all();
   }
@@ -78,6 +79,7 @@ class Board {
   void run() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
+      const uint64_t seen = added_;
       auto interval = std::chrono::milliseconds(5000);
       std::vector<std::shared_ptr<GroupProgress>> due;
       const auto now = Clock::now();
@@ -105,13 +107,15 @@ class Board {
         r->last_publish = Clock::now();
       }
       lock.lock();
-      wake_.wait_for(lock, interval, [this] { return stop_; });
+      // Not a plain notify: one sent while this thread was publishing (lock released) would be lost.
+      wake_.wait_for(lock, interval, [this, seen] { return stop_ || added_ != seen; });
     }
   }
 
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
+  uint64_t added_ = 0;
   std::unordered_map<const c10d::ProcessGroup*, std::shared_ptr<GroupProgress>> records_;
   std::thread thread_;
 };
