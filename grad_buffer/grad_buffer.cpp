@@ -337,8 +337,9 @@ void GradBuffer::launch_bucket(int64_t b) {
   BucketState& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   at::Tensor data = bucket_data(b);
-  if (config_.use_distributed_optimizer) {
-    nonfinite_counts_[b] = count_nonfinite(data);  // read only by the optimizer
+  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
+    nonfinite_counts_[b] = count_nonfinite(data);  // read by the optimizer, and by raise_if_nonfinite()
+    if (config_.check_for_nan_in_grad) note_nonfinite_params(b);
   }
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
@@ -378,6 +379,7 @@ void GradBuffer::finish_grad_sync() {
   std::fill(ready_.begin(), ready_.end(), true);
   state_ = StepState::kSynced;
   ++syncs_completed_;
+  if (config_.check_for_nan_in_grad) raise_if_nonfinite();
 }
 
 int64_t GradBuffer::syncs_completed() const {
@@ -420,7 +422,8 @@ void GradBuffer::reset_step_state() {
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;
-  if (config_.use_distributed_optimizer) {
+  nonfinite_notes_.assign(buckets_.size(), std::string());
+  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
     const c10::Device device = layout_.buffers.empty() ? c10::Device(c10::kCPU) : layout_.buffers[0].key.device;
     nonfinite_counts_.assign(buckets_.size(), at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device)));
   }

@@ -49,6 +49,11 @@ struct GradBufferConfig {
                                            // (DP rank r keeps the mean of its 1/DP shard of every bucket),
                                            // params become views of a flat param buffer laid out like the
                                            // grad buffer, and each bucket's local non-finite count is kept
+  bool check_for_nan_in_grad = false;  // (Megatron's name) count each bucket's NaN/Inf before its collective;
+                                       // finish_grad_sync() then throws on every rank, naming the param(s),
+                                       // the rank(s) that produced them and the step. Costs one count per
+                                       // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
+                                       // per step
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
@@ -190,6 +195,8 @@ class GradBuffer {
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
+  void note_nonfinite_params(int64_t b);   // mutex held; check_for_nan_in_grad (nonfinite_check.cpp)
+  void raise_if_nonfinite();               // mutex held; check_for_nan_in_grad (nonfinite_check.cpp)
 
   std::vector<NamedParam> params_;
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
@@ -203,6 +210,7 @@ class GradBuffer {
   std::vector<at::Tensor> param_buffers_;
   std::unique_ptr<ParamGather> param_gather_;
   std::vector<at::Tensor> nonfinite_counts_;  // per bucket, see local_nonfinite_counts()
+  std::vector<std::string> nonfinite_notes_;  // per bucket with check_for_nan_in_grad: the params, if any
 
   mutable std::mutex mutex_;
   StepState state_ = StepState::kIdle;

@@ -1,9 +1,12 @@
 #include "mesh/collectives.h"
 
+#include "mesh/collective_progress.h"
+
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
@@ -20,6 +23,12 @@ void check_operand(const c10d::ProcessGroup& group, const at::Tensor& t, const c
   TORCH_CHECK(t.layout() == c10::kStrided && t.is_contiguous(), "meshddp ", op, " of ", what, " on ",
               describe_group(group), ": ", role, " tensor must be dense and contiguous; got sizes ", t.sizes(),
               " strides ", t.strides());
+}
+
+// Every launch passes through here: counted for the hang report (mesh/collective_progress.h).
+Work launched(const c10d::ProcessGroup& group, Work work) {
+  note_collective_launch(group, work);
+  return work;
 }
 
 }  // namespace
@@ -45,7 +54,7 @@ Work all_reduce(c10d::ProcessGroup& group, const at::Tensor& tensor, c10d::Reduc
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  return group.allreduce(tensors, options);
+  return launched(group, group.allreduce(tensors, options));
 }
 
 }  // namespace
@@ -71,7 +80,7 @@ Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, con
   at::Tensor in = input;
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return group._reduce_scatter_base(out, in, options);
+  return launched(group, group._reduce_scatter_base(out, in, options));
 }
 
 Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
@@ -85,7 +94,7 @@ Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const 
               ") x group size (", group.getSize(), ") of ", input.scalar_type(), " on ", input.device());
   at::Tensor out = output;
   at::Tensor in = input;
-  return group._allgather_base(out, in);
+  return launched(group, group._allgather_base(out, in));
 }
 
 Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, const std::string& what) {
@@ -95,16 +104,52 @@ Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int roo
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  return group.broadcast(tensors, options);
+  return launched(group, group.broadcast(tensors, options));
 }
+
+namespace {
+
+// Waits in steps: after report_after, then 2x, 4x, ... a line on stderr names the ranks that have
+// not reached the collective. Returns when the work finishes; rethrows its failure.
+void wait_reporting(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                    std::chrono::milliseconds report_after) {
+  auto slice = report_after;
+  auto waited = std::chrono::milliseconds(0);
+  while (true) {
+    try {
+      work->wait(slice);
+      return;
+    } catch (const std::exception&) {
+      // Either this slice ran out, or the work failed: a completed work says which.
+      if (work->isCompleted()) {
+        work->wait();
+        return;
+      }
+    }
+    waited += slice;
+    std::fprintf(stderr, "meshddp: [rank %d of %s] still waiting after %.1f s for the collective for %s; %s\n",
+                 group.getRank(), ("group '" + group.getGroupName() + "'").c_str(),
+                 static_cast<double>(waited.count()) / 1000.0, what.c_str(),
+                 describe_collective_progress(group, work).c_str());
+    std::fflush(stderr);
+    slice = waited;  // report again when the wait has doubled
+  }
+}
+
+}  // namespace
 
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
   try {
-    work->wait();
+    if (const auto report_after = collective_report_after(group)) {
+      wait_reporting(work, group, what, *report_after);
+    } else {
+      work->wait();
+    }
   } catch (const std::exception& e) {
+    const std::string progress = describe_collective_progress(group, work);
     TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group),
-                " failed or timed out: ", e.what(),
+                " failed or timed out: ", e.what(), progress.empty() ? "" : "\nProgress: " + progress,
                 "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
                 "run every rank with the same model and config, and check the other ranks' errors");
   }

@@ -28,7 +28,11 @@ Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const 
 // tensor on every rank becomes group-rank `root`'s tensor.
 Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, const std::string& what);
 
-// Blocks until `work` finishes. A failure or the group's timeout becomes an error that names `what`.
+// Blocks until `work` finishes. A failure or the group's timeout becomes an error that names `what`
+// (and, for a group with a progress record, which ranks had not reached it). While it waits longer
+// than the group's report threshold (MeshOptions::stuck_report_after), it prints to stderr, at the
+// threshold and each time the wait doubles, a line naming the group, `what` (e.g. the bucket) and
+// the ranks that have not launched this collective yet (mesh/collective_progress.h).
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what);
 
 // Convenience: launch and wait.

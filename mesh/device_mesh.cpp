@@ -1,5 +1,6 @@
 #include "mesh/device_mesh.h"
 
+#include "mesh/collective_progress.h"
 #include "mesh/collectives.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
@@ -101,6 +102,8 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     const auto coords = mesh_coordinates(rank, sizes);
     groups.push_back(make_process_group(group_store, static_cast<int>(coords[d]), static_cast<int>(sizes[d]),
                                         options.device_type, options.timeout, key));
+    register_collective_progress(groups.back(), c10::make_intrusive<c10d::PrefixStore>(key + "/progress", store), ranks,
+                                 options.stuck_report_after, options.timeout);
   }
   // This rank's device: cuda:LOCAL_RANK for a CUDA mesh under a launcher, else the CPU.
   const char* local_rank = std::getenv("LOCAL_RANK");
@@ -125,6 +128,8 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     const std::string key = options.store_prefix + "/" + mesh_group_key("world", all);
     world = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(rank),
                                static_cast<int>(world_size), options.device_type, options.timeout, key);
+    register_collective_progress(world, c10::make_intrusive<c10d::PrefixStore>(key + "/progress", store), all,
+                                 options.stuck_report_after, options.timeout);
     warm_up(*world, "the warm-up of the mesh's world group");
   }
   DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type,

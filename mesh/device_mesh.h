@@ -20,6 +20,11 @@ struct MeshOptions {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   // How long a collective or a rendezvous may wait before it fails with an error instead of hanging.
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // A rank that has waited this long for a collective prints a line naming the group, what the
+  // collective is for (e.g. the bucket) and the ranks that have not reached it, then again each
+  // time the wait doubles, until `timeout`. 0 = off. Meshes from a store only (from_env,
+  // from_store): the launch counts live in it (mesh/collective_progress.h).
+  std::chrono::milliseconds stuck_report_after = std::chrono::seconds(30);
   // Store prefix under which this mesh's groups rendezvous; give two meshes on one store
   // different prefixes.
   std::string store_prefix = "meshddp";

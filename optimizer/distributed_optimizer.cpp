@@ -41,9 +41,12 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
   shards_ = shard_buckets(buffer_.layout(), buffer_.dp_rank(), buffer_.dp_size());
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.
-  groups_.push_back({config_.lr, config_.weight_decay});
+  lr_ = config_.lr;
+  groups_.push_back({config_.lr, config_.weight_decay, 1.0, 1.0});
   for (const auto& rule : config_.groups) {
-    groups_.push_back({rule.lr.value_or(config_.lr), rule.weight_decay.value_or(config_.weight_decay)});
+    const double lr = rule.lr.value_or(config_.lr), wd = rule.weight_decay.value_or(config_.weight_decay);
+    const double wd_ratio = config_.weight_decay > 0 ? wd / config_.weight_decay : (wd == 0 ? 0.0 : std::nan(""));
+    groups_.push_back({lr, wd, lr / config_.lr, wd_ratio});
   }
   const auto& params = buffer_.params();
   auto matches = [](const std::string& pattern, const NamedParam& p) {
@@ -95,6 +98,49 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
     }
   }
   params_version_seen_ = buffer_.params_version();
+}
+
+void DistributedOptimizer::check_group(int64_t group, const char* who) const {
+  TORCH_CHECK(group >= 0 && group < num_groups(), "DistributedOptimizer::", who, ": group ", group,
+              " does not exist; there are ", num_groups(), " (0 = the default, then one per ParamGroupRule)");
+}
+
+void DistributedOptimizer::set_lr(double lr) {
+  TORCH_CHECK(lr >= 0 && std::isfinite(lr), "DistributedOptimizer::set_lr: lr must be finite and >= 0, got ", lr);
+  lr_ = lr;
+  for (Group& g : groups_) g.lr = lr * g.lr_ratio;
+}
+
+void DistributedOptimizer::set_weight_decay(double weight_decay) {
+  TORCH_CHECK(weight_decay >= 0 && std::isfinite(weight_decay),
+              "DistributedOptimizer::set_weight_decay: weight_decay must be finite and >= 0, got ", weight_decay);
+  for (Group& g : groups_) {
+    if (!std::isnan(g.wd_ratio)) g.weight_decay = weight_decay * g.wd_ratio;
+  }
+}
+
+void DistributedOptimizer::set_group_lr(int64_t group, double lr) {
+  check_group(group, "set_group_lr");
+  TORCH_CHECK(lr >= 0 && std::isfinite(lr), "DistributedOptimizer::set_group_lr: group ", group,
+              ": lr must be finite and >= 0, got ", lr);
+  groups_[group].lr = lr;
+}
+
+void DistributedOptimizer::set_group_weight_decay(int64_t group, double weight_decay) {
+  check_group(group, "set_group_weight_decay");
+  TORCH_CHECK(weight_decay >= 0 && std::isfinite(weight_decay), "DistributedOptimizer::set_group_weight_decay: group ",
+              group, ": weight_decay must be finite and >= 0, got ", weight_decay);
+  groups_[group].weight_decay = weight_decay;
+}
+
+double DistributedOptimizer::group_lr(int64_t group) const {
+  check_group(group, "group_lr");
+  return groups_[group].lr;
+}
+
+double DistributedOptimizer::group_weight_decay(int64_t group) const {
+  check_group(group, "group_weight_decay");
+  return groups_[group].weight_decay;
 }
 
 int64_t DistributedOptimizer::num_state_tensors() const {

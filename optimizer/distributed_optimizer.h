@@ -96,6 +96,21 @@ class DistributedOptimizer {
   // Learning rate of param `index` (after group rules), e.g. for checks.
   double lr_of(int64_t index) const { return groups_[group_of_[index]].lr; }
 
+  // Learning rate and weight decay, e.g. from an LrScheduler (optimizer/lr_scheduler.h); they apply
+  // from the next step(). Param groups are 0 (the default) then one per ParamGroupRule, in order.
+  // set_lr: every group's LR becomes lr x (its LR / config.lr at construction), so a rule with half
+  // the base LR keeps half. set_weight_decay: likewise with config.weight_decay; when that is 0, a
+  // rule with its own non-zero weight decay keeps it. Local (no communication): call it with the
+  // same value on every rank.
+  void set_lr(double lr);
+  void set_weight_decay(double weight_decay);
+  void set_group_lr(int64_t group, double lr);
+  void set_group_weight_decay(int64_t group, double weight_decay);
+  int64_t num_groups() const { return static_cast<int64_t>(groups_.size()); }
+  double group_lr(int64_t group) const;
+  double group_weight_decay(int64_t group) const;
+  double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
+
   // Checkpoints (optimizer/checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
   // params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree);
   // returns that directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP;
@@ -120,7 +135,10 @@ class DistributedOptimizer {
   struct Group {
     double lr;
     double weight_decay;
+    double lr_ratio;  // to the base LR, fixed at construction
+    double wd_ratio;  // to the base weight decay; NaN: a fixed value (the base is 0)
   };
+  void check_group(int64_t group, const char* who) const;
   struct SegmentViews {  // per group: the tensors the foreach update runs over
     std::vector<at::Tensor> master, grad, state1, state2;
   };
@@ -146,6 +164,7 @@ class DistributedOptimizer {
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
   int64_t params_version_seen_ = 0;  // GradBuffer::params_version() the masters were taken at
+  double lr_ = 0;
 };
 
 }  // namespace meshddp

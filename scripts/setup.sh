@@ -17,5 +17,5 @@ fi
 echo "[setup] creating $venv with torch==$torch_version (first run only; a few minutes)" >&2
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet "torch==$torch_version" numpy matplotlib $python_tools
+"$venv/bin/python" -m pip install --progress-bar on "torch==$torch_version" numpy matplotlib $python_tools >&2
 "$venv/bin/python" -c "import torch; print('[setup] torch', torch.__version__, 'cuda', torch.version.cuda)" >&2

@@ -2,15 +2,20 @@
 // DistributedDataParallel over the "dp" dim of a (dp, tp=1) DeviceMesh built from torchrun's
 // environment. Rank 0 prints `step <n> loss <loss>`, the mean loss over the whole global batch;
 // the same --seed and --global-batch give the same losses at any rank count that divides the batch.
+// stderr (rank 0): the step log and a summary (examples/common/step_log.h). Flags: docs/examples.md.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/ddp_example --steps 30
 #include "examples/common/checkpointing.h"
+#include "examples/common/run_flags.h"
+#include "examples/common/step_log.h"
+#include "examples/common/training.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -20,10 +25,9 @@
 namespace {
 
 struct Flags {
-  int steps = 30;
   int64_t global_batch = 64;
   uint64_t seed = 0;
-  double lr = 1e-2;
+  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
   int64_t hidden = 256;
   int64_t layers = 4;
   double bucket_mb = 40;
@@ -32,11 +36,10 @@ struct Flags {
 };
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
-  std::cerr << "error: " << bad << "\nusage: " << prog
-            << " [--steps N] [--global-batch N] [--seed N] [--lr X] [--hidden N] [--layers N] [--bucket-mb X]"
-               " [--distributed-optimizer]"
-            << examples::checkpoint_usage() << "\n";
-  std::exit(2);
+  examples::exit_with_usage(prog, bad,
+                            std::string("[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
+                                        "[--distributed-optimizer] ") +
+                                examples::run_flags_usage() + examples::checkpoint_usage());
 }
 
 Flags parse(int argc, char** argv) {
@@ -50,18 +53,22 @@ Flags parse(int argc, char** argv) {
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string value = argv[++i];
+    using examples::parse_int_flag;
     try {
-      if (arg == "--steps") f.steps = std::stoi(value);
-      else if (arg == "--global-batch") f.global_batch = std::stoll(value);
-      else if (arg == "--seed") f.seed = std::stoull(value);
-      else if (arg == "--lr") f.lr = std::stod(value);
-      else if (arg == "--hidden") f.hidden = std::stoll(value);
-      else if (arg == "--layers") f.layers = std::stoll(value);
-      else if (arg == "--bucket-mb") f.bucket_mb = std::stod(value);
-      else usage_and_exit(argv[0], "unknown flag " + arg);
-    } catch (const std::logic_error&) {
-      usage_and_exit(argv[0], "flag " + arg + " has a bad value '" + value + "'");
+      if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, value, 1);
+      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, value, 0));
+      else if (arg == "--hidden") f.hidden = parse_int_flag(arg, value, 1);
+      else if (arg == "--layers") f.layers = parse_int_flag(arg, value, 1);
+      else if (arg == "--bucket-mb") f.bucket_mb = examples::parse_float_flag(arg, value, 0.0, true);
+      else if (!examples::parse_run_flag(arg, value, f.run)) usage_and_exit(argv[0], "unknown flag " + arg);
+    } catch (const examples::FlagError& e) {
+      usage_and_exit(argv[0], e.what());
     }
+  }
+  try {
+    examples::validate_run_flags(f.run);
+  } catch (const examples::FlagError& e) {
+    usage_and_exit(argv[0], e.what());
   }
   return f;
 }
@@ -96,7 +103,7 @@ int main(int argc, char** argv) {
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / ranks_here)));
 
     const int64_t world = std::getenv("WORLD_SIZE") ? std::atoll(std::getenv("WORLD_SIZE")) : 1;
-    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"});
+    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}, examples::mesh_options(flags.run));
     const int64_t dp = mesh.size("dp"), dp_rank = mesh.coordinate("dp");
     TORCH_CHECK(flags.global_batch % dp == 0, "--global-batch ", flags.global_batch, " must divide by the DP size ", dp);
     const int64_t local_batch = flags.global_batch / dp;
@@ -107,17 +114,21 @@ int main(int argc, char** argv) {
     meshddp::DdpConfig config;
     config.bucket_bytes = static_cast<size_t>(flags.bucket_mb * (1 << 20));
     config.use_distributed_optimizer = flags.distributed_optimizer;
+    config.check_for_nan_in_grad = !flags.distributed_optimizer;  // ZeRO-1 skips such steps instead
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
     // The same AdamW either way (LibTorch's default weight decay 1e-2): unsharded, or ZeRO-1.
     std::unique_ptr<torch::optim::AdamW> optimizer;
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    meshddp::LrScheduler schedule(examples::lr_schedule(flags.run));
     if (flags.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig opt_config;
-      opt_config.lr = flags.lr;
+      opt_config.lr = flags.run.lr;
       opt_config.weight_decay = 1e-2;
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), opt_config);
+      schedule.attach(*zero1);
     } else {
-      optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(flags.lr));
+      optimizer = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(flags.run.lr));
+      schedule.attach(*optimizer);
     }
 
     // A fixed random "teacher" makes the targets learnable, so the loss goes down.
@@ -126,13 +137,27 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t numel = 0;
       for (const auto& p : model->parameters()) numel += p.numel();
-      std::printf("# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
+      std::fprintf(stderr, "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
                   mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer().layout().buckets.size(),
                   static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
     }
     examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
                                              mesh.rank(), flags.seed, flags.global_batch);
-    for (int step = checkpoints.resume(); step < flags.steps; ++step) {
+    checkpoints.track(schedule);
+    const int64_t first_step = checkpoints.resume();
+    FILE* log = stdout;
+    if (!flags.run.log_file.empty() && mesh.rank() == 0) {
+      log = std::fopen(flags.run.log_file.c_str(), "w");
+      TORCH_CHECK(log, "cannot open --log-file '", flags.run.log_file, "' for writing");
+    }
+    examples::StepLogger logger(flags.run.steps, flags.run.log_interval, flags.global_batch, /*tokens_per_sample=*/0,
+                                mesh.device(), mesh.rank() == 0);
+    examples::SkippedSteps skipped(flags.run.max_skipped_steps);
+    const auto named = model->named_parameters();
+    const auto first_param = named.begin();
+    examples::NanInjector inject(flags.run.inject_nan, first_param->value(), first_param->key());
+    for (int64_t step = first_step; step < flags.run.steps; ++step) {
+      const auto start = std::chrono::steady_clock::now();
       auto gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed * 1000003 + step + 7);
       auto x = torch::randn({flags.global_batch, kIn}, gen);
       auto y = torch::sin(x.matmul(teacher));
@@ -140,26 +165,38 @@ int main(int argc, char** argv) {
       auto ys = y.narrow(0, dp_rank * local_batch, local_batch);
 
       ddp.zero_grad_buffer();
+      const double lr = schedule.lr();
       auto loss = torch::mse_loss(ddp.forward(xs), ys);
+      inject.before_backward(step, mesh.rank());
       loss.backward();
+      inject.after_backward();
+      meshddp::StepResult result;
       if (zero1) {
-        zero1->step();  // finishes the grad sync itself
+        result = zero1->step();  // finishes the grad sync itself
+        skipped.on_step(step, result, mesh.rank() == 0);
       } else {
-        ddp.finish_grad_sync();
+        ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
+        result.grad_norm = examples::synced_grad_norm(ddp.grad_buffer());
         optimizer->step();
       }
+      if (!result.skipped) schedule.step();
 
       // Mean over the global batch = DP mean of the local means (equal shards).
       auto global_loss = loss.detach().reshape({1}) / static_cast<double>(dp);
       meshddp::all_reduce_sum_now(*mesh["dp"], global_loss, "the example's loss report");
       if (mesh.rank() == 0) {
-        std::printf("step %d loss %#.10g\n", step, global_loss.item<double>());
-        std::fflush(stdout);
+        std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), global_loss.item<double>());
+        std::fflush(log);
       }
-      checkpoints.after_step(step, flags.steps);
+      logger.record({step, global_loss.item<double>(), lr, result.grad_norm,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), result.skipped});
+      checkpoints.after_step(static_cast<int>(step), static_cast<int>(flags.run.steps));
     }
+    logger.summary();
+    if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {
-    std::cerr << "ddp_example: " << e.what_without_backtrace() << std::endl;
+    const char* rank = std::getenv("RANK");
+    std::cerr << "ddp_example (rank " << (rank ? rank : "?") << "): " << e.what_without_backtrace() << std::endl;
     return 1;
   }
   return 0;

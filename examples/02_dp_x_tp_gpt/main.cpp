@@ -5,11 +5,15 @@
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
 // stdout (or --log-file): `step <n> loss <loss>` per step, the mean loss over the whole global batch
-// with 10 significant digits; stderr: a one-line status per step. The same --seed and
-// --global-batch give the same loss curve at any DP x TP (to fp32 tolerance).
+// with 10 significant digits; stderr (rank 0): the step log (examples/common/step_log.h) and a
+// summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
+// tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
 #include "examples/common/checkpointing.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
+#include "examples/common/run_flags.h"
+#include "examples/common/step_log.h"
+#include "examples/common/training.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
@@ -27,21 +31,33 @@ namespace {
 struct Flags {
   int64_t dp = 1, tp = 1;
   bool sequence_parallel = false, distributed_optimizer = false;
-  int steps = 30;
   int64_t global_batch = 16;
   uint64_t seed = 0;
-  double lr = 1e-2;
-  std::string log_file;
+  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
 
 [[noreturn]] void usage(const char* prog, const std::string& error) {
-  std::cerr << "error: " << error << "\nusage: " << prog
-            << " --dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--steps N] [--global-batch N] "
-               "[--seed N] [--lr X] [--log-file PATH] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N]"
-            << examples::checkpoint_usage() << "\n";
-  std::exit(2);
+  examples::exit_with_usage(prog, error,
+                            std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--global-batch N] "
+                                        "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+                                examples::run_flags_usage() + examples::checkpoint_usage());
+}
+
+// Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
+void validate(const Flags& f) {
+  using examples::FlagError;
+  const auto& m = f.model;
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
+  if (m.heads % f.tp != 0) throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
+  if (m.vocab % f.tp != 0) throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
+  if (f.global_batch % f.dp != 0) throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
+  if (f.sequence_parallel && m.seq_len % f.tp != 0) {
+    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) + " with --sequence-parallel");
+  }
+  examples::validate_run_flags(f.run);
 }
 
 Flags parse(int argc, char** argv) {
@@ -53,23 +69,26 @@ Flags parse(int argc, char** argv) {
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
+    using examples::parse_int_flag;
     try {
-      if (arg == "--dp") f.dp = std::stoll(v);
-      else if (arg == "--tp") f.tp = std::stoll(v);
-      else if (arg == "--steps") f.steps = std::stoi(v);
-      else if (arg == "--global-batch") f.global_batch = std::stoll(v);
-      else if (arg == "--seed") f.seed = std::stoull(v);
-      else if (arg == "--lr") f.lr = std::stod(v);
-      else if (arg == "--log-file") f.log_file = v;
-      else if (arg == "--layers") f.model.layers = std::stoll(v);
-      else if (arg == "--dim") f.model.dim = std::stoll(v);
-      else if (arg == "--heads") f.model.heads = std::stoll(v);
-      else if (arg == "--seq-len") f.model.seq_len = std::stoll(v);
-      else if (arg == "--vocab") f.model.vocab = std::stoll(v);
-      else usage(argv[0], "unknown flag " + arg);
-    } catch (const std::logic_error&) {
-      usage(argv[0], "flag " + arg + " has a bad value '" + v + "'");
+      if (arg == "--dp") f.dp = parse_int_flag(arg, v, 1);
+      else if (arg == "--tp") f.tp = parse_int_flag(arg, v, 1);
+      else if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      else if (arg == "--layers") f.model.layers = parse_int_flag(arg, v, 1);
+      else if (arg == "--dim") f.model.dim = parse_int_flag(arg, v, 1);
+      else if (arg == "--heads") f.model.heads = parse_int_flag(arg, v, 1);
+      else if (arg == "--seq-len") f.model.seq_len = parse_int_flag(arg, v, 1);
+      else if (arg == "--vocab") f.model.vocab = parse_int_flag(arg, v, 1);
+      else if (!examples::parse_run_flag(arg, v, f.run)) usage(argv[0], "unknown flag " + arg);
+    } catch (const examples::FlagError& e) {
+      usage(argv[0], e.what());
     }
+  }
+  try {
+    validate(f);
+  } catch (const examples::FlagError& e) {
+    usage(argv[0], e.what());
   }
   return f;
 }
@@ -82,32 +101,33 @@ int main(int argc, char** argv) {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
                                                         std::max(1, local_world ? std::atoi(local_world) : 1))));
-    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"});
-    TORCH_CHECK(f.global_batch % f.dp == 0, "--global-batch ", f.global_batch, " must divide by --dp ", f.dp);
-    TORCH_CHECK(!f.sequence_parallel || f.model.seq_len % f.tp == 0, "--seq-len ", f.model.seq_len,
-                " must divide by --tp ", f.tp, " with --sequence-parallel");
+    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
 
     torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
     gpt::Gpt model(f.model);
     meshddp::parallelize(*model, mesh, gpt::tp_plan(f.model), {.sequence_parallel = f.sequence_parallel});
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
+    config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
     std::unique_ptr<torch::optim::AdamW> adamw;
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
     if (f.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig oc;
-      oc.lr = f.lr;
+      oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
+      schedule.attach(*zero1);
     } else {
-      adamw = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0.0));
+      adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+      schedule.attach(*adamw);
     }
 
     FILE* log = stdout;
-    if (!f.log_file.empty() && mesh.rank() == 0) {
-      log = std::fopen(f.log_file.c_str(), "w");
-      TORCH_CHECK(log, "cannot open --log-file '", f.log_file, "' for writing");
+    if (!f.run.log_file.empty() && mesh.rank() == 0) {
+      log = std::fopen(f.run.log_file.c_str(), "w");
+      TORCH_CHECK(log, "cannot open --log-file '", f.run.log_file, "' for writing");
     }
     const int64_t dp_rank = mesh.coordinate("dp"), local = f.global_batch / f.dp;
     if (mesh.rank() == 0) {
@@ -119,35 +139,50 @@ int main(int argc, char** argv) {
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
-    for (int step = checkpoints.resume(); step < f.steps; ++step) {
+    checkpoints.track(schedule);
+    const int64_t first_step = checkpoints.resume();
+    examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(), mesh.rank() == 0);
+    examples::SkippedSteps skipped(f.run.max_skipped_steps);
+    const auto named = model->named_parameters();
+    const auto first_param = named.begin();
+    examples::NanInjector inject(f.run.inject_nan, first_param->value(), first_param->key());
+    for (int64_t step = first_step; step < f.run.steps; ++step) {
       const auto start = std::chrono::steady_clock::now();
       auto [ids, targets] = gpt::make_batch(f.model, f.seed, step, f.global_batch);
       ddp.zero_grad_buffer();
+      const double lr = schedule.lr();
       auto logits = ddp.forward(ids.narrow(0, dp_rank * local, local));
       auto loss = meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}),
                                              targets.narrow(0, dp_rank * local, local).reshape({-1}), mesh["tp"].get());
+      inject.before_backward(step, mesh.rank());
       loss.backward();
+      inject.after_backward();
+      meshddp::StepResult result;
       if (zero1) {
-        zero1->step();
+        result = zero1->step();
+        skipped.on_step(step, result, mesh.rank() == 0);
       } else {
-        ddp.finish_grad_sync();
+        ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
+        result.grad_norm = examples::synced_grad_norm(ddp.grad_buffer());
         adamw->step();
       }
+      if (!result.skipped) schedule.step();
       auto global = loss.detach().to(torch::kDouble).reshape({1}) / static_cast<double>(f.dp);
       meshddp::all_reduce_sum_now(*mesh["dp"], global, "the example's loss report");
       if (mesh.rank() == 0) {
-        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-        std::fprintf(log, "step %d loss %#.10g\n", step, global.item<double>());
+        std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), global.item<double>());
         std::fflush(log);
-        std::fprintf(stderr, "[dp %lld x tp %lld] step %d/%d  loss %.4f  %.0f ms\n", static_cast<long long>(f.dp),
-                     static_cast<long long>(f.tp), step + 1, f.steps, global.item<double>(), ms);
       }
-      checkpoints.after_step(step, f.steps);
+      logger.record({step, global.item<double>(), lr, result.grad_norm,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), result.skipped});
+      checkpoints.after_step(static_cast<int>(step), static_cast<int>(f.run.steps));
     }
     if (zero1) zero1->finish_param_sync();
+    logger.summary();
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {
-    std::cerr << "gpt_example: " << e.what_without_backtrace() << std::endl;
+    const char* rank = std::getenv("RANK");
+    std::cerr << "gpt_example (rank " << (rank ? rank : "?") << "): " << e.what_without_backtrace() << std::endl;
     return 1;
   }
   return 0;

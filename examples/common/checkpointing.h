@@ -10,6 +10,7 @@
 // global batch are saved as user values; resuming with another seed or global batch is refused.
 #pragma once
 
+#include "optimizer/lr_scheduler.h"
 #include "optimizer/safetensors.h"
 #include "plugin/checkpoint.h"
 
@@ -62,6 +63,10 @@ class ExampleCheckpoints {
     TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
   }
 
+  // Saves `schedule`'s state with every checkpoint (as "lr_schedule/<key>" values) and restores it
+  // on resume, so the LR continues exactly where it was (skipped steps included).
+  void track(meshddp::LrScheduler& schedule) { schedule_ = &schedule; }
+
   // The first step to run: 0, or the step after the checkpoint loaded.
   int resume() {
     if (!f_.resume) return 0;
@@ -81,6 +86,14 @@ class ExampleCheckpoints {
     TORCH_CHECK(value("seed") == seed_ && value("global_batch") == global_batch_, "checkpoint '", loaded.path,
                 "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"), "; this run has --seed ",
                 seed_, " --global-batch ", global_batch_, ": pass the same ones to continue the same run");
+    if (schedule_ != nullptr) {
+      meshddp::SchedulerState saved;
+      for (const auto& [key, v] : loaded.values) {
+        if (key.rfind(kSchedulePrefix, 0) == 0) saved[key.substr(kSchedulePrefix.size())] = std::get<std::string>(v);
+      }
+      TORCH_CHECK(!saved.empty(), "checkpoint '", loaded.path, "' holds no LR schedule state");
+      schedule_->load_state(saved);
+    }
     if (rank_ == 0) {
       std::fprintf(stderr, "# resumed from '%s' (step %lld) in %.0f ms\n", loaded.path.c_str(),
                    static_cast<long long>(loaded.step), ms_since(start));
@@ -93,8 +106,11 @@ class ExampleCheckpoints {
     const int done = step + 1;
     if (!f_.any() || !(done == steps || (f_.save_every > 0 && done % f_.save_every == 0))) return;
     const auto start = std::chrono::steady_clock::now();
-    const std::string path = meshddp::save_checkpoint(
-        state_, f_.save_dir, done, {{"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}});
+    meshddp::CheckpointValues values{{"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}};
+    if (schedule_ != nullptr) {
+      for (const auto& [key, v] : schedule_->state()) values[kSchedulePrefix + key] = v;
+    }
+    const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values);
     if (rank_ == 0) {
       int64_t bytes = 0;
       for (const std::string& name : meshddp::list_directory(path)) bytes += meshddp::file_bytes(path + "/" + name);
@@ -107,8 +123,10 @@ class ExampleCheckpoints {
   static double ms_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
   }
+  inline static const std::string kSchedulePrefix = "lr_schedule/";
   CheckpointFlags f_;
   meshddp::TrainingState state_;
+  meshddp::LrScheduler* schedule_ = nullptr;
   int64_t rank_;
   int64_t seed_, global_batch_;
 };

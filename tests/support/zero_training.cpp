@@ -31,21 +31,22 @@ std::unique_ptr<torch::optim::Optimizer> golden_optimizer(const ZeroScenario& s,
     };
     groups.emplace_back(weights, opts(c.weight_decay));
     groups.emplace_back(biases, opts(0.0));
-    return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
+    return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   }
   auto opts = [&](double wd) {
     return std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(c.lr).momentum(c.momentum).weight_decay(wd));
   };
   groups.emplace_back(weights, opts(c.weight_decay));
   groups.emplace_back(biases, opts(0.0));
-  return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(c.lr));
+  return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(c.lr).weight_decay(c.weight_decay));
 }
 
 bool is_bias(const std::string& name) { return name.size() >= 5 && name.substr(name.size() - 5) == ".bias"; }
 
 }  // namespace
 
-std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<double>* norms) {
+std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<double>* norms,
+                                             std::vector<std::vector<torch::Tensor>>* per_step) {
   Mlp model = make_mlp(kZeroSeed, kZeroIn, s.hidden, kZeroOut);
   // The optimizer runs on fp32 masters; with bf16 the model holds bf16 copies of them.
   std::vector<torch::Tensor> masters, weights, biases;
@@ -56,6 +57,11 @@ std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<
   }
   if (s.bf16) model->to(torch::kBFloat16);
   auto opt = golden_optimizer(s, weights, biases);
+  std::unique_ptr<LrScheduler> scheduler;
+  if (s.schedule) {
+    scheduler = std::make_unique<LrScheduler>(*s.schedule);
+    scheduler->attach(*opt);
+  }
   auto params = model->parameters();
   for (int step = 0; step < s.steps; ++step) {
     for (auto& p : params) p.mutable_grad().reset();
@@ -72,8 +78,13 @@ std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<
       if (norms) norms->push_back(norm);
     }
     opt->step();
+    if (scheduler) scheduler->step();
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
+    if (per_step) {
+      per_step->emplace_back();
+      for (auto& p : params) per_step->back().push_back(p.detach().to(torch::kFloat).clone());
+    }
   }
   std::vector<torch::Tensor> out;
   for (auto& p : params) out.push_back(p.detach().to(torch::kFloat).clone());
@@ -89,6 +100,10 @@ ZeroRank::ZeroRank(DeviceMesh& mesh_, const ZeroScenario& s, uint64_t init_seed)
   config.grad_reduce_in_fp32 = s.bf16;
   ddp = std::make_unique<DistributedDataParallel<MlpImpl>>(model.ptr(), mesh, "dp", config);
   opt = std::make_unique<DistributedOptimizer>(ddp->grad_buffer(), zero_optimizer_config(s));
+  if (s.schedule) {
+    scheduler = std::make_unique<LrScheduler>(*s.schedule);
+    scheduler->attach(*opt);
+  }
 }
 
 std::vector<StepResult> ZeroRank::train(int first_step, int last_step) {
@@ -106,6 +121,7 @@ std::vector<StepResult> ZeroRank::train(int first_step, int last_step) {
       loss.backward();
     }
     results.push_back(opt->step());
+    if (scheduler && !results.back().skipped) scheduler->step();
   }
   return results;
 }

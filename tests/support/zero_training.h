@@ -4,6 +4,7 @@
 #pragma once
 
 #include "optimizer/distributed_optimizer.h"
+#include "optimizer/lr_scheduler.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/mlp.h"
 
@@ -26,14 +27,16 @@ struct ZeroScenario {
   bool bf16 = false;            // bf16 params, fp32 main grads and master weights
   size_t bucket_bytes = 512;    // several buckets, params straddling shards
   int64_t hidden = kZeroHidden;
+  std::optional<LrScheduleConfig> schedule;  // drives both the golden's and the ZeRO-1 optimizer
 };
 
 // lr 1e-2, AdamW betas (0.9, 0.999) eps 1e-8 weight decay 0.1; SGD momentum 0.9 weight decay 0.01;
 // no weight decay on biases (a group rule) in both.
 DistributedOptimizerConfig zero_optimizer_config(const ZeroScenario& s);
 
-// Final params (fp32 copies) of the golden run.
-std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<double>* norms = nullptr);
+// Final params (fp32 copies) of the golden run; `per_step` (optional) gets them after every step.
+std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<double>* norms = nullptr,
+                                             std::vector<std::vector<torch::Tensor>>* per_step = nullptr);
 
 // One rank's training state; steps [first, last) of the shared data stream.
 struct ZeroRank {
@@ -46,6 +49,7 @@ struct ZeroRank {
   Mlp model{nullptr};
   std::unique_ptr<DistributedDataParallel<MlpImpl>> ddp;
   std::unique_ptr<DistributedOptimizer> opt;
+  std::unique_ptr<LrScheduler> scheduler;  // when scenario.schedule is set; steps after each unskipped step
 };
 
 // Trains on s.world ranks; checks every rank ends with identical params; returns rank 0's.

@@ -34,12 +34,13 @@ class DistributedOptimizer:
         """Blocks until params are all-gathered (before reading params outside ddp's forward)."""
         self._impl.finish_param_sync()
 
-    def set_lr(self, *args, **kwargs):
-        """Sets the learning rate (bound once the C++ DistributedOptimizer::set_lr exists)."""
-        if not hasattr(self._impl, "set_lr"):
-            raise NotImplementedError("meshddp.DistributedOptimizer.set_lr: this build's C++ DistributedOptimizer has "
-                                      "no set_lr yet (issue 12); bind it in plugin/python/meshddp_module.cpp")
-        return self._impl.set_lr(*args, **kwargs)
+    def set_lr(self, lr):
+        """Sets every param group's learning rate to lr x its ratio to the base lr, from the next step()."""
+        self._impl.set_lr(lr)
+
+    def set_group_lr(self, group, lr):
+        """Sets param group `group`'s learning rate (0: the default group, then one per rule)."""
+        self._impl.set_group_lr(group, lr)
 
     def save_checkpoint(self, directory):
         """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md)."""

@@ -1,0 +1,79 @@
+#include "examples/common/training.h"
+
+#include "mesh/collectives.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+namespace examples {
+
+meshddp::MeshOptions mesh_options(const RunFlags& f) {
+  meshddp::MeshOptions options;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::llround(f.timeout_s * 1000)));
+  options.stuck_report_after = std::chrono::milliseconds(static_cast<int64_t>(std::llround(f.stuck_report_s * 1000)));
+  return options;
+}
+
+meshddp::LrScheduleConfig lr_schedule(const RunFlags& f) {
+  meshddp::LrScheduleConfig c;
+  c.max_lr = f.lr;
+  c.min_lr = f.min_lr;
+  c.init_lr = 0.0;
+  c.warmup_steps = f.warmup_steps;
+  c.decay_steps = f.steps;
+  c.decay_style = f.lr_decay_style == "linear"   ? meshddp::LrDecayStyle::kLinear
+                  : f.lr_decay_style == "cosine" ? meshddp::LrDecayStyle::kCosine
+                                                 : meshddp::LrDecayStyle::kConstant;
+  return c;
+}
+
+void NanInjector::before_backward(int64_t step, int64_t rank) {
+  if (step != at_.step || rank != at_.rank) return;
+  std::fprintf(stderr, "# --inject-nan: rank %lld makes element 0 of the gradient of '%s' NaN at step %lld\n",
+               static_cast<long long>(rank), name_.c_str(), static_cast<long long>(step));
+  hook_ = static_cast<int64_t>(param_.register_hook([](const at::Tensor& grad) {
+    at::Tensor out = grad.clone();
+    out.view(-1)[0] = std::numeric_limits<double>::quiet_NaN();
+    return out;
+  }));
+}
+
+void NanInjector::after_backward() {
+  if (hook_ < 0) return;
+  param_.remove_hook(static_cast<unsigned>(hook_));
+  hook_ = -1;
+}
+
+double synced_grad_norm(const meshddp::GradBuffer& buffer) {
+  const int64_t tp_rank = buffer.groups().tp_rank;
+  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer.params().size()); ++i) {
+    if (!buffer.placement(i).counts_on_tp_rank(tp_rank)) continue;
+    sum += at::linalg_vector_norm(buffer.main_grad(i), 2).to(at::kDouble).square().cpu();
+  }
+  meshddp::all_reduce_sum_now(buffer.stats_group(), sum, "the example's gradient norm");
+  // The stats group spans DP too, where every DP rank holds the same mean: count it once.
+  return std::sqrt(sum.item<double>() / static_cast<double>(buffer.dp_size()));
+}
+
+void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool print) {
+  if (!result.skipped) {
+    consecutive_ = 0;
+    return;
+  }
+  ++consecutive_;
+  if (print) {
+    std::fprintf(stderr, "step %lld skipped (%lld in a row, --max-skipped-steps %lld): %s\n", static_cast<long long>(step),
+                 static_cast<long long>(consecutive_), static_cast<long long>(max_), result.report.c_str());
+    std::fflush(stderr);
+  }
+  TORCH_CHECK(consecutive_ < max_, "stopping: ", consecutive_, " consecutive steps skipped for non-finite gradients ",
+              "(--max-skipped-steps ", max_, "), the last at step ", step, ". Last report:\n", result.report);
+}
+
+}  // namespace examples

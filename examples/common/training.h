@@ -1,0 +1,59 @@
+// What both examples' training loops share besides flags and the log: the mesh options and the LR
+// schedule the flags ask for, the --inject-nan gradient hook, the plain-DDP gradient norm, and the
+// ZeRO-1 skipped-step policy (--max-skipped-steps).
+#pragma once
+
+#include "examples/common/run_flags.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/device_mesh.h"
+#include "optimizer/distributed_optimizer.h"
+#include "optimizer/lr_scheduler.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace examples {
+
+// timeout and stuck_report_after from --timeout-s and --stuck-report-s.
+meshddp::MeshOptions mesh_options(const RunFlags& f);
+
+// --lr, --min-lr, --warmup-steps, --lr-decay-style over --steps.
+meshddp::LrScheduleConfig lr_schedule(const RunFlags& f);
+
+// --inject-nan STEP:RANK: during STEP's backward on global rank RANK, element 0 of `param`'s
+// gradient becomes NaN (a tensor hook, so before the gradient reaches the buffer and its bucket
+// collective).
+class NanInjector {
+ public:
+  NanInjector(StepRank at, at::Tensor param, std::string name) : at_(at), param_(std::move(param)), name_(std::move(name)) {}
+  // Call before backward: arms the hook if this is the step and the rank.
+  void before_backward(int64_t step, int64_t rank);
+  // Call after backward: disarms it.
+  void after_backward();
+
+ private:
+  StepRank at_;
+  at::Tensor param_;
+  std::string name_;
+  int64_t hook_ = -1;
+};
+
+// Global L2 norm of the DP-mean gradients after finish_grad_sync() (plain DDP), each element once
+// over DP x TP (TP-sharded params on every TP rank, replicated ones on TP rank 0). One all-reduce
+// over the buffer's stats group: every rank must call it.
+double synced_grad_norm(const meshddp::GradBuffer& buffer);
+
+// ZeRO-1: prints each skipped step's report (rank 0) and throws, once `max_consecutive` steps in a
+// row were skipped, an error that says so.
+class SkippedSteps {
+ public:
+  explicit SkippedSteps(int64_t max_consecutive) : max_(max_consecutive) {}
+  void on_step(int64_t step, const meshddp::StepResult& result, bool print);
+
+ private:
+  int64_t max_;
+  int64_t consecutive_ = 0;
+};
+
+}  // namespace examples

@@ -1,0 +1,100 @@
+// The hang report: a rank that waits on a collective longer than MeshOptions::stuck_report_after
+// names the ranks that have not reached it, and a timeout's error names them too. Ranks are
+// threads over one HashStore; one rank stops (sleeps, or never calls) on purpose.
+#include "mesh/collective_progress.h"
+#include "mesh/collectives.h"
+#include "mesh/device_mesh.h"
+#include "tests/support/rank_threads.h"
+
+#include <ATen/ops/ones.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <atomic>
+#include <thread>
+
+using namespace meshddp;
+using namespace meshddp::test;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+namespace {
+
+void run_mesh_with(int world, MeshOptions options, const std::function<void(DeviceMesh&)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  run_ranks(world, [&](int rank) {
+    DeviceMesh mesh = DeviceMesh::from_store(store, rank, world, {world}, {"dp"}, options);
+    fn(mesh);
+  });
+}
+
+}  // namespace
+
+// Rank 1 sleeps 1.5 s before its all-reduce; ranks 0 and 2 wait. After 0.3 s each prints a line
+// naming rank 1 (and not the other waiting rank); then rank 1 arrives and every rank finishes.
+TEST(CollectiveProgress, AWaitingRankNamesThePeerThatHasNotArrived) {
+  MeshOptions options;
+  options.timeout = kTestTimeout;
+  options.stuck_report_after = std::chrono::milliseconds(300);
+  testing::internal::CaptureStderr();
+  run_mesh_with(3, options, [](DeviceMesh& mesh) {
+    if (mesh.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    auto t = at::ones({4});
+    all_reduce_sum_now(*mesh["dp"], t, "the test's all-reduce");
+    EXPECT_EQ(t[0].item<float>(), 3.0f);
+  });
+  const std::string err = testing::internal::GetCapturedStderr();
+  std::cout << err;
+  // The warm-up all-reduce at mesh construction is launch #1 on the group; the test's is #2.
+  EXPECT_THAT(err, HasSubstr("[rank 0 of group 'meshddp/dp/ranks=0,1,2'] still waiting after 0.3 s for the "
+                             "collective for the test's all-reduce; it is launch #2 on this group; rank(s) that "
+                             "have not reached it (global ranks): 1 (at launch #1)"));
+  EXPECT_THAT(err, HasSubstr("[rank 2 of group"));
+  EXPECT_THAT(err, Not(HasSubstr("2 (at launch")));
+  EXPECT_THAT(err, Not(HasSubstr("[rank 1 of group")));
+}
+
+// Rank 1 never calls the all-reduce: rank 0's wait fails at the group timeout with an error that
+// names the collective, the group and rank 1.
+TEST(CollectiveProgress, ATimeoutErrorNamesTheRankThatNeverCalled) {
+  MeshOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  options.stuck_report_after = std::chrono::milliseconds(0);  // off: the error alone must say it
+  std::string error;
+  std::atomic<bool> done{false};
+  run_mesh_with(2, options, [&](DeviceMesh& mesh) {
+    if (mesh.rank() == 1) {  // alive (its group open), but never calls
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    try {
+      all_reduce_sum_now(*mesh["dp"], at::ones({4}), "bucket 0 of the test");
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    done = true;
+  });
+  std::cout << error << std::endl;
+  EXPECT_THAT(error, HasSubstr("the collective for bucket 0 of the test on group 'meshddp/dp/ranks=0,1' (rank 0 of 2) "
+                               "failed or timed out"));
+  EXPECT_THAT(error, HasSubstr("Timed out"));
+  EXPECT_THAT(error, HasSubstr("it is launch #2 on this group; rank(s) that have not reached it (global ranks): 1 "
+                               "(at launch #1)"));
+}
+
+// The per-launch bookkeeping (registry lookup, atomic increment, ring write) is what every
+// collective pays; measured 0.25 us per launch on the loaded 2-core dev machine; asserted < 2 us to stay robust on
+// a loaded 2-core runner while still catching a store round trip (>= 20 us) on the hot path.
+TEST(CollectiveProgress, LaunchBookkeepingCostsWellUnderAMicrosecondPerCollective) {
+  run_mesh_with(1, MeshOptions{}, [](DeviceMesh& mesh) {
+    auto work = c10::make_intrusive<c10d::Work>();
+    constexpr int kLaunches = 200000;
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kLaunches; ++i) note_collective_launch(*mesh["dp"], work);
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / kLaunches;
+    std::cout << "[ " << ns << " ns per launch ]" << std::endl;
+    EXPECT_LT(ns, 2000.0);
+  });
+}
