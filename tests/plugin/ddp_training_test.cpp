@@ -33,7 +33,7 @@ struct Scenario {
   bool side_layer_every_third_step = false;  // params unused on 2 of 3 steps
   DdpConfig config;
   bool create_graph = false;        // backward(create_graph=true) on every micro-batch
-  bool evaluate_on_rank0 = false;   // rank 0 alone runs a no-grad forward between steps
+  bool evaluate_on_rank0 = false;   // rank 0 alone runs no-grad forwards: after zero_grad_buffer(), after the step
 };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
@@ -80,6 +80,10 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
     for (int step = 0; step < s.steps; ++step) {
       ddp.zero_grad_buffer();
       auto [x, y] = make_batch(kSeed, step, kBatch, kIn, kOut);
+      if (s.evaluate_on_rank0 && mesh.rank() == 0) {
+        torch::NoGradGuard no_grad;  // an evaluation forward at the start of a step, on this rank only
+        (void)ddp.forward(x, /*use_side=*/false);
+      }
       for (int m = 0; m < s.micro_batches; ++m) {
         ddp.set_is_last_microbatch(m == s.micro_batches - 1);
         auto xm = shard_rows(micro_rows(x, m, s.micro_batches), r, s.world);
@@ -90,7 +94,7 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
       ddp.finish_grad_sync();
       opt->step();
       if (s.evaluate_on_rank0 && mesh.rank() == 0) {
-        torch::NoGradGuard no_grad;  // an evaluation forward: no graph, no backward, on this rank only
+        torch::NoGradGuard no_grad;  // and one after the step, before the next zero_grad_buffer()
         (void)ddp.forward(x, /*use_side=*/true);
       }
     }
