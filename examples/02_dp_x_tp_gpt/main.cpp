@@ -33,6 +33,7 @@ struct Flags {
   bool sequence_parallel = false, distributed_optimizer = false;
   int64_t global_batch = 16;
   uint64_t seed = 0;
+  std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
   examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
@@ -40,7 +41,7 @@ struct Flags {
 
 [[noreturn]] void usage(const char* prog, const std::string& error) {
   examples::exit_with_usage(prog, error,
-                            std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--global-batch N] "
+                            std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
                                         "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
                                 examples::run_flags_usage() + examples::checkpoint_usage());
 }
@@ -75,6 +76,10 @@ Flags parse(int argc, char** argv) {
       else if (arg == "--tp") f.tp = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, v, 1);
       else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      else if (arg == "--optimizer") {
+        if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
+        f.optimizer = v;
+      }
       else if (arg == "--layers") f.model.layers = parse_int_flag(arg, v, 1);
       else if (arg == "--dim") f.model.dim = parse_int_flag(arg, v, 1);
       else if (arg == "--heads") f.model.heads = parse_int_flag(arg, v, 1);
@@ -110,17 +115,23 @@ int main(int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
-    std::unique_ptr<torch::optim::AdamW> adamw;
+    std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
     meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
+    const bool sgd = f.optimizer == "sgd";
     if (f.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig oc;
+      oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
       oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
       schedule.attach(*zero1);
     } else {
-      adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+      if (sgd) {
+        adamw = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(f.run.lr));
+      } else {
+        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+      }
       schedule.attach(*adamw);
     }
 
