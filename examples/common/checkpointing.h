@@ -63,8 +63,9 @@ class ExampleCheckpoints {
     TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
   }
 
-  // Saves `schedule`'s state with every checkpoint (as "lr_schedule/<key>" values) and restores it
-  // on resume, so the LR continues exactly where it was (skipped steps included).
+  // Saves `schedule`'s state with every checkpoint (as "lr_schedule/<key>" values) and restores its
+  // step count on resume, so the LR continues where it was (skipped steps included); the schedule's
+  // settings are this run's.
   void track(meshddp::LrScheduler& schedule) { schedule_ = &schedule; }
 
   // The first step to run: 0, or the step after the checkpoint loaded.
@@ -91,8 +92,12 @@ class ExampleCheckpoints {
       for (const auto& [key, v] : loaded.values) {
         if (key.rfind(kSchedulePrefix, 0) == 0) saved[key.substr(kSchedulePrefix.size())] = std::get<std::string>(v);
       }
-      TORCH_CHECK(!saved.empty(), "checkpoint '", loaded.path, "' holds no LR schedule state");
-      schedule_->load_state(saved);
+      // The step count carries over; the schedule itself comes from this run's flags (their
+      // defaults depend on --steps, which a resumed run may extend), as Megatron's
+      // --override-opt_param-scheduler does.
+      const auto it = saved.find("lr_scheduler.steps");
+      TORCH_CHECK(it != saved.end(), "checkpoint '", loaded.path, "' holds no LR schedule state");
+      schedule_->step(std::stoll(it->second) - schedule_->steps());
     }
     if (rank_ == 0) {
       std::fprintf(stderr, "# resumed from '%s' (step %lld) in %.0f ms\n", loaded.path.c_str(),
