@@ -1,5 +1,6 @@
 // GradBuffer on real Gloo groups (ranks as threads): which group it reduces over, when buckets
 // launch, in what order, and the errors for misuse.
+#include "tests/support/error_of.h"
 #include "grad_buffer/grad_buffer.h"
 #include "mesh/placement.h"
 #include "tests/support/rank_threads.h"
@@ -16,6 +17,8 @@
 
 using namespace meshddp;
 using ::testing::HasSubstr;
+
+using meshddp::test::error_of;
 
 namespace {
 
@@ -40,15 +43,6 @@ void backward_with_grads(const std::vector<NamedParam>& params, const std::vecto
     loss = loss.defined() ? loss + term : term;
   }
   torch::autograd::backward({loss});
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 GradBufferConfig one_bucket_per_param() {

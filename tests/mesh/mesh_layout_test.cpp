@@ -1,4 +1,5 @@
 // Rank <-> coordinate arithmetic and mesh validation: no process groups.
+#include "tests/support/error_of.h"
 #include "mesh/mesh_layout.h"
 
 #include <c10/util/Exception.h>
@@ -8,16 +9,9 @@
 using namespace meshddp;
 using ::testing::HasSubstr;
 
-namespace {
+using meshddp::test::error_of;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+namespace {
 
 }  // namespace
 

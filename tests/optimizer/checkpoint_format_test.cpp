@@ -1,5 +1,6 @@
 // The checkpoint format's pure parts: CRC32C, the JSON value, safetensors files, and the resharding
 // arithmetic (checked element by element against torch's own chunk/narrow on real tensors).
+#include "tests/support/error_of.h"
 #include "optimizer/json_value.h"
 #include "optimizer/reshard.h"
 #include "optimizer/safetensors.h"
@@ -14,16 +15,9 @@
 using namespace meshddp;
 using ::testing::HasSubstr;
 
-namespace {
+using meshddp::test::error_of;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+namespace {
 
 std::string temp_path(const std::string& name) {
   const char* tmp = std::getenv("TMPDIR");

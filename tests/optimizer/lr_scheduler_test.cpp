@@ -1,6 +1,7 @@
 // LrScheduler: the pure schedule against closed-form values (Megatron's formulas), driving
 // torch::optim and DistributedOptimizer param groups, state save/restore, and a ZeRO-1 run under a
 // schedule against torch::optim::AdamW under the same schedule, step by step.
+#include "tests/support/error_of.h"
 #include "optimizer/lr_scheduler.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
@@ -15,6 +16,8 @@ using namespace meshddp;
 using namespace meshddp::test;
 using ::testing::HasSubstr;
 
+using meshddp::test::error_of;
+
 namespace {
 
 LrScheduleConfig warmup_then(LrDecayStyle style) {
@@ -26,15 +29,6 @@ LrScheduleConfig warmup_then(LrDecayStyle style) {
   c.decay_steps = 110;  // counted from step 0: 100 steps of decay after the warm-up
   c.decay_style = style;
   return c;
-}
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -88,7 +82,7 @@ TEST(LrScheduleConfig, RejectsBadValuesNamingTheField) {
   auto bad = [](auto edit) {
     auto c = warmup_then(LrDecayStyle::kCosine);
     edit(c);
-    return message_of([&] { LrScheduler s(c); });
+    return error_of([&] { LrScheduler s(c); });
   };
   EXPECT_THAT(bad([](auto& c) { c.max_lr = 0; }), HasSubstr("max_lr must be > 0"));
   EXPECT_THAT(bad([](auto& c) { c.min_lr = 2; }), HasSubstr("min_lr must be in [0, max_lr = 1], got 2"));
@@ -136,14 +130,14 @@ TEST(LrScheduler, StateRestoresTheStepAndRefusesAnotherSchedule) {
   EXPECT_EQ(resumed.lr(), first.lr());
 
   LrScheduler other(warmup_then(LrDecayStyle::kLinear));
-  EXPECT_THAT(message_of([&] { other.load_state(saved); }),
+  EXPECT_THAT(error_of([&] { other.load_state(saved); }),
               HasSubstr("'lr_scheduler.decay_style' is cosine in the checkpoint but linear in this run"));
   other.load_state(saved, /*use_checkpoint_config=*/true);
   EXPECT_EQ(other.config().decay_style, LrDecayStyle::kCosine);
   EXPECT_EQ(other.lr(), first.lr());
   SchedulerState truncated = saved;
   truncated.erase("lr_scheduler.max_lr");
-  EXPECT_THAT(message_of([&] { resumed.load_state(truncated); }), HasSubstr("has no 'lr_scheduler.max_lr'"));
+  EXPECT_THAT(error_of([&] { resumed.load_state(truncated); }), HasSubstr("has no 'lr_scheduler.max_lr'"));
 }
 
 // ZeRO-1 on 2 ranks and the single-process torch::optim::AdamW, both driven by the same scheduler

@@ -1,5 +1,6 @@
 // DistributedDataParallel's construction checks and step-order errors, each message asserted, plus
 // bf16 params with fp32 main grads against the golden.
+#include "tests/support/error_of.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
@@ -11,16 +12,9 @@ using namespace meshddp;
 using namespace meshddp::test;
 using ::testing::HasSubstr;
 
-namespace {
+using meshddp::test::error_of;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+namespace {
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 // Params after 6 AdamW steps: Adam divides by sqrt(v), so elements with gradients near 1e-6 turn
 // those ulp differences into larger update differences; measured max 1.4e-5 (1x4), asserted 5e-5.
 // Losses (mean over the global batch): measured 4.8e-7, asserted 1e-5.
+#include "tests/support/error_of.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/gpt_training.h"
@@ -188,14 +189,6 @@ TEST(TensorParallel, CheckpointOnTwoByTwoReloadsAtTwoByTwoAndOneByTwo) {
 
 TEST(TensorParallel, PlanErrorsNameTheModuleStyleAndSizes) {
   run_on_mesh({1, 4}, {"dp", "tp"}, [](DeviceMesh& mesh) {
-    auto error_of = [](const std::function<void()>& fn) -> std::string {
-      try {
-        fn();
-      } catch (const c10::Error& e) {
-        return e.what_without_backtrace();
-      }
-      return "(no error)";
-    };
     gpt::Config six_heads{.dim = 48, .heads = 6};  // 6 heads of 8 do not split over TP 4
     gpt::Gpt a(six_heads);
     EXPECT_THAT(error_of([&] { parallelize(*a, mesh, gpt::tp_plan(six_heads)); }),
