@@ -4,7 +4,10 @@
 // each phase (per step, the mean over ranks).
 //
 //   local           the model trained in this rank alone, no DDP (the floor)
-//   meshddp         meshddp DDP, bucketed all-reduce overlapped with backward
+//   meshddp         meshddp DDP, bucketed all-reduce overlapped with backward; its layers write their
+//                   gradients into the flat buffer (meshddp::linear_with_grad_in_buffer; no zeroing pass)
+//   meshddp_autograd the same with torch's Linear and gradient_accumulation_fusion off: gradients added
+//                   into the buffer by autograd after a zeroing pass (meshddp before issue 14)
 //   meshddp_no_overlap  the same with overlap_grad_reduce=false (every bucket launched in finish_grad_sync)
 //   meshddp_zero1   meshddp DDP + ZeRO-1 DistributedOptimizer (reduce-scatter, sharded optimizer, all-gather)
 //   reducer_view    c10d::Reducer from the same LibTorch, set up as torch's DDP does, gradient_as_bucket_view=true
@@ -22,6 +25,7 @@
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/linear_with_grad_in_buffer.h"
 
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/torch.h>
@@ -59,7 +63,7 @@ struct Flags {
   int reps = 10;
   double bucket_mb = 40;               // meshddp and the Reducer's bucket cap
   double reducer_first_bucket_mb = 1;  // torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
-  std::string candidates = "local,meshddp,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
+  std::string candidates = "local,meshddp,meshddp_autograd,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
   std::string sweep_mb = "1,2,5,10,20,40,100";
   int collective_reps = 5;
   int threads = 0;  // 0: cores / local ranks
@@ -142,12 +146,16 @@ struct MlpStackImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     for (size_t l = 0; l < blocks->size(); ++l) {
-      x = blocks[l]->as<torch::nn::Linear>()->forward(x);
+      auto* fc = blocks[l]->as<torch::nn::Linear>();
+      x = grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias) : fc->forward(x);
       if (l + 1 < blocks->size()) x = torch::relu(x);
     }
     return x;
   }
   torch::nn::ModuleList blocks;
+  // meshddp's candidates: the same layers through meshddp::linear_with_grad_in_buffer, whose
+  // weight-gradient GEMM writes into the flat buffer (same math as torch's Linear)
+  bool grads_in_buffer = false;
 };
 TORCH_MODULE(MlpStack);
 
@@ -347,9 +355,11 @@ struct Bench {
   }
 
   std::unique_ptr<Candidate> make_meshddp(const std::string& name, double bucket_mb, bool zero1,
-                                          ReadyTimeline* timeline, bool overlap = true) {
+                                          ReadyTimeline* timeline, bool overlap = true, bool grads_in_buffer = true) {
     auto model = make_model(flags);
+    model->grads_in_buffer = grads_in_buffer;
     meshddp::DdpConfig config;
+    config.gradient_accumulation_fusion = grads_in_buffer;
     config.overlap_grad_reduce = overlap;
     config.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
     config.use_distributed_optimizer = zero1;
@@ -655,6 +665,8 @@ int main(int argc, char** argv) {
         else if (name == "meshddp_no_overlap")
           cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, /*overlap=*/false));
         else if (name == "meshddp_zero1") cands.push_back(bench.make_meshddp(name, flags.bucket_mb, true, nullptr));
+        else if (name == "meshddp_autograd")  // before issue 14: torch's Linear, gradients added by autograd, zeroing pass
+          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, true, /*grads_in_buffer=*/false));
         else if (name == "reducer_view") cands.push_back(bench.make_reducer(true));
         else if (name == "reducer_copy") cands.push_back(bench.make_reducer(false));
         else if (name == "naive") cands.push_back(bench.make_naive());

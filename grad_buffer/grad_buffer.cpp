@@ -78,12 +78,12 @@ bool debug_sequence_from_env() {
 }
 
 // A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
-struct CreateGraphPreHook : torch::autograd::FunctionPreHook {
-  CreateGraphPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
+struct AccumulationPreHook : torch::autograd::FunctionPreHook {
+  AccumulationPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
       : buffer(buffer), index(index), alive(std::move(alive)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    if (*alive && c10::GradMode::is_enabled()) buffer->before_grad_accumulation(index);
-    return grads;
+    if (!*alive) return grads;
+    return buffer->before_grad_accumulation(index, grads);
   }
   GradBuffer* buffer;
   int64_t index;
@@ -146,6 +146,17 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   }
   if (config_.use_distributed_optimizer) move_params_into_param_buffer();
   ready_.assign(params_.size(), false);
+  slot_stale_.assign(params_.size(), false);  // the buffers start zeroed
+  got_grad_this_step_.assign(params_.size(), false);
+  written_in_place_this_step_.assign(params_.size(), false);
+  grad_placeholders_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& param = params_[i].param;
+    if (!config_.gradient_accumulation_fusion || main_grads_[i].scalar_type() != param.scalar_type()) continue;
+    // Expanded from one element: a zero of the param's shape that costs nothing to hand out each step.
+    grad_placeholders_[i] = at::zeros({}, param.options().requires_grad(false)).expand(param.sizes());
+    register_grad_slot(param, this, static_cast<int64_t>(i));
+  }
   buckets_.resize(layout_.buckets.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -157,6 +168,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
 
 GradBuffer::~GradBuffer() {
   *alive_ = false;
+  for (const auto& p : params_) unregister_grad_slot(p.param, this);
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
@@ -181,7 +193,7 @@ void GradBuffer::install_hooks() {
           on_grad_accumulated(index);
           return outputs;
         }));
-    handle->accumulator->add_pre_hook(std::make_unique<CreateGraphPreHook>(this, index, alive_));
+    handle->accumulator->add_pre_hook(std::make_unique<AccumulationPreHook>(this, index, alive_));
     hooks_.push_back(std::move(handle));
   }
 }
@@ -235,11 +247,6 @@ bool GradBuffer::is_last_microbatch() const {
   return is_last_microbatch_;
 }
 
-void GradBuffer::before_grad_accumulation(int64_t index) {
-  // .grad is the slot (or undefined): dropping the reference leaves the slot's contents alone.
-  params_[index].param.mutable_grad().reset();
-}
-
 void GradBuffer::on_grad_accumulated(int64_t index) {
   // Under create_graph the backward runs in grad mode, and .grad may carry a graph: the slot must
   // not record one (it is a view of the flat buffer that collectives write).
@@ -255,16 +262,28 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
                 "micro-batches");
   }
-  // Move the accumulated gradient into its slot unless autograd already put it there.
+  // Move the accumulated gradient into its slot unless it is there already (Note [Slots written in
+  // place]: written in place, or added into .grad, the slot, by AccumulateGrad; a stale slot's
+  // gradient always arrives as a tensor of its own, since the pre-hook released .grad).
   at::Tensor& grad = params_[index].param.mutable_grad();
   const at::Tensor& slot = main_grads_[index];
+  bool arrived = written_in_place_this_step_[index] || (grad.is_same(slot) && !slot_stale_[index]);
   if (grad.defined() && !grad.is_same(slot)) {
-    if (grad.data_ptr() != slot.data_ptr()) slot.add_(grad);
-    if (slot.scalar_type() == grad.scalar_type()) {
-      grad = slot;  // .grad was replaced (e.g. set to None): point it back at the slot
-    } else {
-      grad.reset();
+    if (slot_stale_[index]) {
+      slot.copy_(grad);  // the step's first gradient overwrites the stale slot
+    } else if (grad.data_ptr() != slot.data_ptr()) {
+      slot.add_(grad);
     }
+    arrived = true;
+  }
+  if (slot.scalar_type() == params_[index].param.scalar_type()) {
+    grad = slot;  // .grad was released or replaced (e.g. set to None): point it back at the slot
+  } else {
+    grad.reset();  // fp32 main grads of a low-precision param: .grad only carries each new gradient
+  }
+  if (arrived) {
+    slot_stale_[index] = false;
+    got_grad_this_step_[index] = true;
   }
   if (!is_last_microbatch_) return;
 
@@ -336,6 +355,7 @@ at::Tensor count_nonfinite(const at::Tensor& data) {
 void GradBuffer::launch_bucket(int64_t b) {
   BucketState& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
+  zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
   if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
     nonfinite_counts_[b] = count_nonfinite(data);  // read by the optimizer, and by raise_if_nonfinite()
@@ -409,7 +429,7 @@ void GradBuffer::zero_grad_buffer() {
     TORCH_CHECK(in_flight == 0, "GradBuffer: zero_grad_buffer() called while ", in_flight,
                 " bucket collective(s) of this step are in flight; call finish_grad_sync() first (zeroing a buffer ",
                 "under a running collective corrupts the next step's gradients)");
-    for (auto& buffer : buffers_) buffer.zero_();
+    zero_slots_for_next_step();
     reset_step_state();
   }
   point_grads_at_buffer();

@@ -12,12 +12,15 @@
 //   finish_grad_sync()          launches, in order, every bucket not yet launched (a param that got
 //                               no gradient contributes its slot as it is: zeros, or what earlier
 //                               micro-batches accumulated), waits for all (state: synced).
+// With gradient_accumulation_fusion, layers may write gradients straight into their slots, and
+// zero_grad_buffer() leaves those slots to be overwritten: see Note [Slots written in place].
 // Each bucket is pre-divided by the DP size and SUM-reduced: a DP mean on every backend (Gloo has
 // no AVG), exact for power-of-two DP sizes. With use_distributed_optimizer the collective is a
 // reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
 #pragma once
 
 #include "grad_buffer/bucket_layout.h"
+#include "grad_buffer/grad_in_place.h"
 #include "grad_buffer/param_gather.h"
 #include "mesh/placement.h"
 
@@ -49,6 +52,12 @@ struct GradBufferConfig {
                                            // (DP rank r keeps the mean of its 1/DP shard of every bucket),
                                            // params become views of a flat param buffer laid out like the
                                            // grad buffer, and each bucket's local non-finite count is kept
+  bool gradient_accumulation_fusion = true;  // (Megatron's name) layers that write a param's gradient straight
+                                             // into its slot (grad_buffer/grad_in_place.h: meshddp::tp::Linear,
+                                             // meshddp::linear_with_grad_in_buffer) may do so; such slots are
+                                             // then overwritten on the first micro-batch instead of being
+                                             // zeroed by zero_grad_buffer(). false: every gradient goes through
+                                             // autograd and every slot is zeroed (for comparison and debugging)
   bool check_for_nan_in_grad = false;  // (Megatron's name) count each bucket's NaN/Inf before its collective;
                                        // finish_grad_sync() then throws on every rank, naming the param(s),
                                        // the rank(s) that produced them and the step. Costs one count per
@@ -111,8 +120,12 @@ class GradBuffer {
   // the DP mean. Call once per step, after the last backward; calling it again is a no-op.
   void finish_grad_sync();
 
-  // Zeroes every buffer and resets bucket state for the next step. Throws if bucket collectives are
-  // in flight (finish_grad_sync() first): zeroing under a running collective corrupts it.
+  // Zeroes the buffers and resets bucket state for the next step. Throws if bucket collectives are
+  // in flight (finish_grad_sync() first): zeroing under a running collective corrupts it. Slots whose
+  // gradient was written in place in the last step are not zeroed but marked stale: the next write
+  // overwrites them, and a slot still stale when its bucket launches is zeroed then (a param that
+  // got no gradient). Until its param's first gradient of the step, such a slot (and param.grad(),
+  // its view) still reads the last step's values.
   void zero_grad_buffer();
 
   // Throws, naming the params that have not reported a gradient, if this step's sync has begun but
@@ -167,7 +180,18 @@ class GradBuffer {
   // (grad mode on), where AccumulateGrad would replace .grad by `.grad + new` out of place: .grad is
   // released so that it receives only the new gradient, which on_grad_accumulated() adds into the
   // slot. Without this, the slot's earlier micro-batches would be counted twice.
-  void before_grad_accumulation(int64_t index);
+  // Also (a pre-hook on AccumulateGrad, so before autograd touches .grad): takes out the placeholder
+  // that write_grad_in_place() handed out (the gradient is already in the slot), and, when the slot
+  // is stale, releases .grad so that on_grad_accumulated() overwrites the slot instead of adding.
+  // Returns the gradients AccumulateGrad is to see.
+  std::vector<at::Tensor> before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads);
+
+  // See grad_buffer/grad_in_place.h: calls `write` with param `index`'s slot and returns the
+  // placeholder gradient, or returns an undefined tensor (and calls nothing) when the gradient cannot
+  // go in place. Called from a layer's backward, before the param's hook.
+  at::Tensor write_grad_in_place(int64_t index, GradSlotWriter write);
+  // Params whose gradient was written in place since the last zero_grad_buffer().
+  int64_t grads_written_in_place() const;
 
   // Marks ready (gradient 0 this step) every param whose gradient accumulator cannot be reached from
   // `outputs`' autograd graph, launching buckets that thereby complete. Only on the last
@@ -191,6 +215,8 @@ class GradBuffer {
   void wait_launched_buckets();          // mutex held
   void reset_step_state();               // mutex held
   void point_grads_at_buffer();
+  void zero_stale_slots_of_bucket(int64_t b);  // mutex held
+  void zero_slots_for_next_step();             // mutex held; zero_grad_buffer()'s fill
   void move_params_into_param_buffer();
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
@@ -216,6 +242,13 @@ class GradBuffer {
   StepState state_ = StepState::kIdle;
   bool is_last_microbatch_ = true;
   std::vector<bool> ready_;
+  // Note [Slots written in place] (grad_in_place.cpp), per param: the slot holds stale data (not
+  // zeroed; the next write overwrites it); the param got a gradient since zero_grad_buffer() (so the
+  // next zero_grad_buffer() leaves its slot stale); that gradient was written in place.
+  std::vector<uint8_t> slot_stale_;
+  std::vector<uint8_t> got_grad_this_step_;
+  std::vector<uint8_t> written_in_place_this_step_;
+  std::vector<at::Tensor> grad_placeholders_;  // per param: a zero of its shape (expanded scalar), or undefined
   std::vector<BucketState> buckets_;
   int64_t next_bucket_ = 0;
   int64_t launched_by_hooks_ = 0;

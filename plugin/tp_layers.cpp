@@ -2,6 +2,7 @@
 
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
+#include "plugin/linear_with_grad_in_buffer.h"
 
 #include <torch/torch.h>
 
@@ -52,16 +53,16 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   switch (mode_) {
     case Mode::kColwise: {
       auto in = sequence_parallel_ ? gather_sequence(x, tp_) : copy_to_tp(x, tp_);
-      auto y = torch::linear(in, weight, bias);
+      auto y = linear_with_grad_in_buffer(in, weight, bias);
       return gather_output_ ? gather_last_dim(y, tp_) : y;
     }
     case Mode::kRowwise: {
-      auto partial = torch::linear(x, weight);
+      auto partial = linear_with_grad_in_buffer(x, weight);
       auto y = sequence_parallel_ ? reduce_scatter_sequence(partial, tp_) : reduce_from_tp(partial, tp_);
       return bias.defined() ? y + bias : y;
     }
     default:
-      return torch::linear(x, weight, bias);
+      return linear_with_grad_in_buffer(x, weight, bias);
   }
 }
 
@@ -108,9 +109,9 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
 torch::Tensor EmbeddingImpl::unembed(const torch::Tensor& h) {
   if (mode_ == Mode::kVocabParallel && active(tp_)) {
     auto in = sequence_parallel_ ? gather_sequence(h, tp_) : copy_to_tp(h, tp_);
-    return torch::linear(in, weight);
+    return linear_with_grad_in_buffer(in, weight);
   }
-  return torch::linear(h, weight);
+  return linear_with_grad_in_buffer(h, weight);
 }
 
 void EmbeddingImpl::parallelize_vocab(Group* tp, bool sequence_parallel) {

@@ -3,6 +3,7 @@
 // turned into Python RuntimeErrors with the same text. The Python-facing API (DeviceMesh handling,
 // DTensor params, no_sync()) is in meshddp/*.py.
 #include "optimizer/distributed_optimizer.h"
+#include "plugin/linear_with_grad_in_buffer.h"
 #include "plugin/python/python_ddp.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -63,6 +64,7 @@ DdpConfig make_ddp_config(const py::kwargs& kwargs) {
       {"grad_reduce_in_fp32", &DdpConfig::grad_reduce_in_fp32},
       {"pad_for_reduce_scatter", &DdpConfig::pad_for_reduce_scatter},
       {"find_unused_parameters", &DdpConfig::find_unused_parameters},
+      {"gradient_accumulation_fusion", &DdpConfig::gradient_accumulation_fusion},
       {"use_distributed_optimizer", &DdpConfig::use_distributed_optimizer},
       {"broadcast_from_rank0", &DdpConfig::broadcast_from_rank0},
       {"verify_model_across_ranks", &DdpConfig::verify_model_across_ranks},
@@ -123,6 +125,14 @@ std::vector<meshddp::NamedTensor> named_tensors(const std::vector<std::pair<std:
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  m.def(
+      "linear_with_grad_in_buffer",
+      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+        return meshddp::linear_with_grad_in_buffer(input, weight, bias.value_or(at::Tensor()));
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
+      "torch.nn.functional.linear whose backward writes the weight and bias gradients straight into "
+      "their slots of a meshddp DistributedDataParallel's flat gradient buffer (docs/python.md)");
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).

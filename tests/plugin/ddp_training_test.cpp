@@ -34,6 +34,7 @@ struct Scenario {
   DdpConfig config;
   bool create_graph = false;        // backward(create_graph=true) on every micro-batch
   bool evaluate_on_rank0 = false;   // rank 0 alone runs no-grad forwards: after zero_grad_buffer(), after the step
+  bool grads_in_buffer = false;     // DDP's model runs meshddp::linear_with_grad_in_buffer (the golden: torch's Linear)
 };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
@@ -74,6 +75,7 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
   run_on_mesh({s.world, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
     // Different seeds per rank: DDP's broadcast from DP rank 0 must make them agree.
     Mlp model = make_mlp(kSeed + mesh.rank() * 17, kIn, kHidden, kOut, s.side_layer_every_third_step);
+    model->grads_in_buffer = s.grads_in_buffer;
     DistributedDataParallel ddp(model.ptr(), mesh, "dp", s.config);
     auto opt = make_optimizer(s.opt, model->parameters());
     const int64_t r = mesh.coordinate("dp");
@@ -92,6 +94,13 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
         loss.backward({}, /*retain_graph=*/std::nullopt, /*create_graph=*/s.create_graph);
       }
       ddp.finish_grad_sync();
+      if (s.grads_in_buffer) {
+        // Every weight and bias of the layers this step ran went in place (none under create_graph,
+        // or with the feature off), or the test is not testing the in-place path.
+        const bool in_place = s.config.gradient_accumulation_fusion && !s.create_graph;
+        EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), in_place ? (use_side(s, step) ? 8 : 6) : 0)
+            << "step " << step;
+      }
       opt->step();
       if (s.evaluate_on_rank0 && mesh.rank() == 0) {
         torch::NoGradGuard no_grad;  // and one after the step, before the next zero_grad_buffer()
@@ -208,4 +217,70 @@ TEST(DistributedDataParallel, BroadcastsDpRankZerosParamsAtConstruction) {
       EXPECT_TRUE(torch::equal(model->parameters()[i], reference->parameters()[i])) << "param " << i;
     }
   });
+}
+
+// Gradients written in place by the layers' weight-gradient GEMM (meshddp::linear_with_grad_in_buffer)
+// against the golden with torch's own Linear: the first micro-batch overwrites the slot (which
+// zero_grad_buffer() no longer zeroes), later ones accumulate, and a layer unused on 2 of 3 steps
+// (its slot stale after a step that used it, zeroed after one that did not) contributes zeros.
+TEST(DistributedDataParallel, MatchesGoldenWithGradientsWrittenInPlaceByTheWeightGradientGemm) {
+  expect_matches_golden({.world = 2, .micro_batches = 3, .opt = Opt::kSgd, .side_layer_every_third_step = true,
+                         .config = bucket_bytes(1024), .grads_in_buffer = true});
+  DdpConfig no_overlap = bucket_bytes(0);
+  no_overlap.overlap_grad_reduce = false;
+  expect_matches_golden({.world = 4, .opt = Opt::kSgd, .side_layer_every_third_step = true, .config = no_overlap,
+                         .grads_in_buffer = true});
+  DdpConfig find_unused = bucket_bytes(1024);
+  find_unused.find_unused_parameters = true;
+  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kAdam, .side_layer_every_third_step = true,
+                         .config = find_unused, .grads_in_buffer = true});
+}
+
+// The same layers with the feature off, and under create_graph (the gradient must carry its graph):
+// their gradients go through autograd, and the result is the same.
+TEST(DistributedDataParallel, GradientsInBufferFallBackToAutogradWhenOffOrUnderCreateGraph) {
+  DdpConfig off = bucket_bytes(1024);
+  off.gradient_accumulation_fusion = false;
+  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kSgd, .side_layer_every_third_step = true,
+                         .config = off, .grads_in_buffer = true});
+  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kSgd, .config = bucket_bytes(1024),
+                         .create_graph = true, .grads_in_buffer = true});
+}
+
+// No zeroing pass: zero_grad_buffer() leaves a slot whose param got a gradient in the last step (it
+// will be overwritten), and zeroes one whose param got none; the plain autograd path (torch's
+// Linear) is overwritten the same way, by a copy instead of a fill plus an add.
+TEST(DistributedDataParallel, ZeroGradBufferZeroesOnlySlotsThatTheNextGradientWillNotOverwrite) {
+  for (const bool in_buffer : {true, false}) {
+    run_on_mesh({1, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      Mlp model = make_mlp(kSeed, kIn, kHidden, kOut, /*with_side=*/true);
+      model->grads_in_buffer = in_buffer;
+      DistributedDataParallel ddp(model.ptr(), mesh, "dp", bucket_bytes(1024));
+      auto [x, y] = make_batch(kSeed, 0, kBatch, kIn, kOut);
+      auto step = [&](bool use_side) {
+        ddp.zero_grad_buffer();
+        torch::mse_loss(ddp.forward(x, use_side), y).backward();
+        ddp.finish_grad_sync();
+      };
+      step(/*use_side=*/true);
+      const auto fc1_grad = ddp.main_grad("fc1.weight").clone();
+      const auto side_grad = ddp.main_grad("side.weight").clone();
+      ASSERT_GT(fc1_grad.abs().max().item<double>(), 0);
+      ASSERT_GT(side_grad.abs().max().item<double>(), 0);
+      ddp.zero_grad_buffer();
+      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad)) << "zeroed a slot that the next step overwrites";
+      torch::mse_loss(ddp.forward(x, /*use_side=*/true), y).backward();
+      ddp.finish_grad_sync();
+      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad)) << "same batch and params: overwritten, not added";
+      EXPECT_TRUE(torch::equal(ddp.main_grad("side.weight"), side_grad));
+      step(/*use_side=*/false);
+      EXPECT_EQ(ddp.main_grad("side.weight").abs().max().item<double>(), 0) << "no gradient, yet its stale slot kept";
+      ddp.zero_grad_buffer();
+      EXPECT_EQ(ddp.main_grad("side.weight").abs().max().item<double>(), 0);
+      torch::mse_loss(ddp.forward(x, /*use_side=*/true), y).backward();
+      ddp.finish_grad_sync();
+      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad));
+      EXPECT_TRUE(torch::equal(ddp.main_grad("side.weight"), side_grad));
+    });
+  }
 }

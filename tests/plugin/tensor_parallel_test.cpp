@@ -52,6 +52,10 @@ void expect_matches_golden(const GptScenario& s) {
                                                         << (g - got).abs().max().item<double>();
     }
     EXPECT_GT(owned_grad_elements, 0) << "rank " << rank << " checked no gradient element";
+    // The tp::Linear layers (every style, the tied LM head) wrote their weight gradients into the
+    // buffer (and their biases, but for row-parallel ones, which are added after the TP reduction).
+    ASSERT_GT(run.linear_weights, 0);
+    for (int64_t written : run.grads_written_in_place) EXPECT_GE(written, run.linear_weights) << "rank " << rank;
     for (int step = 0; step < s.steps; ++step) {
       max_loss = std::max(max_loss, std::abs(run.losses[step] - golden.losses[step]));
       EXPECT_NEAR(run.losses[step], golden.losses[step], 1e-5) << "rank " << rank << " step " << step;

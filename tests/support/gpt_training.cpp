@@ -12,6 +12,7 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <unordered_set>
 
 namespace meshddp::test {
 namespace {
@@ -147,6 +148,7 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       all_reduce_sum_now(*mesh[dp_dim], global_loss, "test loss");
       run.losses.push_back(global_loss.item<double>());
       ddp.finish_grad_sync();
+      run.grads_written_in_place.push_back(ddp.grad_buffer().grads_written_in_place());
       if (step == 0) run.first_grads = synced_grads(ddp, zero.get());
       if (zero) {
         auto result = zero->step();
@@ -156,6 +158,11 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       }
     }
     if (zero) zero->finish_param_sync();
+    std::unordered_set<const c10::TensorImpl*> linear_weights;
+    for (const auto& m : model->modules()) {
+      if (const auto* linear = m->as<tp::LinearImpl>()) linear_weights.insert(linear->weight.unsafeGetTensorImpl());
+    }
+    run.linear_weights = static_cast<int64_t>(linear_weights.size());
     for (auto& p : ddp.parameters()) {
       run.params.push_back(p.detach().clone());
       run.placements.push_back(get_placement(p));

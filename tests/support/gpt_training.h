@@ -37,6 +37,9 @@ struct GptRun {
   std::vector<torch::Tensor> params;          // final; distributed: rank-local shards
   std::vector<double> grad_norms;             // per step (clipping runs only)
   std::vector<Placement> placements;          // distributed: each param's placement on this rank
+  std::vector<int64_t> grads_written_in_place;  // distributed: per step, params whose gradient the layers
+                                                // wrote straight into the flat buffer
+  int64_t linear_weights = 0;                 // distributed: distinct weights of tp::Linear layers
 };
 
 constexpr uint64_t kGptSeed = 5;

@@ -1,8 +1,12 @@
 #include "tests/support/mlp.h"
 
+#include "plugin/linear_with_grad_in_buffer.h"
+
 #include <mutex>
 
 namespace meshddp::test {
+
+using meshddp::linear_with_grad_in_buffer;
 
 MlpImpl::MlpImpl(int64_t in, int64_t hidden, int64_t out, bool with_side) {
   fc1 = register_module("fc1", torch::nn::Linear(in, hidden));
@@ -12,10 +16,13 @@ MlpImpl::MlpImpl(int64_t in, int64_t hidden, int64_t out, bool with_side) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool use_side) {
-  auto h = torch::tanh(fc1(x));
-  h = torch::tanh(fc2(h));
-  if (use_side && side) h = h + torch::tanh(side(h));
-  return fc3(h);
+  auto linear = [this](torch::nn::Linear& fc, const torch::Tensor& in) {
+    return grads_in_buffer ? linear_with_grad_in_buffer(in, fc->weight, fc->bias) : fc(in);
+  };
+  auto h = torch::tanh(linear(fc1, x));
+  h = torch::tanh(linear(fc2, h));
+  if (use_side && side) h = h + torch::tanh(linear(side, h));
+  return linear(fc3, h);
 }
 
 Mlp make_mlp(uint64_t seed, int64_t in, int64_t hidden, int64_t out, bool with_side) {

@@ -13,6 +13,9 @@ struct MlpImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, bool use_side = false);
 
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, side{nullptr};
+  // true: the layers run meshddp::linear_with_grad_in_buffer (same math; under DDP their weight
+  // gradients are written straight into the flat buffer) instead of torch::nn::Linear::forward.
+  bool grads_in_buffer = false;
 };
 TORCH_MODULE(Mlp);
 

@@ -1,0 +1,164 @@
+// Gradients written in place, and the zeroing they make unnecessary: the registry of slots that
+// layers write into (grad_buffer/grad_in_place.h) and the GradBuffer members that keep slots right
+// without a zeroing pass.
+//
+// Note [Slots written in place]
+// A step used to begin with a fill of every flat buffer (zero_grad_buffer()), after which each
+// gradient was added into its slot: AccumulateGrad's in-place add, or the hook's add. That is two
+// passes over the gradients that local training does not make (torch's AccumulateGrad steals the
+// fresh gradient). Now each slot has a state per step:
+//   zeroed   zero_grad_buffer() zeroed it (the param got no gradient in the last step; also padding).
+//   stale    zero_grad_buffer() left it as it was, because its param got a gradient in the last step
+//            and most likely gets one in this step, whose first write then overwrites it.
+//   written  this step's first gradient is in; later ones (micro-batches, a second use) add to it.
+// The first write of a step into a stale slot overwrites it, whichever way the gradient comes:
+//   - in place: a layer's backward calls write_grad_in_place(); the GEMM writes with beta = 0
+//     (accumulate = false) and returns a placeholder, which before_grad_accumulation() takes out
+//     before AccumulateGrad, so .grad is not touched again;
+//   - through autograd: before_grad_accumulation() (a pre-hook on AccumulateGrad) releases .grad,
+//     so AccumulateGrad steals the gradient as in local training, and on_grad_accumulated() copies
+//     it into the slot (one pass, not a fill plus an add) and points .grad back at the slot.
+// A slot still stale when its bucket launches belongs to a param that got no gradient this step
+// (unused, or find_unused_parameters marked it): launch_bucket() zeroes it before the collective,
+// so it contributes zeros, as before. Nothing reads a slot between zero_grad_buffer() and that
+// point except its own writes, so no step can see a stale value; param.grad() read by the user
+// before the param's first gradient of a step shows the last step's value (documented on
+// zero_grad_buffer()).
+#include "grad_buffer/grad_in_place.h"
+
+#include "grad_buffer/grad_buffer.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+namespace meshddp {
+namespace {
+
+struct SlotEntry {
+  GradBuffer* buffer = nullptr;
+  int64_t index = 0;
+};
+
+std::mutex registry_mutex;
+std::unordered_map<const c10::TensorImpl*, SlotEntry>& registry() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, SlotEntry>();  // never destroyed: used at exit
+  return *map;
+}
+
+}  // namespace
+
+void register_grad_slot(const at::Tensor& param, GradBuffer* buffer, int64_t index) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().insert_or_assign(param.unsafeGetTensorImpl(), SlotEntry{buffer, index});
+}
+
+void unregister_grad_slot(const at::Tensor& param, const GradBuffer* buffer) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(param.unsafeGetTensorImpl());
+  if (it != registry().end() && it->second.buffer == buffer) registry().erase(it);
+}
+
+at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write) {
+  if (c10::GradMode::is_enabled()) return {};  // create_graph: the gradient must carry its graph
+  SlotEntry entry;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry().find(param.unsafeGetTensorImpl());
+    if (it == registry().end()) return {};
+    entry = it->second;
+  }
+  // The buffer outlives every backward through its params (destroying a DistributedDataParallel
+  // while a backward runs through its module is already undefined).
+  return entry.buffer->write_grad_in_place(entry.index, write);
+}
+
+at::Tensor GradBuffer::write_grad_in_place(int64_t index, GradSlotWriter write) {
+  const at::Tensor& placeholder = grad_placeholders_[index];
+  if (!placeholder.defined()) return {};
+  bool accumulate = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // After the sync, let the gradient take the usual path: the hook then names the mistake.
+    if (state_ == StepState::kSynced) return {};
+    accumulate = !slot_stale_[index];
+  }
+  // Outside the lock: a GEMM. Only this param's backward writes this slot, and its bucket cannot
+  // launch before its hook, which runs after this.
+  write(main_grads_[index], accumulate);
+  std::lock_guard<std::mutex> lock(mutex_);
+  slot_stale_[index] = false;
+  got_grad_this_step_[index] = true;
+  written_in_place_this_step_[index] = true;
+  return placeholder;
+}
+
+int64_t GradBuffer::grads_written_in_place() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (auto w : written_in_place_this_step_) n += w;
+  return n;
+}
+
+std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads) {
+  const at::Tensor& placeholder = grad_placeholders_[index];
+  if (placeholder.defined() && !grads.empty() && grads[0].defined() && grads[0].is_same(placeholder)) {
+    grads[0] = at::Tensor();  // the gradient is in the slot already; the post-hook still runs
+    return grads;
+  }
+  bool stale = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stale = slot_stale_[index];
+  }
+  // Under create_graph (grad mode on) AccumulateGrad would replace .grad by `.grad + new` out of
+  // place; on a stale slot it would add to stale data. Either way: release .grad (the slot keeps
+  // its contents), AccumulateGrad stores the new gradient alone, on_grad_accumulated() moves it in.
+  if (!grads.empty() && grads[0].defined() && (stale || c10::GradMode::is_enabled())) {
+    params_[index].param.mutable_grad().reset();
+  }
+  return grads;
+}
+
+void GradBuffer::zero_stale_slots_of_bucket(int64_t b) {
+  for (int64_t i : layout_.buckets[b].params) {
+    if (!slot_stale_[i]) continue;
+    main_grads_[i].zero_();  // got no gradient this step: contributes zeros
+    slot_stale_[i] = false;
+  }
+}
+
+void GradBuffer::zero_slots_for_next_step() {
+  // Slots of params that got a gradient this step become stale; every other element (slots of params
+  // that got none, padding) is zeroed, in as few contiguous fills as the layout allows.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(buffers_.size());  // [offset, end) per buffer
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const bool keep = config_.gradient_accumulation_fusion && got_grad_this_step_[i];
+    slot_stale_[i] = keep;
+    if (keep) {
+      const ParamSlot& slot = layout_.slots[i];
+      kept[slot.buffer].emplace_back(slot.offset, slot.offset + slot.numel);
+    }
+  }
+  for (size_t buf = 0; buf < buffers_.size(); ++buf) {
+    auto& ranges = kept[buf];
+    std::sort(ranges.begin(), ranges.end());
+    int64_t begin = 0;
+    auto fill = [&](int64_t end) {
+      if (end > begin) buffers_[buf].narrow(0, begin, end - begin).zero_();
+    };
+    for (const auto& [offset, end] : ranges) {
+      fill(offset);
+      begin = std::max(begin, end);
+    }
+    fill(buffers_[buf].numel());
+  }
+  std::fill(got_grad_this_step_.begin(), got_grad_this_step_.end(), false);
+  std::fill(written_in_place_this_step_.begin(), written_in_place_this_step_.end(), false);
+}
+
+}  // namespace meshddp

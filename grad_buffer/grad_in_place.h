@@ -1,0 +1,43 @@
+// Gradients written in place (Megatron's gradient_accumulation_fusion): a layer's backward computes a
+// parameter's gradient straight into the parameter's slot of the flat gradient buffer (the weight-
+// gradient GEMM with `out=` the slot), instead of returning it to autograd, which would hand it to
+// AccumulateGrad to be added into the slot: no temporary, no add pass, and no zeroing pass (see
+// Note [Slots written in place] in grad_buffer.cpp). This header is what a layer calls; GradBuffer
+// registers the slots it holds. No communication here.
+//
+// A layer's backward, for a parameter `w` whose gradient is G:
+//   at::Tensor placeholder = write_grad_in_place(w, [&](const at::Tensor& slot, bool accumulate) {
+//     accumulate ? slot.addmm_(A, B) : at::mm_out(slot, A, B);   // slot (+)= G, shaped like w
+//   });
+//   return placeholder.defined() ? placeholder : at::mm(A, B);    // as w's gradient
+// plugin/linear_with_grad_in_buffer.h is the ready-made linear layer that does this.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
+
+namespace meshddp {
+
+class GradBuffer;
+
+// Computes the gradient into `slot` (a contiguous view of the flat buffer, shaped like the param, of
+// the param's dtype). accumulate = false: the slot holds stale data (it was not zeroed), overwrite it
+// (beta = 0); true: add to what the slot holds (later micro-batches, or a second use of the param).
+using GradSlotWriter = c10::function_ref<void(const at::Tensor& slot, bool accumulate)>;
+
+// If a live GradBuffer (built with gradient_accumulation_fusion) holds `param` in a slot of the
+// param's own dtype, and this backward records no graph (grad mode off: not create_graph), calls
+// `write` with that slot and returns the placeholder the caller must return from backward as the
+// param's gradient: a zero tensor that allocates nothing per call, which the buffer's hook takes out
+// before AccumulateGrad (so .grad is not touched twice) while the hook still marks the param ready
+// as usual. Otherwise (no buffer, fp32 main grads of bf16 params, create_graph, a step already
+// synced) calls nothing and returns an undefined tensor: the caller computes and returns the
+// gradient itself, and the buffer's hook handles it as any other gradient.
+at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write);
+
+// For GradBuffer: (un)registers `param` as slot `index` of `buffer`. unregister only removes an
+// entry that still names `buffer` (a later buffer may have taken the param over).
+void register_grad_slot(const at::Tensor& param, GradBuffer* buffer, int64_t index);
+void unregister_grad_slot(const at::Tensor& param, const GradBuffer* buffer);
+
+}  // namespace meshddp

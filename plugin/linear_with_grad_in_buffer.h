@@ -1,0 +1,21 @@
+// y = x W^T + b (torch::linear), with a backward that writes W's and b's gradients straight into their
+// slots of the DDP flat gradient buffer (Megatron's gradient_accumulation_fusion,
+// grad_buffer/grad_in_place.h): the weight-gradient GEMM runs with `out=` the slot (beta = 0 on the
+// step's first micro-batch, 1 after), so no weight-gradient temporary is allocated, nothing adds it
+// into the buffer, and nothing zeroes the buffer between steps. meshddp::tp::Linear uses it in every
+// style; call it from your own layers' forward to get the same, e.g. with a torch::nn::Linear:
+//   x = meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias);   // instead of fc(x)
+// Forward and gradients are the same ops as torch::linear's (the golden runs this function too, with
+// no buffer, where it is a plain linear). When a param is not in a buffer that can take it (no DDP,
+// gradient_accumulation_fusion off, fp32 main grads of a bf16 param, create_graph), its gradient is
+// returned to autograd as usual.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace meshddp {
+
+// input [..., in], weight [out, in], bias [out] or undefined -> [..., out].
+at::Tensor linear_with_grad_in_buffer(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = {});
+
+}  // namespace meshddp
