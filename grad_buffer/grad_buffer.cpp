@@ -149,6 +149,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   slot_stale_.assign(params_.size(), false);  // the buffers start zeroed
   got_grad_this_step_.assign(params_.size(), false);
   written_in_place_this_step_.assign(params_.size(), false);
+  zero_every_step_.assign(params_.size(), false);
   grad_placeholders_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;

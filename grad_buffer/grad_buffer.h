@@ -192,6 +192,11 @@ class GradBuffer {
   at::Tensor write_grad_in_place(int64_t index, GradSlotWriter write);
   // Params whose gradient was written in place since the last zero_grad_buffer().
   int64_t grads_written_in_place() const;
+  // For a param whose gradient is added into its slot by someone other than its own AccumulateGrad
+  // (e.g. a DTensor param's, whose .grad wraps the slot of its local tensor; the caller then calls
+  // on_grad_accumulated() itself): zero_grad_buffer() zeroes its slot every step, since no hook of
+  // this buffer sees that gradient arrive to overwrite a stale slot.
+  void zero_slot_every_step(int64_t index);
 
   // Marks ready (gradient 0 this step) every param whose gradient accumulator cannot be reached from
   // `outputs`' autograd graph, launching buckets that thereby complete. Only on the last
@@ -248,6 +253,7 @@ class GradBuffer {
   std::vector<uint8_t> slot_stale_;
   std::vector<uint8_t> got_grad_this_step_;
   std::vector<uint8_t> written_in_place_this_step_;
+  std::vector<uint8_t> zero_every_step_;  // see zero_slot_every_step()
   std::vector<at::Tensor> grad_placeholders_;  // per param: a zero of its shape (expanded scalar), or undefined
   std::vector<BucketState> buckets_;
   int64_t next_bucket_ = 0;

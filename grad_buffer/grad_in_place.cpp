@@ -104,6 +104,20 @@ int64_t GradBuffer::grads_written_in_place() const {
   return n;
 }
 
+void GradBuffer::zero_slot_every_step(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(params_.size()), "GradBuffer::zero_slot_every_step: index ",
+              index, " out of range (", params_.size(), " params)");
+  zero_every_step_[index] = true;
+  // No in-place writes either: they would mark the slot written where its real gradient is added.
+  unregister_grad_slot(params_[index].param, this);
+  grad_placeholders_[index] = at::Tensor();
+  if (slot_stale_[index]) {
+    main_grads_[index].zero_();
+    slot_stale_[index] = false;
+  }
+}
+
 std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads) {
   const at::Tensor& placeholder = grad_placeholders_[index];
   if (placeholder.defined() && !grads.empty() && grads[0].defined() && grads[0].is_same(placeholder)) {
@@ -137,7 +151,7 @@ void GradBuffer::zero_slots_for_next_step() {
   // that got none, padding) is zeroed, in as few contiguous fills as the layout allows.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(buffers_.size());  // [offset, end) per buffer
   for (size_t i = 0; i < params_.size(); ++i) {
-    const bool keep = config_.gradient_accumulation_fusion && got_grad_this_step_[i];
+    const bool keep = config_.gradient_accumulation_fusion && got_grad_this_step_[i] && !zero_every_step_[i];
     slot_stale_[i] = keep;
     if (keep) {
       const ParamSlot& slot = layout_.slots[i];

@@ -228,6 +228,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer().layout().buckets.size(); })
       .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer().buckets_launched_by_hooks(); })
+      .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer().grads_written_in_place(); })
       .def_property_readonly("config", &PythonDdp::config);
 
   py::class_<DistributedOptimizer>(m, "_DistributedOptimizer")

@@ -51,6 +51,7 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
               "buffer holds. Unused DTensor params still work without it: finish_grad_sync() reduces their zeros");
   for (const auto& d : dtensors_) {
     const int64_t index = index_in_buffer(grad_buffer(), d);
+    grad_buffer().zero_slot_every_step(index);  // the DTensor's AccumulateGrad adds into the slot, not ours
     auto relay = std::make_unique<Relay>();
     relay->accumulator = torch::autograd::impl::grad_accumulator(d.leaf);
     TORCH_INTERNAL_ASSERT(relay->accumulator, "no grad accumulator for DTensor parameter ", d.name);

@@ -18,6 +18,11 @@ import multiprocess
 
 GRAD_TOL = {2: 0.0, 4: 1e-7}
 PARAM_TOL = {2: 0.0, 4: 5e-7}
+# in_buffer: the second micro-batch accumulates inside the weight-gradient GEMM (addmm, beta 1) where
+# torch adds a separate gradient: the same sum, rounded inside the GEMM (measured <= 1.9e-9 on
+# gradients of ~0.1, params after 10 steps <= 6e-8).
+IN_BUFFER_GRAD_TOL = {2: 1e-8, 4: 1e-7}
+IN_BUFFER_PARAM_TOL = {2: 5e-7, 4: 5e-7}
 ZERO1_TOL = 5e-7
 
 
@@ -31,17 +36,23 @@ def suite(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("variant", ["plain", "accumulate", "unused", "tied"])
+@pytest.mark.parametrize("variant", ["plain", "accumulate", "unused", "tied", "in_buffer"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_matches_torch_ddp(world_size, variant, optimizer):
     for rank, results in enumerate(suite(world_size)):
         r = results[(variant, optimizer)]
-        assert r["grad_diff"] <= GRAD_TOL[world_size], f"rank {rank}: gradients differ from torch DDP's by {r['grad_diff']}"
-        assert r["param_diff"] <= PARAM_TOL[world_size], f"rank {rank}: params after 10 steps differ by {r['param_diff']}"
+        grad_tol = (IN_BUFFER_GRAD_TOL if variant == "in_buffer" else GRAD_TOL)[world_size]
+        param_tol = (IN_BUFFER_PARAM_TOL if variant == "in_buffer" else PARAM_TOL)[world_size]
+        print(f"[{variant} {optimizer} {world_size} ranks, rank {rank}: grad diff {r['grad_diff']:.3g}, param diff {r['param_diff']:.3g}]")
+        assert r["grad_diff"] <= grad_tol, f"rank {rank}: gradients differ from torch DDP's by {r['grad_diff']}"
+        assert r["param_diff"] <= param_tol, f"rank {rank}: params after 10 steps differ by {r['param_diff']}"
         assert r["num_buckets"] > 1, "the test wants several buckets (bucket_bytes=1024)"
         if variant == "tied":
             assert r["names"].count("hidden.weight") == 1 and "hidden2.weight" not in r["names"], r["names"]
             assert r["hidden2_is_hidden"], "the tied weight was untied"
+        # meshddp.linear_with_grad_in_buffer: all 6 weights and biases written into the buffer, every step
+        # (torch's DDP runs torch's Linear: bit-identical gradients at 2 ranks say the GEMM is the same).
+        assert r["written_in_place"] == ([6] * 10 if variant == "in_buffer" else [0] * 10), r["written_in_place"]
         if variant in ("plain", "tied", "unused"):
             assert r["launched_by_hooks"] == r["num_buckets"], "every bucket should launch during backward"
 

@@ -27,16 +27,22 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(16, 8)
         self.branch = torch.nn.Linear(16, 16) if unused else None
         self.hidden2 = None
+        self.grads_in_buffer = False  # True: the layers run meshddp.linear_with_grad_in_buffer (same math)
         if tied:
             self.hidden2 = torch.nn.Linear(16, 16, bias=False)
             self.hidden2.weight = self.hidden.weight  # the same Parameter in two modules
 
+    def linear(self, layer, x):
+        if self.grads_in_buffer:
+            return meshddp.linear_with_grad_in_buffer(x, layer.weight, layer.bias)
+        return layer(x)
+
     def forward(self, x):
-        h = torch.tanh(self.embed(x))
-        h = torch.tanh(self.hidden(h))
+        h = torch.tanh(self.linear(self.embed, x))
+        h = torch.tanh(self.linear(self.hidden, h))
         if self.hidden2 is not None:
-            h = torch.tanh(self.hidden2(h))
-        return self.out(h)
+            h = torch.tanh(self.linear(self.hidden2, h))
+        return self.linear(self.out, h)
 
 
 def batch(step, rank, micro, dim_in=8, dim_out=8):
@@ -61,18 +67,21 @@ def make_optimizer(kind, params, weight_decay):
 def vs_torch_ddp(rank, world_size, variant, optimizer):
     """meshddp's DDP and torch's DDP on the same model and data: the gradients after the first
     step's backward, and the params after STEPS optimizer steps. variant: plain | accumulate
-    (2 micro-batches, no_sync) | unused (a branch no forward reaches) | tied (a shared weight)."""
+    (2 micro-batches, no_sync) | unused (a branch no forward reaches) | tied (a shared weight) |
+    in_buffer (accumulate, with our model's layers writing their gradients into the flat buffer)."""
     torch.manual_seed(0)
     model = Net(unused=variant == "unused", tied=variant == "tied")
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=variant == "unused")
+    model.grads_in_buffer = variant == "in_buffer"
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     config = meshddp.DdpConfig(bucket_bytes=1024, find_unused_parameters=variant == "unused")
     ours = meshddp.DistributedDataParallel(model, mesh, "dp", config)
     weight_decay = 0.0 if variant == "unused" else 0.01  # torch skips None grads; ours are zeros
     opt_ref = make_optimizer(optimizer, ref.parameters(), weight_decay)
     opt_ours = make_optimizer(optimizer, ours.parameters(), weight_decay)
-    micro = 2 if variant == "accumulate" else 1
+    micro = 2 if variant in ("accumulate", "in_buffer") else 1
     grad_diff = None
+    written_in_place = []
     for step in range(STEPS):
         opt_ref.zero_grad()
         ours.zero_grad_buffer()
@@ -84,6 +93,7 @@ def vs_torch_ddp(rank, world_size, variant, optimizer):
             with contextlib.nullcontext() if last else ours.no_sync():
                 (F.mse_loss(ours(x), y) / micro).backward()
         ours.finish_grad_sync()
+        written_in_place.append(ours._engine.grads_written_in_place())
         if step == 0:
             grad_diff = max_diff(grads_of(ref.module), grads_of(ours.module))
             grad_scale = max(g.abs().max().item() for g in grads_of(ref.module))
@@ -97,6 +107,7 @@ def vs_torch_ddp(rank, world_size, variant, optimizer):
         "names": names,
         "num_buckets": ours._engine.num_buckets(),
         "launched_by_hooks": ours._engine.buckets_launched_by_hooks(),
+        "written_in_place": written_in_place,
         "hidden2_is_hidden": variant != "tied" or ours.module.hidden2.weight is ours.module.hidden.weight,
     }
 
@@ -203,7 +214,7 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
 def ddp_suite(rank, world_size, checkpoint_dir):
     """Every vs_torch_ddp case and zero1_vs_adamw in one launch (process start-up dominates)."""
     out = {(v, o): vs_torch_ddp(rank, world_size, v, o)
-           for v in ("plain", "accumulate", "unused", "tied") for o in ("sgd", "adamw")}
+           for v in ("plain", "accumulate", "unused", "tied", "in_buffer") for o in ("sgd", "adamw")}
     out["zero1"] = zero1_vs_adamw(rank, world_size, checkpoint_dir)
     return out
 
