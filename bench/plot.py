@@ -113,6 +113,40 @@ def scaling_plot(scale):
     print("wrote", out)
 
 
+def before_after_phases(panels):
+    """Issue 14: per candidate, the phases before (the binary of main before the change, run just before)
+    and after (this build), side by side; panels = [(title, before_json, after_json)]."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.8), squeeze=False)
+    phases = [("fwd", "forward"), ("bwd", "backward (Reducer: + its comm wait)"), ("sync", "exposed comm"),
+              ("opt", "optimizer (ZeRO-1: + param all-gather)")]
+    colors = ["#8da0cb", "#66c2a5", "#fc8d62", "#a6d854"]
+    for ax, (title, before, after) in zip(axes[0], panels):
+        bars = []
+        for c in after["candidates"]:
+            old = next((b for b in before["candidates"] if b["name"] == c["name"]), None) if before else None
+            if old is not None:
+                bars.append((c["name"] + "\nbefore", old))
+            bars.append((c["name"] + ("\nafter" if old is not None else ""), c))
+        names = [n for n, _ in bars]
+        bottom = [0.0] * len(bars)
+        for (key, label), color in zip(phases, colors):
+            vals = [c["median_ms"][key] for _, c in bars]
+            ax.bar(names, vals, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, (_, c) in enumerate(bars):
+            t = c["median_ms"]["total"]
+            ax.text(i, max(bottom[i], t) * 1.01, f"{t:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("median step time (ms), stacked: median phases")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, max(max(bottom), max(c["median_ms"]["total"] for _, c in bars)) * 1.15)
+        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    out = os.path.join(DOCS, "bench_issue14_phases.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
 def main():
     runs = []
     for name, title in (("main_2ranks.json", "2 ranks, Gloo, 1 thread each"), ("main_1rank.json", "1 rank, 2 threads")):
@@ -127,6 +161,13 @@ def main():
     scale = load("cost_model_scale.json")
     if scale:
         scaling_plot(scale)
+    panels = []
+    for world, title in ((1, "1 rank, 2 threads"), (2, "2 ranks, Gloo, 1 thread each")):
+        after = load(f"issue14_{world}rank_after.json")
+        if after:
+            panels.append((f"{title}: before / after issue 14", load(f"issue14_{world}rank_before.json"), after))
+    if panels:
+        before_after_phases(panels)
 
 
 if __name__ == "__main__":
