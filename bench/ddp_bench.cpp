@@ -69,7 +69,7 @@ class Bf16CompressCommHook : public c10d::CppCommHookInterface<c10::intrusive_pt
     auto fut = state_->allreduce(tensors)->getFuture();
     at::Tensor decompressed = bucket.getBufferRef();
     return fut->then(
-        [decompressed](c10::ivalue::Future& done) mutable {
+        [decompressed](c10::ivalue::Future& done) {
           decompressed.copy_(done.value().toTensorVector()[0]);
           return c10::IValue(decompressed);
         },
