@@ -13,6 +13,8 @@
 //   reducer_view    c10d::Reducer from the same LibTorch, set up as torch's DDP does, gradient_as_bucket_view=true
 //   reducer_copy    the same, gradient_as_bucket_view=false (grads copied into buckets and back)
 //   naive           backward, then one blocking all-reduce per parameter, then the step
+//   meshddp_bf16    meshddp with the bf16_compress communication hook (grad_buffer/comm_hook.h)
+//   reducer_bf16    reducer_view with PyTorch's bf16_compress_hook (Bf16CompressCommHook below)
 //
 // Every candidate steps the same torch::optim optimizer (--optimizer sgd: momentum 0.9, the default;
 // or adamw) except meshddp_zero1, whose DistributedOptimizer runs the same arithmetic on its shard.
@@ -27,6 +29,7 @@
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/linear_with_grad_in_buffer.h"
 
+#include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/torch.h>
 
@@ -53,6 +56,30 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
+
+// PyTorch's bf16_compress_hook (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py) for the
+// C++ Reducer, which has only FP16CompressCommHook built in. Mirrored step by step: the bucket buffer
+// is cast to bf16 (a new tensor), divided in bf16 by the group size (after the cast, as the Python
+// hook and FP16CompressCommHook do), all-reduced (SUM) asynchronously on the group, and the future's
+// continuation copies the result back into the bucket buffer and returns it (so the Reducer, seeing
+// its own buffer, copies nothing more).
+class Bf16CompressCommHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  using CppCommHookInterface::CppCommHookInterface;
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor compressed = bucket.getBufferRef().to(at::kBFloat16);
+    compressed.div_(state_->getSize());
+    std::vector<at::Tensor> tensors{compressed};
+    auto fut = state_->allreduce(tensors)->getFuture();
+    at::Tensor decompressed = bucket.getBufferRef();
+    return fut->then(
+        [decompressed](c10::ivalue::Future& done) {
+          decompressed.copy_(done.value().toTensorVector()[0]);
+          return c10::IValue(decompressed);
+        },
+        c10::TensorType::get());
+  }
+};
 
 struct Flags {
   std::string mode = "main";
@@ -355,11 +382,13 @@ struct Bench {
   }
 
   std::unique_ptr<Candidate> make_meshddp(const std::string& name, double bucket_mb, bool zero1,
-                                          ReadyTimeline* timeline, bool overlap = true, bool grads_in_buffer = true) {
+                                          ReadyTimeline* timeline, bool overlap = true, bool grads_in_buffer = true,
+                                          const std::string& comm_hook = meshddp::kNoCommHook) {
     auto model = make_model(flags);
     model->grads_in_buffer = grads_in_buffer;
     meshddp::DdpConfig config;
     config.gradient_accumulation_fusion = grads_in_buffer;
+    config.comm_hook = comm_hook;
     config.overlap_grad_reduce = overlap;
     config.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
     config.use_distributed_optimizer = zero1;
@@ -433,7 +462,7 @@ struct Bench {
     return c;
   }
 
-  std::unique_ptr<Candidate> make_reducer(bool view) {
+  std::unique_ptr<Candidate> make_reducer(bool view, bool bf16 = false) {
     auto model = make_model(flags);
     // Broadcast rank 0's params like torch DDP's init sync (they are already equal: same seed).
     std::vector<at::Tensor> params;
@@ -454,9 +483,10 @@ struct Bench {
                                                    /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/view,
                                                    names, first_cap, /*skip_all_reduce_unused_params=*/false,
                                                    /*use_python_reducer=*/false, std::vector<int64_t>{});
+    if (bf16) reducer->register_comm_hook(std::make_unique<Bf16CompressCommHook>(group));
     auto opt = make_optimizer(flags.optimizer, model->parameters());
     auto c = std::make_unique<Candidate>();
-    c->name = view ? "reducer_view" : "reducer_copy";
+    c->name = bf16 ? "reducer_bf16" : view ? "reducer_view" : "reducer_copy";
     c->step = [this, model, reducer, opt, view]() mutable {
       Phases p;
       auto t0 = Clock::now();
@@ -670,6 +700,11 @@ int main(int argc, char** argv) {
         else if (name == "reducer_view") cands.push_back(bench.make_reducer(true));
         else if (name == "reducer_copy") cands.push_back(bench.make_reducer(false));
         else if (name == "naive") cands.push_back(bench.make_naive());
+        else if (name == "meshddp_bf16")
+          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, true, true, meshddp::kBf16CompressHook));
+        else if (name == "meshddp_zero1_bf16")
+          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, true, nullptr, true, true, meshddp::kBf16CompressHook));
+        else if (name == "reducer_bf16") cands.push_back(bench.make_reducer(true, /*bf16=*/true));
         else usage_and_exit(argv[0], "unknown candidate " + name);
       }
     } else {
@@ -746,6 +781,8 @@ int main(int argc, char** argv) {
       std::printf("\nratios of median step time:\n");
       for (const char* base : {"reducer_view", "reducer_copy", "local", "naive"}) ratio("meshddp", base);
       for (const char* base : {"reducer_view", "local"}) ratio("meshddp_zero1", base);
+      ratio("meshddp_zero1", "meshddp");
+      ratio("meshddp_bf16", "reducer_bf16");
       if (!bucket_ar_ms.empty()) {
         double sum = 0;
         for (double v : bucket_ar_ms) sum += v;

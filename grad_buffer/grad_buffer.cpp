@@ -25,6 +25,7 @@ void GradBufferConfig::validate() const {
   // bucket_bytes is unsigned: every value is meaningful (0 = one bucket per parameter).
   TORCH_CHECK(bucket_bytes <= (size_t{1} << 40), "GradBufferConfig: bucket_bytes = ", bucket_bytes,
               " (over 1 TiB) is surely a unit mistake; give bytes, e.g. 40 << 20 for 40 MiB");
+  make_comm_hook(comm_hook);  // throws naming the built-in hooks for an unknown name
 }
 
 std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params) {
@@ -107,6 +108,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       dp_group_(groups.dp),
       groups_(std::move(groups)),
       config_(config),
+      comm_hook_(make_comm_hook(config_.comm_hook)),
       debug_sequence_(debug_sequence_from_env()) {
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
@@ -362,20 +364,26 @@ void GradBuffer::launch_bucket(int64_t b) {
     nonfinite_counts_[b] = count_nonfinite(data);  // read by the optimizer, and by raise_if_nonfinite()
     if (config_.check_for_nan_in_grad) note_nonfinite_params(b);
   }
+  CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
     if (debug_sequence_) check_collective_sequence(b, *groups_.world, "all-reduce (TP-partial)");
     if (dp_size_ > 1) data.div_(static_cast<double>(dp_size_));
-    bucket.work = all_reduce_sum(*groups_.world, data, bucket_description(b) + " (TP-partial: summed over TP)");
+    hooked.group = groups_.world.get();
+    hooked.what += " (TP-partial: summed over TP)";
   } else if (!skip_collective(*dp_group_)) {
     if (debug_sequence_) {
       check_collective_sequence(b, *dp_group_, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
     data.div_(static_cast<double>(dp_size_));
-    bucket.work = config_.use_distributed_optimizer
-                      ? reduce_scatter_sum(*dp_group_, bucket_shard(b), data, bucket_description(b))
-                      : all_reduce_sum(*dp_group_, data, bucket_description(b));
+    hooked.group = dp_group_.get();
+    if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
+  }
+  if (hooked.group != nullptr) {
+    CommHookWork launched = comm_hook_->launch(hooked);
+    bucket.work = std::move(launched.work);
+    bucket.finish = std::move(launched.finish);
   }
   bucket.launched = true;
   state_ = StepState::kReducing;
@@ -389,6 +397,11 @@ void GradBuffer::wait_launched_buckets() {
       const bool partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
       wait_collective(work, partial ? *groups_.world : *dp_group_, bucket_description(static_cast<int64_t>(b)));
     }
+    if (buckets_[b].finish) {
+      auto finish = std::move(buckets_[b].finish);
+      buckets_[b].finish = nullptr;
+      finish();
+    }
   }
 }
 
@@ -401,6 +414,15 @@ void GradBuffer::finish_grad_sync() {
   state_ = StepState::kSynced;
   ++syncs_completed_;
   if (config_.check_for_nan_in_grad) raise_if_nonfinite();
+}
+
+void GradBuffer::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  TORCH_CHECK(hook, "GradBuffer::register_comm_hook: the hook is null");
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != StepState::kReducing, "GradBuffer::register_comm_hook: this step's gradient sync has begun (",
+              next_bucket_, " bucket(s) launched with hook '", comm_hook_->name(), "'); register hook '", hook->name(),
+              "' between steps, after finish_grad_sync()");
+  comm_hook_ = std::move(hook);
 }
 
 int64_t GradBuffer::syncs_completed() const {
@@ -439,7 +461,7 @@ void GradBuffer::zero_grad_buffer() {
 void GradBuffer::reset_step_state() {
   std::fill(ready_.begin(), ready_.end(), false);
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b] = BucketState{static_cast<int64_t>(layout_.buckets[b].params.size()), false, {}};
+    buckets_[b] = BucketState{static_cast<int64_t>(layout_.buckets[b].params.size()), false, {}, {}};
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;

@@ -21,6 +21,7 @@
 
 #include "grad_buffer/bucket_layout.h"
 #include "grad_buffer/grad_in_place.h"
+#include "grad_buffer/comm_hook.h"
 #include "grad_buffer/param_gather.h"
 #include "mesh/placement.h"
 
@@ -29,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,6 +65,11 @@ struct GradBufferConfig {
                                        // the rank(s) that produced them and the step. Costs one count per
                                        // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
                                        // per step
+  std::string comm_hook = kNoCommHook;  // how each bucket is reduced (grad_buffer/comm_hook.h): "none" = SUM in
+                                        // the buffer's dtype; "bf16_compress" / "fp16_compress" = cast the
+                                        // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
+                                        // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
+                                        // and TP-partial buckets alike
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
@@ -106,6 +113,12 @@ class GradBuffer {
              GradBufferConfig config);
   // Same, with the TP-aware groups (placements are read from the registry, mesh/placement.h).
   GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config);
+  // Replaces the communication hook (the config's comm_hook until then) with `hook`, PyTorch DDP's
+  // register_comm_hook. Call between steps, with the same kind of hook on every rank: the hook's
+  // collectives must match across ranks. Throws if a step's gradient sync has begun.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
+  const CommHook& comm_hook() const { return *comm_hook_; }
+
   // Removes the hooks; waits for collectives still in flight (they write into the buffers).
   ~GradBuffer();
   GradBuffer(const GradBuffer&) = delete;
@@ -211,6 +224,7 @@ class GradBuffer {
     int64_t pending = 0;  // params not yet ready
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
+    std::function<void()> finish;  // the comm hook's write-back, run after `work`
   };
 
   void install_hooks();
@@ -240,6 +254,7 @@ class GradBuffer {
   std::vector<at::Tensor> main_grads_;
   std::vector<at::Tensor> param_buffers_;
   std::unique_ptr<ParamGather> param_gather_;
+  std::shared_ptr<CommHook> comm_hook_;
   std::vector<at::Tensor> nonfinite_counts_;  // per bucket, see local_nonfinite_counts()
   std::vector<std::string> nonfinite_notes_;  // per bucket with check_for_nan_in_grad: the params, if any
 

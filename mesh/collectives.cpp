@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +24,28 @@ void check_operand(const c10d::ProcessGroup& group, const at::Tensor& t, const c
   TORCH_CHECK(t.layout() == c10::kStrided && t.is_contiguous(), "meshddp ", op, " of ", what, " on ",
               describe_group(group), ": ", role, " tensor must be dense and contiguous; got sizes ", t.sizes(),
               " strides ", t.strides());
+}
+
+// One Work standing for several launched as one collective (Gloo's in-place all-gather below):
+// done when all are, waited in order, failing with the first failure.
+class AllOfWork : public c10d::Work {
+ public:
+  // (Inside a c10d::Work subclass, `Work` names c10d::Work: spell out meshddp::Work.)
+  explicit AllOfWork(std::vector<meshddp::Work> parts) : parts_(std::move(parts)) {}
+  bool isCompleted() override {
+    return std::all_of(parts_.begin(), parts_.end(), [](const meshddp::Work& w) { return w->isCompleted(); });
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (const meshddp::Work& w : parts_) w->wait(timeout);
+    return true;
+  }
+
+ private:
+  std::vector<meshddp::Work> parts_;
+};
+
+bool is_gloo(const c10d::ProcessGroup& group) {
+  return group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO;
 }
 
 // Every launch passes through here: counted for the hang report (mesh/collective_progress.h).
@@ -76,6 +99,15 @@ Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, con
               "meshddp reduce-scatter of ", what, " on ", describe_group(group), ": input has ", input.numel(), " ",
               input.scalar_type(), " elements on ", input.device(), ", expected output.numel() (", output.numel(),
               ") x group size (", group.getSize(), ") of ", output.scalar_type(), " on ", output.device());
+  // Gloo has no reduce-scatter: its _reduce_scatter_base clones the input in the calling thread (the
+  // backward hook, for gradient buckets), all-reduces the clone and copies the shard out on wait.
+  // When `output` is `input`'s own shard, an in-place all-reduce of `input` leaves the same SUM in
+  // it with no clone and no copy (see the contract on what `input` holds afterwards).
+  const int64_t n = output.numel();
+  if (is_gloo(group) && output.is_alias_of(input) &&
+      output.storage_offset() == input.storage_offset() + group.getRank() * n) {
+    return all_reduce(group, input, c10d::ReduceOp::SUM, what);
+  }
   at::Tensor out = output;
   at::Tensor in = input;
   c10d::ReduceScatterOptions options;
@@ -92,6 +124,22 @@ Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const 
               "meshddp all-gather of ", what, " on ", describe_group(group), ": output has ", output.numel(), " ",
               output.scalar_type(), " elements on ", output.device(), ", expected input.numel() (", input.numel(),
               ") x group size (", group.getSize(), ") of ", input.scalar_type(), " on ", input.device());
+  // Gloo's _allgather_base allocates a fresh output-sized tensor, gathers into it and copies it out
+  // chunk by chunk. When `input` is `output`'s own slice at rank * n (ZeRO-1's param buffer), one
+  // in-place broadcast per rank from that rank's slice moves the same bytes with no allocation and
+  // no copy, bit-exact for every dtype.
+  const int64_t n = input.numel();
+  if (is_gloo(group) && input.is_alias_of(output) &&
+      input.storage_offset() == output.storage_offset() + group.getRank() * n) {
+    std::vector<Work> parts;
+    for (int root = 0; root < group.getSize(); ++root) {
+      std::vector<at::Tensor> slice{output.narrow(0, root * n, n)};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      parts.push_back(group.broadcast(slice, options));
+    }
+    return launched(group, c10::make_intrusive<AllOfWork>(std::move(parts)));
+  }
   at::Tensor out = output;
   at::Tensor in = input;
   return launched(group, group._allgather_base(out, in));

@@ -17,11 +17,15 @@ using Work = c10::intrusive_ptr<c10d::Work>;
 Work all_reduce_sum(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
 
 // output (numel n) receives the SUM over the group of input's slice [rank*n, (rank+1)*n);
-// input.numel() must equal n * group size. Both contiguous, same dtype and device.
+// input.numel() must equal n * group size. Both contiguous, same dtype and device. Afterwards
+// input's contents are unspecified: on Gloo, when output is input's own shard (the slice at
+// rank * n), this is an in-place all-reduce of input (Gloo emulates reduce-scatter with a clone and
+// a full all-reduce anyway), so input holds the whole SUM.
 Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
                         const std::string& what);
 
-// output (numel n * group size) receives every rank's input (numel n) in rank order.
+// output (numel n * group size) receives every rank's input (numel n) in rank order. input may be
+// output's own slice at rank * n (in place; on Gloo that runs as one broadcast per rank, no copy).
 Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
                      const std::string& what);
 

@@ -37,6 +37,7 @@ std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g) {
           {"pad_for_reduce_scatter", yes_no(c.pad_for_reduce_scatter)},
           {"find_unused_parameters", yes_no(c.find_unused_parameters)},
           {"use_distributed_optimizer", yes_no(c.use_distributed_optimizer)},
+          {"comm_hook", c.comm_hook},
           {"broadcast_from_rank0", yes_no(c.broadcast_from_rank0)},
           {"verify_model_across_ranks", yes_no(c.verify_model_across_ranks)},
           {"broadcast_buffers", yes_no(c.broadcast_buffers)},

@@ -70,7 +70,11 @@ DdpConfig make_ddp_config(const py::kwargs& kwargs) {
       {"verify_model_across_ranks", &DdpConfig::verify_model_across_ranks},
   };
   DdpConfig config;
-  set_fields(config, kwargs, fields, "DdpConfig", ", bucket_bytes", [&](const std::string& key, py::handle value) {
+  set_fields(config, kwargs, fields, "DdpConfig", ", bucket_bytes, comm_hook", [&](const std::string& key, py::handle value) {
+    if (key == "comm_hook") {
+      config.comm_hook = py::cast<std::string>(value);
+      return true;
+    }
     if (key != "bucket_bytes") return false;
     const auto bytes = py::cast<int64_t>(value);
     TORCH_CHECK(bytes >= 0, "DdpConfig: bucket_bytes = ", bytes, " is negative; give bytes (0 = one bucket per parameter)");
@@ -155,12 +159,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("use_distributed_optimizer", &DdpConfig::use_distributed_optimizer)
       .def_readonly("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0)
       .def_readonly("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks)
+      .def_readonly("comm_hook", &DdpConfig::comm_hook)
       .def("__repr__", [](const DdpConfig& c) {
         return "DdpConfig(bucket_bytes=" + std::to_string(c.bucket_bytes) +
                ", overlap_grad_reduce=" + (c.overlap_grad_reduce ? "True" : "False") +
                ", grad_reduce_in_fp32=" + (c.grad_reduce_in_fp32 ? "True" : "False") +
                ", find_unused_parameters=" + (c.find_unused_parameters ? "True" : "False") +
-               ", use_distributed_optimizer=" + (c.use_distributed_optimizer ? "True" : "False") + ")";
+               ", use_distributed_optimizer=" + (c.use_distributed_optimizer ? "True" : "False") +
+               ", comm_hook='" + c.comm_hook + "')";
       });
 
   py::class_<DistributedOptimizerConfig>(m, "OptimizerConfig",

@@ -66,6 +66,10 @@ def test_config_errors_carry_the_cpp_text():
         meshddp.OptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
     assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
+    assert meshddp.DdpConfig().comm_hook == "none"
+    assert meshddp.DdpConfig(comm_hook="bf16_compress").comm_hook == "bf16_compress"
+    with pytest.raises(RuntimeError, match=r"comm_hook = 'bf16' is not a built-in communication hook"):
+        meshddp.DdpConfig(comm_hook="bf16")
 
 
 def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):
