@@ -25,8 +25,9 @@ using meshddp::test::error_of;
 namespace {
 
 constexpr int64_t kAdamWMasterUlps = 2;  // measured max: 2 (ATen's CPU sqrt), see max_update_ulps
-constexpr int64_t kCudaUlps = 4;  // versus ATen's CUDA foreach (nvcc contracts a+b*c, div by a scalar is a multiply by
-                                  // its reciprocal there): a bound to confirm on the first GPU run
+// Versus ATen's CUDA foreach, where nvcc contracts a + b * c and a division by a scalar is a multiply
+// by its reciprocal: a bound to confirm (or correct with the measured value) on the first GPU run.
+constexpr int64_t kCudaUlps = 4;
 const std::vector<int64_t> kSizes = {0, 1, 7, 8, 9, 31, 33, 1000, 65537, 100003};
 
 struct AdamWConfig {
