@@ -50,9 +50,23 @@
 #include <unistd.h>
 #include <vector>
 
+#ifdef MESHDDP_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
+// steady_clock; with --device cuda, now() first waits for the GPU, so every phase is GPU time.
+bool g_sync_cuda = false;
+struct Clock {
+  using time_point = std::chrono::steady_clock::time_point;
+  static time_point now() {
+#ifdef MESHDDP_WITH_CUDA
+    if (g_sync_cuda) c10::cuda::device_synchronize();
+#endif
+    return std::chrono::steady_clock::now();
+  }
+};
 double ms_since(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
@@ -97,13 +111,14 @@ struct Flags {
   std::string json;
   uint64_t seed = 0;
   std::string optimizer = "sgd";  // sgd (momentum 0.9) or adamw
+  std::string device = "cpu";     // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/gpu.md)
 };
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
   std::cerr << "error: " << bad << "\nusage: " << prog
             << " [--mode main|sweep] [--layers N] [--hidden N] [--batch N] [--warmup N] [--reps N]"
                " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
-               " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--json PATH]\n";
+               " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--json PATH]\n";
   std::exit(2);
 }
 
@@ -129,6 +144,7 @@ Flags parse(int argc, char** argv) {
       else if (arg == "--seed") f.seed = std::stoull(v);
       else if (arg == "--json") f.json = v;
       else if (arg == "--optimizer") f.optimizer = v;
+      else if (arg == "--device") f.device = v;
       else usage_and_exit(argv[0], "unknown flag " + arg);
     } catch (const std::logic_error&) {
       usage_and_exit(argv[0], "flag " + arg + " has a bad value '" + v + "'");
@@ -136,6 +152,7 @@ Flags parse(int argc, char** argv) {
   }
   if (f.optimizer != "sgd" && f.optimizer != "adamw") usage_and_exit(argv[0], "--optimizer must be sgd or adamw");
   if (f.mode != "main" && f.mode != "sweep") usage_and_exit(argv[0], "--mode must be main or sweep");
+  if (f.device != "cpu" && f.device != "cuda") usage_and_exit(argv[0], "--device must be cpu or cuda");
   if (f.reps < 1 || f.warmup < 0 || f.layers < 1 || f.hidden < 1 || f.batch < 1) usage_and_exit(argv[0], "bad sizes");
   return f;
 }
@@ -188,7 +205,9 @@ TORCH_MODULE(MlpStack);
 
 MlpStack make_model(const Flags& f) {
   torch::manual_seed(f.seed);  // every candidate starts from the same weights
-  return MlpStack(f.hidden, f.layers);
+  MlpStack model(f.hidden, f.layers);
+  if (f.device == "cuda") model->to(torch::kCUDA);
+  return model;
 }
 
 // The same optimizer for every candidate: SGD (lr 1e-3, momentum 0.9) or AdamW (lr 1e-4, wd 1e-2);
@@ -255,7 +274,7 @@ Memory plain_grads_memory(const std::vector<at::Tensor>& params, torch::optim::O
 // Records when each parameter's gradient arrives (a tensor hook runs just before accumulation),
 // relative to the start of backward.
 struct ReadyTimeline {
-  Clock::time_point bwd_start;
+  Clock::time_point bwd_start;  // host times: the hooks must not wait for the GPU
   std::vector<double> current;              // ms, this step
   std::vector<std::vector<double>> steps;   // every recorded step
   std::vector<std::string> names;
@@ -270,11 +289,11 @@ struct ReadyTimeline {
       numels.push_back(item.value().numel());
       const int64_t index = i++;
       item.value().register_hook([this, index](const at::Tensor&) {
-        if (recording) current[index] = ms_since(bwd_start, Clock::now());
+        if (recording) current[index] = ms_since(bwd_start, std::chrono::steady_clock::now());
       });
     }
   }
-  void begin_backward() { bwd_start = Clock::now(); }
+  void begin_backward() { bwd_start = std::chrono::steady_clock::now(); }
   void end_step() {
     if (recording) steps.push_back(current);
   }
@@ -349,6 +368,8 @@ struct Bench {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed * 7919 + 17 + rank);
     x = torch::randn({flags.batch, flags.hidden}, gen);
     y = torch::randn({flags.batch, flags.hidden}, gen);
+    x = x.to(mesh.device());
+    y = y.to(mesh.device());
   }
 
   void barrier() { group->barrier()->wait(); }
@@ -623,8 +644,8 @@ struct Bench {
 
   // Median time (max over ranks) of a standalone collective on a fresh buffer of `numel` fp32.
   double time_collective(int64_t numel, const std::string& kind) {
-    auto buf = torch::ones({numel});
-    auto shard = torch::empty({numel / world});
+    auto buf = torch::ones({numel}, mesh.device());
+    auto shard = torch::empty({numel / world}, mesh.device());
     std::vector<double> times;
     for (int r = 0; r < flags.collective_reps + 1; ++r) {
       barrier();
@@ -683,7 +704,12 @@ int main(int argc, char** argv) {
     at::set_num_threads(threads);
 
     const int64_t world = std::getenv("WORLD_SIZE") ? std::atoll(std::getenv("WORLD_SIZE")) : 1;
-    Bench bench(flags, meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}));
+    meshddp::MeshOptions mesh_options;
+    if (flags.device == "cuda") {
+      mesh_options.device_type = c10::DeviceType::CUDA;  // NCCL groups on cuda:LOCAL_RANK
+      g_sync_cuda = true;
+    }
+    Bench bench(flags, meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}, mesh_options));
     const bool root = bench.rank == 0;
 
     std::vector<std::unique_ptr<Candidate>> cands;

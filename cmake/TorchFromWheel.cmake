@@ -56,6 +56,10 @@ if(MESHDDP_WITH_CUDA)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES 90)
   endif()
+  # Our .cu files are torch-free (optimizer/fused_step.cu); the shared runtime is the one torch loads.
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
   enable_language(CUDA)
   set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake config (no GPU to detect here)")
   find_package(CUDAToolkit REQUIRED)
@@ -78,5 +82,21 @@ else()
   target_link_libraries(meshddp_torch INTERFACE
     "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so" "${MESHDDP_TORCH_DIR}/lib/libc10.so" Threads::Threads)
 endif()
+
+# Thrust/CUB/libcu++ headers (CCCL), for the CPU build of the kernels (Thrust's CPP system with the
+# host compiler) and the CUDA build. They ship with the CUDA toolkit (CUDA 13: include/cccl). Not
+# found (or -DMESHDDP_THRUST_INCLUDE_DIR=NONE): the CPU kernels run the same functors in a plain loop.
+find_path(MESHDDP_THRUST_INCLUDE_DIR thrust/version.h
+  HINTS ${CUDAToolkit_INCLUDE_DIRS} "$ENV{CUDA_HOME}/include" /usr/local/cuda/include
+  PATH_SUFFIXES cccl .
+  DOC "Directory holding thrust/, cub/ and cuda/ (CCCL headers); NONE = build the CPU kernels without Thrust")
+if(EXISTS "${MESHDDP_THRUST_INCLUDE_DIR}/thrust/version.h")
+  set(MESHDDP_WITH_THRUST ON)
+  message(STATUS "meshddp: Thrust (CCCL) headers at ${MESHDDP_THRUST_INCLUDE_DIR}: CPU kernels built with Thrust's CPP system")
+else()
+  set(MESHDDP_WITH_THRUST OFF)
+  message(STATUS "meshddp: no Thrust headers: CPU kernels run their functors in a plain loop")
+endif()
+
 # Binaries find libtorch*.so (and, through its RUNPATH, the wheel's nvidia libraries) at run time.
 set(CMAKE_BUILD_RPATH "${MESHDDP_TORCH_DIR}/lib")

@@ -171,6 +171,12 @@ std::optional<std::chrono::milliseconds> collective_report_after(const c10d::Pro
   return record->report_after;
 }
 
+std::optional<std::chrono::milliseconds> collective_timeout(const c10d::ProcessGroup& group) {
+  auto record = Board::get().find(group);
+  if (!record) return std::nullopt;
+  return record->timeout;
+}
+
 std::string describe_collective_progress(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work) {
   auto record = Board::get().find(group);
   if (!record) return "";

@@ -42,6 +42,9 @@ void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusiv
 // The report threshold of `group`'s record; nullopt when the group has none (or it is 0 = off).
 std::optional<std::chrono::milliseconds> collective_report_after(const c10d::ProcessGroup& group);
 
+// The collective timeout the group was registered with; nullopt when it has no record.
+std::optional<std::chrono::milliseconds> collective_timeout(const c10d::ProcessGroup& group);
+
 // "launch #7 on this group; ranks that have not reached it: 1 (at launch #6); ..." for a wait on
 // `work` that has lasted `waited`; empty if the group has no record. Reads the store.
 std::string describe_collective_progress(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <thread>
 
 #include <sstream>
 
@@ -186,8 +187,84 @@ void wait_reporting(const Work& work, c10d::ProcessGroup& group, const std::stri
 
 }  // namespace
 
+// Note [Waiting on NCCL]
+// ProcessGroupNCCL's wait() makes the caller's current CUDA stream wait for the collective and
+// returns at once: the host does not block, which is what keeps bucket collectives, the optimizer
+// step and the param all-gather asynchronous on GPUs. Its wait(timeout) does block, but when the
+// timeout passes it aborts the communicator and throws, so waiting in slices (as on Gloo, to print
+// the stuck report) would kill a healthy collective at the first slice. So on NCCL groups:
+//   - by default wait_collective calls wait(): stream-ordered. A hung or failed collective is
+//     caught by c10d's watchdog after MeshOptions::timeout; it logs "Watchdog caught collective
+//     operation timeout: WorkNCCL(SeqNum=<n>, OpType=<op>, ...)" under the group's name (meshddp
+//     names NCCL groups like "dp/ranks=0,2") and takes the process down (SIGABRT; with
+//     TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_NCCL_TRACE_BUFFER_SIZE>0 it dumps the flight recorder).
+//     <n> counts the collectives on that group, the same count as the "launch #" of meshddp's
+//     stuck reports.
+//   - with MESHDDP_NCCL_BLOCKING_WAIT=1 (debug; it costs a host sync per wait) it polls on the host
+//     (wait_collective_polling): the stuck report every doubling as on Gloo, and at the timeout an
+//     error naming the bucket, the group and the ranks that have not arrived.
+bool nccl_blocking_wait() {
+  static const bool on = [] {
+    const char* value = std::getenv("MESHDDP_NCCL_BLOCKING_WAIT");
+    return value != nullptr && std::string_view(value) == "1";
+  }();
+  return on;
+}
+
+namespace {
+
+[[noreturn]] void fail_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                                  const std::string& error) {
+  const std::string progress = describe_collective_progress(group, work);
+  TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group), " failed or timed out: ", error,
+              progress.empty() ? "" : "\nProgress: " + progress,
+              "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
+              "run every rank with the same model and config, and check the other ranks' errors");
+}
+
+}  // namespace
+
+void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                             std::chrono::milliseconds timeout) {
+  TORCH_INTERNAL_ASSERT(work, "wait_collective_polling on a null Work for ", what);
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto report_after = collective_report_after(group);
+  auto next_report = report_after ? start + *report_after : Clock::time_point::max();
+  while (!work->isCompleted()) {
+    const auto now = Clock::now();
+    if (now - start >= timeout) {
+      std::string error = "no completion after " + std::to_string(timeout.count()) + " ms (host polling)";
+      try {
+        work->wait(std::chrono::milliseconds(1));  // NCCL: c10d aborts the communicator and throws
+      } catch (const std::exception& e) {
+        error += "; the backend says: " + std::string(e.what());
+      }
+      fail_collective(work, group, what, error);
+    }
+    if (now >= next_report) {
+      const double waited = std::chrono::duration<double>(now - start).count();
+      std::fprintf(stderr, "meshddp: [rank %d of %s] still waiting after %.1f s for the collective for %s; %s\n",
+                   group.getRank(), ("group '" + group.getGroupName() + "'").c_str(), waited, what.c_str(),
+                   describe_collective_progress(group, work).c_str());
+      std::fflush(stderr);
+      next_report = start + 2 * (now - start);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  try {
+    work->wait();  // completed: rethrows a failure; on NCCL also orders the current stream after it
+  } catch (const std::exception& e) {
+    fail_collective(work, group, what, e.what());
+  }
+}
+
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
+  if (group.getBackendType() == c10d::ProcessGroup::BackendType::NCCL && nccl_blocking_wait()) {
+    wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
+    return;
+  }
   try {
     if (const auto report_after = collective_report_after(group)) {
       wait_reporting(work, group, what, *report_after);
@@ -195,11 +272,7 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
       work->wait();
     }
   } catch (const std::exception& e) {
-    const std::string progress = describe_collective_progress(group, work);
-    TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group),
-                " failed or timed out: ", e.what(), progress.empty() ? "" : "\nProgress: " + progress,
-                "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
-                "run every rank with the same model and config, and check the other ranks' errors");
+    fail_collective(work, group, what, e.what());
   }
 }
 

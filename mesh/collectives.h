@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <string>
 
 namespace meshddp {
@@ -37,7 +38,20 @@ Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int roo
 // than the group's report threshold (MeshOptions::stuck_report_after), it prints to stderr, at the
 // threshold and each time the wait doubles, a line naming the group, `what` (e.g. the bucket) and
 // the ranks that have not launched this collective yet (mesh/collective_progress.h).
+// On NCCL groups see Note [Waiting on NCCL] in collectives.cpp: a stream wait (the host goes on),
+// or with MESHDDP_NCCL_BLOCKING_WAIT=1 wait_collective_polling with the group's timeout.
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what);
+
+// Blocks the host until `work` completes by polling isCompleted() (never wait(slice): on NCCL a
+// wait with a timeout aborts the communicator when the slice runs out), printing the stuck report
+// like wait_collective; once `timeout` has passed, fails with an error naming `what`, the group and
+// the ranks that have not arrived (on NCCL, after c10d aborts the communicator). Any backend.
+void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                             std::chrono::milliseconds timeout);
+
+// MESHDDP_NCCL_BLOCKING_WAIT=1 (debug switch, read once per process): wait_collective polls on
+// NCCL groups, so a hang is reported naming the bucket instead of by c10d's watchdog alone.
+bool nccl_blocking_wait();
 
 // Convenience: launch and wait.
 void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);

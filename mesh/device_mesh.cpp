@@ -11,6 +11,11 @@
 
 #include <cstdlib>
 #include <sstream>
+#include <string_view>
+
+#ifdef MESHDDP_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 namespace meshddp {
 namespace {
@@ -57,9 +62,22 @@ void agree_on_mesh_shape(c10d::Store& store, const std::string& prefix, int64_t 
               "). Give every rank the same sizes and dim names");
 }
 
-c10::Device device_for(c10::DeviceType type, int64_t local_rank) {
-  if (type == c10::DeviceType::CUDA) return c10::Device(type, static_cast<c10::DeviceIndex>(local_rank));
-  return c10::Device(type);
+// Note [CUDA device of a rank]
+// Every rank of a CUDA mesh computes on one GPU: MeshOptions::device_index, else LOCAL_RANK, else
+// rank % visible GPUs (cuda_device_index, mesh_layout.h). The mesh makes it the current device
+// (c10::cuda::set_device) once, before it creates any NCCL group: ProcessGroupNCCL, the caching
+// allocator and the kernels of the fused step use the current device, and without this every rank
+// of a node would land on GPU 0 (NCCL then fails on duplicate GPUs). The CPU build has no CUDA
+// meshes (make_process_group refuses them), so it needs nothing here.
+c10::Device cuda_device_of_rank(int64_t requested, int64_t rank) {
+#ifdef MESHDDP_WITH_CUDA
+  const int64_t index = cuda_device_index(requested, std::getenv("LOCAL_RANK"), rank, c10::cuda::device_count());
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
+#else
+  TORCH_CHECK(false, "DeviceMesh: a CUDA mesh, but meshddp was built without CUDA (no nvcc at configure time); ",
+              "build with nvcc or use a CPU mesh");
+#endif
 }
 
 }  // namespace
@@ -82,11 +100,10 @@ DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::str
   store_options.waitWorkers = !use_agent_store;
   store_options.timeout = options.timeout;
   auto store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
-  DeviceMesh mesh = from_store(store, rank, world_size, std::move(sizes), std::move(names), options);
-  if (options.device_type == c10::DeviceType::CUDA) {
-    mesh.device_ = device_for(options.device_type, require_int_env("LOCAL_RANK", "this process's GPU index"));
+  if (options.device_type == c10::DeviceType::CUDA && options.device_index < 0) {
+    options.device_index = require_int_env("LOCAL_RANK", "this process's GPU index");
   }
-  return mesh;
+  return from_store(store, rank, world_size, std::move(sizes), std::move(names), options);
 }
 
 DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
@@ -94,21 +111,41 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
   TORCH_CHECK(store, "DeviceMesh::from_store: the store is null");
   validate_mesh(sizes, names, world_size, rank);
   agree_on_mesh_shape(*store, options.store_prefix, rank, world_size, describe_mesh_shape(sizes, names));
+  const bool on_gpu = options.device_type == c10::DeviceType::CUDA;
+  const c10::Device device = on_gpu ? cuda_device_of_rank(options.device_index, rank) : c10::Device(c10::kCPU);
+  // Note [NCCL communicator set-up]
+  // On a CUDA mesh of 2+ dims the world group comes first, bound to this rank's GPU so its NCCL
+  // communicator is created at once (one ncclCommInitRank bootstrapped through the store); each dim's
+  // group is then made by ncclCommSplit of it (color = the group's first global rank), in dim order
+  // on every rank, instead of its own store bootstrap. MESHDDP_NCCL_SPLIT=0 turns splitting off
+  // (each group then bootstraps itself, lazily at its warm-up). Set-up cost: docs/gpu.md.
+  const char* split_env = std::getenv("MESHDDP_NCCL_SPLIT");
+  const bool split = on_gpu && sizes.size() > 1 && !(split_env != nullptr && std::string_view(split_env) == "0");
+  const int device_index = device.has_index() ? device.index() : -1;
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+  std::vector<int64_t> all(world_size);
+  for (int64_t r = 0; r < world_size; ++r) all[r] = r;
+  const std::string world_key = options.store_prefix + "/" + mesh_group_key("world", all);
+  auto make_world = [&] {
+    world = make_process_group(c10::make_intrusive<c10d::PrefixStore>(world_key, store), static_cast<int>(rank),
+                               static_cast<int>(world_size), options.device_type, options.timeout, world_key,
+                               NcclSetup{split ? device_index : -1, {}, 0});
+    register_collective_progress(world, c10::make_intrusive<c10d::PrefixStore>(world_key + "/progress", store), all,
+                                 options.stuck_report_after, options.timeout);
+  };
+  if (split) make_world();
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
   for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
     const auto ranks = mesh_group_ranks(rank, sizes, d);
     const std::string key = options.store_prefix + "/" + mesh_group_key(names[d], ranks);
     auto group_store = c10::make_intrusive<c10d::PrefixStore>(key, store);
     const auto coords = mesh_coordinates(rank, sizes);
+    const NcclSetup nccl = split ? NcclSetup{device_index, world, static_cast<int>(ranks.front())} : NcclSetup{};
     groups.push_back(make_process_group(group_store, static_cast<int>(coords[d]), static_cast<int>(sizes[d]),
-                                        options.device_type, options.timeout, key));
+                                        options.device_type, options.timeout, key, nccl));
     register_collective_progress(groups.back(), c10::make_intrusive<c10d::PrefixStore>(key + "/progress", store), ranks,
                                  options.stuck_report_after, options.timeout);
   }
-  // This rank's device: cuda:LOCAL_RANK for a CUDA mesh under a launcher, else the CPU.
-  const char* local_rank = std::getenv("LOCAL_RANK");
-  const bool on_gpu = options.device_type == c10::DeviceType::CUDA && local_rank != nullptr;
-  const c10::Device device = on_gpu ? device_for(options.device_type, std::atoll(local_rank)) : c10::Device(c10::kCPU);
   // Note [Group warm-up]: one tiny all-reduce per group, in dim order, on this thread. It checks
   // every group is connected now (an error here names the group, instead of a hang later), and it
   // makes each group's first FlightRecorder entry on one thread: c10d's recorder inserts a group's
@@ -119,28 +156,20 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     all_reduce_sum_now(group, at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device)), what);
   };
   for (size_t d = 0; d < groups.size(); ++d) warm_up(*groups[d], "the warm-up of mesh dim '" + names[d] + "'");
-  c10::intrusive_ptr<c10d::ProcessGroup> world;
   if (sizes.size() == 1) {
     world = groups[0];
   } else {
-    std::vector<int64_t> all(world_size);
-    for (int64_t r = 0; r < world_size; ++r) all[r] = r;
-    const std::string key = options.store_prefix + "/" + mesh_group_key("world", all);
-    world = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(rank),
-                               static_cast<int>(world_size), options.device_type, options.timeout, key);
-    register_collective_progress(world, c10::make_intrusive<c10d::PrefixStore>(key + "/progress", store), all,
-                                 options.stuck_report_after, options.timeout);
+    if (!world) make_world();
     warm_up(*world, "the warm-up of the mesh's world group");
   }
-  DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type,
-                                std::move(world));
-  if (on_gpu) mesh.device_ = device;
-  return mesh;
+  return from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type, std::move(world),
+                     device.has_index() ? device.index() : -1);
 }
 
 DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
                                    std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
-                                   c10::DeviceType device_type, c10::intrusive_ptr<c10d::ProcessGroup> world) {
+                                   c10::DeviceType device_type, c10::intrusive_ptr<c10d::ProcessGroup> world,
+                                   int64_t device_index) {
   int64_t world_size = 1;
   for (int64_t s : sizes) world_size *= s;
   validate_mesh(sizes, names, world_size, rank);
@@ -163,7 +192,7 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   mesh.names_ = std::move(names);
   mesh.rank_ = rank;
   mesh.world_size_ = world_size;
-  mesh.device_ = c10::Device(device_type);
+  mesh.device_ = device_type == c10::DeviceType::CUDA ? cuda_device_of_rank(device_index, rank) : c10::Device(device_type);
   if (!world && groups_by_dim.size() == 1) world = groups_by_dim[0];
   TORCH_CHECK(!world || world->getSize() == world_size, "DeviceMesh::from_groups: the world group has ",
               world ? world->getSize() : 0, " ranks, expected ", world_size, " (", describe_mesh_shape(mesh.sizes_, mesh.names_), ")");

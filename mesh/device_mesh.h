@@ -28,6 +28,9 @@ struct MeshOptions {
   // Store prefix under which this mesh's groups rendezvous; give two meshes on one store
   // different prefixes.
   std::string store_prefix = "meshddp";
+  // CUDA meshes: this rank's GPU. -1 = LOCAL_RANK (torchrun sets it), or rank % visible GPUs when
+  // that is unset. The mesh makes it the current device once, before any group exists.
+  int64_t device_index = -1;
 };
 
 class DeviceMesh {
@@ -45,11 +48,13 @@ class DeviceMesh {
                                MeshOptions options = {});
 
   // From process groups the caller already has, one per dim, in dim order. Checks that each group's
-  // size is its dim's size and that its rank is this rank's coordinate along that dim.
+  // size is its dim's size and that its rank is this rank's coordinate along that dim. For kCUDA,
+  // `device_index` picks this rank's GPU as MeshOptions::device_index does, and it becomes the
+  // current device.
   static DeviceMesh from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
                                 std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_by_dim,
                                 c10::DeviceType device_type = c10::DeviceType::CPU,
-                                c10::intrusive_ptr<c10d::ProcessGroup> world = {});
+                                c10::intrusive_ptr<c10d::ProcessGroup> world = {}, int64_t device_index = -1);
 
   // This rank's process group along `dim` (e.g. mesh["dp"]). Throws on an unknown dim name.
   const c10::intrusive_ptr<c10d::ProcessGroup>& operator[](std::string_view dim) const;
@@ -68,7 +73,7 @@ class DeviceMesh {
   const std::vector<int64_t>& coordinates() const { return coords_; }
   // Global ranks of this rank's group along `dim`, in group-rank order.
   std::vector<int64_t> group_ranks(std::string_view dim) const;
-  // Device this rank computes on: CPU, or cuda:LOCAL_RANK for CUDA meshes.
+  // Device this rank computes on: CPU, or cuda:<index> for CUDA meshes (MeshOptions::device_index).
   c10::Device device() const { return device_; }
   // "dp(2) x tp(2), rank 3 at (dp=1, tp=1)".
   std::string describe() const;

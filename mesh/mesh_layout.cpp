@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <set>
 #include <sstream>
 
@@ -83,6 +84,34 @@ std::string mesh_group_key(const std::string& dim_name, const std::vector<int64_
   key << dim_name << "/ranks=";
   for (size_t i = 0; i < group_ranks.size(); ++i) key << (i ? "," : "") << group_ranks[i];
   return key.str();
+}
+
+int64_t cuda_device_index(int64_t requested, const char* local_rank_env, int64_t rank, int64_t device_count) {
+  TORCH_CHECK(device_count > 0, "DeviceMesh: a CUDA mesh, but this process sees no GPU (rank ", rank,
+              "); check CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or use a CPU mesh");
+  std::string source;
+  int64_t index = 0;
+  if (requested >= 0) {
+    source = "MeshOptions::device_index=" + std::to_string(requested);
+    index = requested;
+  } else if (local_rank_env != nullptr && *local_rank_env != '\0') {
+    source = std::string("LOCAL_RANK=") + local_rank_env;
+    size_t used = 0;
+    bool parsed = false;
+    try {
+      index = std::stoll(local_rank_env, &used);
+      parsed = used == std::strlen(local_rank_env) && index >= 0;
+    } catch (const std::exception&) {
+    }
+    TORCH_CHECK(parsed, "DeviceMesh: ", source, " is not a non-negative integer (rank ", rank,
+                "); torchrun sets it to the process's index on its node");
+  } else {
+    return rank % device_count;
+  }
+  TORCH_CHECK(index < device_count, "DeviceMesh: rank ", rank, " would use GPU ", index, " (from ", source,
+              ") but this process sees ", device_count, " GPU(s); start at most ", device_count,
+              " processes per node (torchrun --nproc-per-node), or fix CUDA_VISIBLE_DEVICES");
+  return index;
 }
 
 }  // namespace meshddp

@@ -34,6 +34,13 @@ std::vector<int64_t> mesh_group_ranks(int64_t rank, const std::vector<int64_t>& 
 // e.g. "dp/ranks=1,3". Used as the store prefix under which the group rendezvouses.
 std::string mesh_group_key(const std::string& dim_name, const std::vector<int64_t>& group_ranks);
 
+// The GPU index of `rank` on a CUDA mesh (Note [CUDA device of a rank] in device_mesh.cpp):
+// `requested` when >= 0 (MeshOptions::device_index), else LOCAL_RANK (`local_rank_env`, null when
+// unset), else rank % device_count (one process per GPU without a launcher). Throws naming the
+// source of the index when it is not an integer or not below `device_count` (the GPUs this process
+// sees: CUDA_VISIBLE_DEVICES applies), or when no GPU is visible.
+int64_t cuda_device_index(int64_t requested, const char* local_rank_env, int64_t rank, int64_t device_count);
+
 // "dp(2) x tp(3)" for messages.
 std::string describe_mesh_shape(const std::vector<int64_t>& sizes, const std::vector<std::string>& names);
 

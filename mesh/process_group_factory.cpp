@@ -36,7 +36,7 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                           int rank, int size, c10::DeviceType device_type,
                                                           std::chrono::milliseconds timeout,
-                                                          const std::string& name) {
+                                                          const std::string& name, const NcclSetup& nccl_setup) {
   TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA, "DeviceMesh: group '", name,
               "' asks for device type ", device_type, "; only CPU (Gloo) and CUDA (NCCL) meshes are supported");
   // Like PyTorch's default "cpu:gloo,cuda:nccl": every group takes CPU tensors through Gloo (the
@@ -53,8 +53,23 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
 #ifdef MESHDDP_WITH_CUDA
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
+    options->group_name = name;  // the watchdog's timeout message names the group by it
+#ifdef NCCL_HAS_COMM_SPLIT
+    if (nccl_setup.split_parent) {
+      auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupNCCL>(
+          nccl_setup.split_parent->getBackend(c10::DeviceType::CUDA));
+      TORCH_INTERNAL_ASSERT(parent, "DeviceMesh: group '", name, "': the split parent has no NCCL backend");
+      options->split_from = parent;
+      options->split_color = nccl_setup.split_color;
+    }
+#endif
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank,
                                                             size, options);
+    if (nccl_setup.device_index >= 0) {
+      const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(nccl_setup.device_index));
+      nccl->setBoundDeviceId(device);
+      nccl->eagerConnectSingleDevice(device);  // the communicator now (or the split, collective over the parent)
+    }
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
 #else

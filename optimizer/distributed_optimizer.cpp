@@ -1,5 +1,7 @@
 #include "optimizer/distributed_optimizer.h"
 
+#include "optimizer/fused_step.h"
+
 #include "mesh/collectives.h"
 #include "mesh/glob_match.h"
 
@@ -98,6 +100,22 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
     }
   }
   params_version_seen_ = buffer_.params_version();
+
+  // The fused kernels write fp32 and bf16 params; fp16 (or a build without CUDA kernels) keeps ATen.
+  bool fusable = !master_.empty() && fused_kernels_available(master_.front().device());
+  std::string why_not = master_.empty() ? "" : "no fused kernels for " + master_.front().device().str() + " in this build";
+  for (size_t b = 0; b < shards_.size() && fusable; ++b) {
+    const at::ScalarType t = param_shard(b).scalar_type();
+    if (t != at::kFloat && t != at::kBFloat16) {
+      fusable = false;
+      why_not = std::string("bucket ") + std::to_string(shards_[b].bucket) + "'s params are " + c10::toString(t) +
+                " (the fused kernels write fp32 or bf16)";
+    }
+  }
+  TORCH_CHECK(config_.fused_step != FusedStep::kAlways || fusable || master_.empty(),
+              "DistributedOptimizer: fused_step = kAlways, but ", why_not, "; use FusedStep::kAuto or kNever");
+  fused_ = fusable && (config_.fused_step == FusedStep::kAlways ||
+                       (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
 }
 
 void DistributedOptimizer::check_group(int64_t group, const char* who) const {
@@ -179,7 +197,8 @@ StepResult DistributedOptimizer::step() {
   // Each element once over the whole mesh: DP shards are disjoint; TP-sharded params count on every
   // TP rank, replicated (and TP-summed partial) ones on TP rank 0 only.
   const int64_t tp_rank = buffer_.groups().tp_rank;
-  for (size_t b = 0; b < grad32_.size(); ++b) {
+  if (fused_) add_stats_fused(stats);
+  for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
     const at::Tensor norm = at::linalg_vector_norm(g, 2);
     // Any NaN/Inf makes the norm non-finite, so on CPU (where isfinite's unfused passes cost ~120 ms
@@ -210,14 +229,23 @@ StepResult DistributedOptimizer::step() {
     result.report = nonfinite_report();
     return result;
   }
+  double grad_scale = 1.0;
   if (config_.clip_grad_norm > 0) {
     const double coef = config_.clip_grad_norm / (result.grad_norm + 1e-6);
     if (coef < 1.0) {
-      for (auto& g : grad32_) g.mul_(coef);
+      if (!fused_) {
+        for (auto& g : grad32_) g.mul_(coef);
+      }
+      grad_scale = coef;
       result.clipped = true;
     }
   }
   ++step_;
+  if (fused_) {
+    update_fused(grad_scale);
+    buffer_.param_gather()->start(/*async=*/config_.overlap_param_gather);
+    return result;
+  }
   if (config_.kind == OptimizerKind::kAdamW) {
     update_adamw();
   } else {
@@ -261,6 +289,58 @@ void DistributedOptimizer::update_sgd() {
       d = v.state1;
     }
     at::_foreach_add_(v.master, d, -1 * groups_[g].lr);
+  }
+}
+
+void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
+  // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
+  // not count on this TP rank (see step()) go into a second accumulator for their count only.
+  const auto f64 = stats.options();
+  const at::Tensor counted = at::zeros({2}, f64), others = at::zeros({2}, f64);
+  const int64_t tp_rank = buffer_.groups().tp_rank;
+  for (size_t b = 0; b < grad32_.size(); ++b) {
+    bool all_count = true;
+    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
+    if (all_count) {
+      fused_grad_stats(grad32_[b], counted);
+      continue;
+    }
+    for (const ShardSegment& seg : shards_[b].segments) {
+      const bool counts = buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
+      fused_grad_stats(grad32_[b].narrow(0, seg.shard_offset, seg.numel), counts ? counted : others);
+    }
+  }
+  stats[0] += counted[1] + others[1];
+  stats[1] += counted[0];
+}
+
+void DistributedOptimizer::update_fused(double grad_scale) {
+  // One kernel per run of adjacent segments of one param group (padding between buckets' params
+  // is never touched, as with the foreach path).
+  const bool adamw = config_.kind == OptimizerKind::kAdamW;
+  for (size_t b = 0; b < shards_.size(); ++b) {
+    const auto& segs = shards_[b].segments;
+    const at::Tensor param = master_is_param_view_[b] ? at::Tensor() : param_shard(b);
+    for (size_t first = 0; first < segs.size();) {
+      const int64_t group = group_of_[segs[first].param];
+      size_t last = first + 1;
+      while (last < segs.size() && group_of_[segs[last].param] == group &&
+             segs[last].shard_offset == segs[last - 1].shard_offset + segs[last - 1].numel) {
+        ++last;
+      }
+      const int64_t offset = segs[first].shard_offset;
+      const int64_t numel = segs[last - 1].shard_offset + segs[last - 1].numel - offset;
+      auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, offset, numel) : at::Tensor(); };
+      const Group& g = groups_[group];
+      if (adamw) {
+        fused_adamw_step(part(grad32_[b]), part(state1_[b]), part(state2_[b]), part(master_[b]), part(param),
+                         adamw_scalars(g.lr, g.weight_decay, config_.beta1, config_.beta2, config_.eps, step_, grad_scale));
+      } else {
+        fused_sgd_step(part(grad32_[b]), part(state1_[b]), part(master_[b]), part(param),
+                       sgd_scalars(g.lr, g.weight_decay, config_.momentum, grad_scale));
+      }
+      first = last;
+    }
   }
 }
 

@@ -14,6 +14,10 @@
 //   5. AdamW / SGD on the shards, with the same arithmetic as torch::optim::AdamW / SGD, so a
 //      shard's update is bit-identical to the unsharded optimizer's given the same gradient.
 //   6. master -> param buffer shard (cast to the param dtype), then the param all-gather.
+//   With the fused kernels (config.fused_step; CUDA shards by default): 2 is one statistics pass
+//   per shard, and 4-6 one pass per run of same-group params (the clip scale applied on the fly,
+//   the grad left unscaled; the master within 2 ulps of the update of the foreach result: Note
+//   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
 #include "grad_buffer/grad_buffer.h"
@@ -29,6 +33,13 @@
 namespace meshddp {
 
 enum class OptimizerKind { kAdamW, kSgd };
+
+// Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/gpu.md).
+enum class FusedStep {
+  kAuto,    // the fused kernels for CUDA shards, ATen's foreach ops on CPU (faster there today)
+  kAlways,  // the fused kernels on CPU too (tests; an error for fp16 params, which they do not write)
+  kNever,   // ATen's foreach ops everywhere
+};
 
 // Overrides for the parameters whose module path matches `pattern` ('*' matches any run of
 // characters, e.g. "*.bias", "*norm*"). The first matching rule wins; a rule that matches no
@@ -50,6 +61,7 @@ struct DistributedOptimizerConfig {
   std::vector<ParamGroupRule> groups;  // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
   double clip_grad_norm = 0.0;         // > 0: clip the global gradient L2 norm to this; 0 = off
   bool overlap_param_gather = false;   // all-gathers complete during the next forward (DDP::forward)
+  FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
 
   void validate() const;  // throws naming the field
 };
@@ -148,6 +160,8 @@ class DistributedOptimizer {
   std::string nonfinite_report();     // collective over DP: every rank gets the same text
   void update_adamw();
   void update_sgd();
+  void add_stats_fused(const at::Tensor& stats);  // stats += [non-finite count, counted sum of squares]
+  void update_fused(double grad_scale);           // steps 4-6 (without the gather) in one pass per run
   void write_params_and_gather();
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
   void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)
@@ -161,6 +175,7 @@ class DistributedOptimizer {
   std::vector<at::Tensor> grad32_;  // per bucket shard, fp32 view or scratch
   std::vector<at::Tensor> state1_, state2_;
   std::vector<bool> master_is_param_view_;
+  bool fused_ = false;  // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
   int64_t params_version_seen_ = 0;  // GradBuffer::params_version() the masters were taken at

@@ -98,3 +98,47 @@ TEST(CollectiveProgress, LaunchBookkeepingCostsWellUnderAMicrosecondPerCollectiv
     EXPECT_LT(ns, 2000.0);
   });
 }
+
+// The NCCL blocking-wait path (MESHDDP_NCCL_BLOCKING_WAIT=1, Note [Waiting on NCCL]) polls the
+// work instead of waiting in slices; on Gloo here: rank 1 arrives 1.2 s late, rank 0 prints the
+// stuck report at 0.3 s and completes with the sum; then rank 1 never calls, and rank 0's poll
+// fails at its 0.8 s timeout naming the bucket, the group and rank 1.
+TEST(CollectiveProgress, PollingWaitReportsTheLateRankAndTimesOutNamingTheBucket) {
+  MeshOptions options;
+  options.timeout = kTestTimeout;
+  options.stuck_report_after = std::chrono::milliseconds(300);
+  std::string error;
+  std::atomic<bool> done{false};
+  testing::internal::CaptureStderr();
+  run_mesh_with(2, options, [&](DeviceMesh& mesh) {
+    if (mesh.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+      auto t = at::ones({4});
+      wait_collective(all_reduce_sum(*mesh["dp"], t, "bucket 1 of the test"), *mesh["dp"], "bucket 1 of the test");
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      // Now join the collective rank 0 gave up on, so its Gloo work can finish before teardown.
+      wait_collective(all_reduce_sum(*mesh["dp"], at::ones({4}), "bucket 0 of the test"), *mesh["dp"], "cleanup");
+      return;
+    }
+    auto t = at::ones({4});
+    wait_collective_polling(all_reduce_sum(*mesh["dp"], t, "bucket 1 of the test"), *mesh["dp"], "bucket 1 of the test",
+                            kTestTimeout);
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+    try {
+      wait_collective_polling(all_reduce_sum(*mesh["dp"], at::ones({4}), "bucket 0 of the test"), *mesh["dp"],
+                              "bucket 0 of the test", std::chrono::milliseconds(800));
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    done = true;
+  });
+  const std::string err = testing::internal::GetCapturedStderr();
+  std::cout << err << error << std::endl;
+  EXPECT_THAT(err, HasSubstr("[rank 0 of group 'meshddp/dp/ranks=0,1'] still waiting after 0.3 s for the collective "
+                             "for bucket 1 of the test; it is launch #2 on this group; rank(s) that have not reached "
+                             "it (global ranks): 1 (at launch #1)"));
+  EXPECT_THAT(error, HasSubstr("the collective for bucket 0 of the test on group 'meshddp/dp/ranks=0,1' (rank 0 of 2) "
+                               "failed or timed out: no completion after 800 ms (host polling)"));
+  EXPECT_THAT(error, HasSubstr("it is launch #3 on this group; rank(s) that have not reached it (global ranks): 1 "
+                               "(at launch #2)"));
+}

@@ -63,3 +63,21 @@ TEST(MeshLayout, RejectsDuplicateNamesMismatchedLengthsAndEmptySizes) {
   EXPECT_THAT(error_of([] { validate_mesh({2, 0}, {"dp", "tp"}, 0, 0); }), HasSubstr("dim 'tp' has size 0"));
   EXPECT_THAT(error_of([] { validate_mesh({}, {}, 1, 0); }), HasSubstr("at least one dim"));
 }
+
+// Note [CUDA device of a rank]: the index arithmetic, without a GPU.
+TEST(MeshLayout, CudaDeviceIndexComesFromTheCallerThenLocalRankThenRankModuloGpus) {
+  EXPECT_EQ(cuda_device_index(/*requested=*/2, "5", /*rank=*/7, /*device_count=*/8), 2);  // the caller wins
+  EXPECT_EQ(cuda_device_index(-1, "5", 13, 8), 5);                                       // then LOCAL_RANK
+  EXPECT_EQ(cuda_device_index(-1, nullptr, 13, 8), 5);                                   // then rank % GPUs
+  EXPECT_EQ(cuda_device_index(-1, "", 3, 2), 1);
+  EXPECT_EQ(cuda_device_index(-1, "0", 0, 1), 0);
+}
+
+TEST(MeshLayout, CudaDeviceIndexErrorsNameTheSourceAndTheVisibleGpus) {
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "4", 12, 4); }),
+              HasSubstr("rank 12 would use GPU 4 (from LOCAL_RANK=4) but this process sees 4 GPU(s)"));
+  EXPECT_THAT(error_of([] { cuda_device_index(1, "0", 0, 1); }), HasSubstr("from MeshOptions::device_index=1"));
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "1x", 1, 8); }), HasSubstr("LOCAL_RANK=1x is not a non-negative integer"));
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "-1", 1, 8); }), HasSubstr("LOCAL_RANK=-1 is not a non-negative integer"));
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "0", 0, 0); }), HasSubstr("this process sees no GPU (rank 0)"));
+}

@@ -113,9 +113,39 @@ TEST(DistributedOptimizer, Bf16ParamsWithFp32MasterWeightsMatchGolden) {
   expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true, .clip = 0.35, .bf16 = true});
 }
 
+// The fused kernels (FusedStep::kAlways: the CUDA default, forced on CPU here) inside step(): the
+// same goldens and tolerances as the foreach path (their master differs from it by <= 2 ulps of an
+// update per step, far inside kFp32Tol), with clipping, groups, bf16 params and both optimizers.
+TEST(DistributedOptimizer, FusedStepKernelsMatchGolden) {
+  expect_matches_golden({.world = 4, .clip = 0.35, .fused_step = FusedStep::kAlways});
+  expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true,
+                         .fused_step = FusedStep::kAlways});
+  expect_matches_golden({.world = 2, .clip = 0.35, .bf16 = true, .fused_step = FusedStep::kAlways});
+  expect_matches_golden({.world = 4, .kind = OptimizerKind::kSgd, .bf16 = true, .fused_step = FusedStep::kAlways});
+}
+
+TEST(DistributedOptimizer, FusedStepReportsTheSameNormAndSkipsLikeTheForeachPath) {
+  ZeroScenario s{.world = 4, .clip = 0.35};
+  std::vector<std::vector<StepResult>> foreach_results, fused_results;
+  train_zero(s, &foreach_results);
+  s.fused_step = FusedStep::kAlways;
+  train_zero(s, &fused_results);
+  int clipped = 0;
+  for (int step = 0; step < s.steps; ++step) {
+    // fp64 sums in another order than linalg_vector_norm's fp32 one: relative 1e-6 (measured ~1e-7).
+    EXPECT_NEAR(fused_results[0][step].grad_norm, foreach_results[0][step].grad_norm,
+                1e-6 * foreach_results[0][step].grad_norm) << "step " << step;
+    EXPECT_EQ(fused_results[0][step].clipped, foreach_results[0][step].clipped) << "step " << step;
+    clipped += fused_results[0][step].clipped;
+  }
+  EXPECT_GT(clipped, 0);
+}
+
 TEST(DistributedOptimizer, NanOnOneRankSkipsTheStepEverywhereAndNamesParamAndRank) {
-  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
-    ZeroScenario s{.world = 2};
+  for (FusedStep fused : {FusedStep::kNever, FusedStep::kAlways}) {
+  SCOPED_TRACE(fused == FusedStep::kAlways ? "fused step kernels" : "foreach path");
+  run_on_mesh({2}, {"dp"}, [fused](DeviceMesh& mesh) {
+    ZeroScenario s{.world = 2, .fused_step = fused};
     ZeroRank rank(mesh, s, kZeroSeed);
     rank.train(0, 3);
     auto before = rank.params();
@@ -141,6 +171,7 @@ TEST(DistributedOptimizer, NanOnOneRankSkipsTheStepEverywhereAndNamesParamAndRan
     for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
     std::cout << r.report;
   });
+  }
 }
 
 // After training with overlapped gathers, rank 0 overwrites every part of its param buffer that it

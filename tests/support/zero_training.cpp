@@ -15,6 +15,7 @@ DistributedOptimizerConfig zero_optimizer_config(const ZeroScenario& s) {
   c.groups = {{"*.bias", std::nullopt, 0.0}};
   c.clip_grad_norm = s.clip;
   c.overlap_param_gather = s.overlap_param_gather;
+  c.fused_step = s.fused_step;
   return c;
 }
 
