@@ -20,7 +20,7 @@ with tempfile.TemporaryDirectory() as tmp:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
     data = json.load(open(path))
     c = {x["name"]: x for x in data["candidates"]}
-    want = ["local", "meshddp", "meshddp_no_overlap", "meshddp_zero1", "reducer_view", "reducer_copy", "naive"]
+    want = ["local", "meshddp", "meshddp_autograd", "meshddp_no_overlap", "meshddp_zero1", "reducer_view", "reducer_copy", "naive"]
     if sorted(c) != sorted(want):
         sys.exit(f"FAILED: candidates {sorted(c)} != {sorted(want)}")
     for name, x in c.items():
@@ -40,4 +40,14 @@ with tempfile.TemporaryDirectory() as tmp:
     out = subprocess.run([sys.executable, cost_model, "cpu", path], capture_output=True, text=True, timeout=60)
     if out.returncode != 0 or "exposed comm" not in out.stdout:
         sys.exit(f"FAILED: cost_model cpu: {out.stdout}\n{out.stderr}")
+    # The candidates not in the default list: the bf16 communication hooks (meshddp's and the Reducer's).
+    hooks = ["meshddp_bf16", "meshddp_zero1_bf16", "reducer_bf16"]
+    path2 = os.path.join(tmp, "hooks.json")
+    cmd2 = cmd[:cmd.index("--json")] + ["--candidates", ",".join(hooks), "--json", path2]
+    out = subprocess.run(cmd2, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(cmd2)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
+    got = sorted(x["name"] for x in json.load(open(path2))["candidates"])
+    if got != sorted(hooks):
+        sys.exit(f"FAILED: candidates {got} != {sorted(hooks)}")
 print("1 passed, 0 failed")
