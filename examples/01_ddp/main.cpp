@@ -195,8 +195,7 @@ int main(int argc, char** argv) {
     logger.summary();
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {
-    const char* rank = std::getenv("RANK");
-    std::cerr << "ddp_example (rank " << (rank ? rank : "?") << "): " << e.what_without_backtrace() << std::endl;
+    examples::report_error("ddp_example", e.what_without_backtrace());
     return 1;
   }
   return 0;

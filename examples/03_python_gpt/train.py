@@ -153,6 +153,8 @@ def main():
             print(f"step {step} loss {total.item():#.10g}", file=log, flush=True)
             print(f"[dp {args.dp} x tp {args.tp}] step {step + 1}/{args.steps}  loss {total.item():.4f}  "
                   f"{(time.perf_counter() - start) * 1e3:.0f} ms", file=sys.stderr)
+    if args.distributed_optimizer:
+        optimizer.finish_param_sync()  # the last step's param all-gathers, before their group goes away
     dist.destroy_process_group()
 
 

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <unistd.h>
 
 namespace examples {
 
@@ -74,6 +76,18 @@ void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool
   }
   TORCH_CHECK(consecutive_ < max_, "stopping: ", consecutive_, " consecutive steps skipped for non-finite gradients ",
               "(--max-skipped-steps ", max_, "), the last at step ", step, ". Last report:\n", result.report);
+}
+
+void report_error(const char* program, const std::string& message) {
+  const char* rank = std::getenv("RANK");
+  std::string line = std::string(program) + " (rank " + (rank ? rank : "?") + "): " + message;
+  if (line.empty() || line.back() != '\n') line += '\n';
+  size_t written = 0;
+  while (written < line.size()) {  // one write(2) for messages under PIPE_BUF; loop only for longer ones
+    const ssize_t n = ::write(STDERR_FILENO, line.data() + written, line.size() - written);
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
+  }
 }
 
 }  // namespace examples

@@ -44,6 +44,10 @@ class NanInjector {
 // over the buffer's stats group: every rank must call it.
 double synced_grad_norm(const meshddp::GradBuffer& buffer);
 
+// Prints "<program> (rank R): <message>" to stderr in one write(2), so that the reports of ranks
+// failing at the same moment (every rank throws the same error) do not interleave mid-line.
+void report_error(const char* program, const std::string& message);
+
 // ZeRO-1: prints each skipped step's report (rank 0) and throws, once `max_consecutive` steps in a
 // row were skipped, an error that says so.
 class SkippedSteps {
