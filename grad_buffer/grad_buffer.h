@@ -3,8 +3,10 @@
 // model. It owns no optimizer and no module: it sees parameters and a DP process group.
 //
 // Note [One step, as GradBuffer sees it]
-//   zero_grad_buffer()          state: idle; every slot 0; param.grad() is its slot's view
-//   backward (micro-batches)    hooks accumulate into the slots; only on the last micro-batch does a
+//   zero_grad_buffer()          state: idle; every slot 0 or stale (Note [Slots written in place]);
+//                               param.grad() is its slot's view
+//   backward (micro-batches)    gradients enter the slots (the first overwrites a stale slot, later ones
+//                               accumulate); only on the last micro-batch does a
 //                               hook mark its param ready (state: reducing). A bucket whose params
 //                               are all ready is ready; ready buckets launch strictly in bucket index
 //                               order (overlap on), so every rank issues the same collectives in the
