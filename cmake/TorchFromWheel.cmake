@@ -8,7 +8,7 @@
 # Pitfalls handled here (see docs/building.md):
 # - TORCH_CUDA_ARCH_LIST is set explicitly (auto-detection fails without a GPU).
 # - CUDA::nvToolsExt (gone in CUDA 13) is defined as the header-only NVTX3 if the config asks for it.
-# - nccl.h is not in the wheel: it comes from the CUDA toolkit here (NCCL stays PRIVATE to plugin code).
+# - nccl.h is not in the torch wheel: it comes from the nvidia-nccl wheel beside it, else the toolkit.
 # - Our binaries link with --as-needed so none records a DT_NEEDED on libcuda (stub or real).
 # - gloo's headers are not in the wheel either: third_party/gloo/include has the few that
 #   ProcessGroupGloo.hpp parses (every gloo type there is held by pointer, so only declarations matter).
@@ -72,8 +72,17 @@ if(MESHDDP_WITH_CUDA)
   find_package(Torch REQUIRED)
   target_link_libraries(meshddp_torch INTERFACE ${TORCH_LIBRARIES})
   target_compile_definitions(meshddp_torch INTERFACE MESHDDP_WITH_CUDA USE_C10D_NCCL)
-  # nccl.h for ProcessGroupNCCL.hpp comes from the toolkit, not the wheel.
-  target_include_directories(meshddp_torch SYSTEM INTERFACE "${CUDAToolkit_INCLUDE_DIRS}")
+  # nccl.h for ProcessGroupNCCL.hpp: the header of the NCCL torch loads (the nvidia-nccl wheel beside
+  # torch), else the toolkit's (a GPU image may have no NCCL in its toolkit).
+  find_path(MESHDDP_NCCL_INCLUDE_DIR nccl.h
+    HINTS "${MESHDDP_TORCH_DIR}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS}
+    DOC "Directory holding nccl.h (the NCCL that torch's wheel ships)")
+  if(NOT MESHDDP_NCCL_INCLUDE_DIR)
+    message(FATAL_ERROR "meshddp: nccl.h not found beside torch (${MESHDDP_TORCH_DIR}/../nvidia/nccl/include) nor in "
+                        "the CUDA toolkit; give -DMESHDDP_NCCL_INCLUDE_DIR=<dir with nccl.h> or -DMESHDDP_ENABLE_CUDA=OFF")
+  endif()
+  message(STATUS "meshddp: nccl.h from ${MESHDDP_NCCL_INCLUDE_DIR}")
+  target_include_directories(meshddp_torch SYSTEM INTERFACE "${MESHDDP_NCCL_INCLUDE_DIR}" "${CUDAToolkit_INCLUDE_DIRS}")
 else()
   message(STATUS "meshddp: no nvcc (or MESHDDP_ENABLE_CUDA=OFF): CPU-only build against the wheel's torch_cpu")
   target_include_directories(meshddp_torch SYSTEM INTERFACE

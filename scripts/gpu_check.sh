@@ -1,56 +1,142 @@
 #!/usr/bin/env bash
-# The whole GPU check, for a machine with a CUDA device (e.g. one H100/H200): build with CUDA, run
-# the GPU tests and the fused-kernel tests on CUDA, compute-sanitizer (memcheck, racecheck,
-# synccheck) on them, the measurements issue 10 asks for, then the CPU suite. Logs and figures go
-# to the directory given as $1, else $OUT, else build/gpu_check; docs/gpu.md says what to copy where.
-# Usage: scripts/gpu_check.sh [LOG_DIR]     (needs nvcc and a GPU; installs .venv like scripts/test.sh)
-# Steps after the tests keep going when one fails; the exit status is non-zero if any failed.
+# The whole GPU check, made for the device tool's machine (one H100/H200, 16 cores, no network, a
+# python3 that already holds torch 2.11.0, 10 minutes a command, 8 files back): build with CUDA,
+# then the stages asked for, each step under a timeout, the whole run under a time budget.
+#
+# Usage: scripts/gpu_check.sh [STAGE...]      STAGE: tests | sanitizer | bench   (default: all three)
+#   tests      the GPU tests (NCCL at world size 1 with every collective forced; 4 ranks on the one
+#              GPU over Gloo with CUDA tensors), the fused kernels against ATen on CUDA, the NCCL
+#              blocking-wait path
+#   sanitizer  compute-sanitizer memcheck, racecheck and synccheck on the world-size-1 GPU tests and
+#              on the kernel tests
+#   bench      fused_step_bench at 1e7/1e8/1e9 elements, ddp_bench --device cuda at world size 1
+# Output (a directory: $MESHDDP_GPU_CHECK_DIR, else $OUT, else build/gpu_check), few files because
+# the device tool brings back at most 8: summary.txt (a line per step: ok / FAILED / TIMEOUT /
+# NOT RUN, seconds), gpu_check.log (every step's output, in order), versions.txt, and the benches'
+# JSON. Exit status: non-zero if any step failed or did not run.
+#
+# Environment: MESHDDP_GPU_CHECK_BUDGET_S (default 540: stop starting steps after this many seconds,
+# so a 600 s device call still returns its summary); MESHDDP_GPU_CHECK_DRY_RUN=1 runs without a GPU
+# (checks this script's flow on a CPU machine: every GPU test then skips and is reported so;
+# timeouts x10).
+# GoogleTest on a machine without it: `bash scripts/gpu_deps.sh` here first (downloads its source
+# package into .gpu_deps/), then carry .gpu_deps with the device call (docs/gpu.md "Running the check").
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${1:-${OUT:-$root/build/gpu_check}}"
+out="${MESHDDP_GPU_CHECK_DIR:-${OUT:-$root/build/gpu_check}}"
 build="${MESHDDP_BUILD_DIR:-$root/build}"
+budget="${MESHDDP_GPU_CHECK_BUDGET_S:-540}"
+dry_run="${MESHDDP_GPU_CHECK_DRY_RUN:-0}"
+timeout_scale=1; [ "$dry_run" = 1 ] && timeout_scale=10  # a 2-core CPU machine builds slower
+stages=("$@")
+[ "${#stages[@]}" -gt 0 ] || stages=(tests sanitizer bench)
+for s in "${stages[@]}"; do
+  case "$s" in tests|sanitizer|bench) ;; *) echo "gpu_check: unknown stage '$s' (tests, sanitizer, bench)" >&2; exit 2 ;; esac
+done
 mkdir -p "$out"
+log="$out/gpu_check.log" summary="$out/summary.txt"
+: >"$log"; : >"$summary"
+started=$SECONDS
 failed=()
-step() {  # step NAME COMMAND...: runs it with its output in $out/NAME.txt, notes a failure
-  local name="$1"; shift
-  echo "[gpu_check] $name" >&2
-  if "$@" >"$out/$name.txt" 2>&1; then echo "[gpu_check] $name: ok" >&2; else echo "[gpu_check] $name: FAILED (see $out/$name.txt)" >&2; failed+=("$name"); fi
+
+note() { echo "[gpu_check] $*" | tee -a "$log" >&2; }
+# step NAME TIMEOUT_S COMMAND...: runs it (output appended to the log), one summary line.
+step() {
+  local name="$1" limit=$(($2 * timeout_scale)); shift 2
+  if [ $((SECONDS - started)) -ge "$budget" ]; then
+    echo "$name: NOT RUN (time budget of ${budget}s spent)" >>"$summary"; failed+=("$name"); return
+  fi
+  note "$name (timeout ${limit}s): $*"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1; rc=$?
+  local took=$((SECONDS - t0)) result=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then result="TIMEOUT"; elif [ "$rc" -ne 0 ]; then result="FAILED (exit $rc)"; fi
+  [ "$result" = ok ] || failed+=("$name")
+  echo "$name: $result, ${took}s" >>"$summary"
+  note "$name: $result, ${took}s"
+}
+finish() {
+  echo "total: $((SECONDS - started))s; stages: ${stages[*]}" >>"$summary"
+  echo "==== summary ($out/summary.txt)" >&2; cat "$summary" >&2
+  if [ "${#failed[@]}" -gt 0 ]; then echo "gpu_check: FAILED or not run: ${failed[*]} (log: $log)" >&2; exit 1; fi
+  echo "gpu_check: all passed (log: $log)" >&2; exit 0
 }
 
-nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || { echo "gpu_check: no GPU visible (nvidia-smi failed)" >&2; exit 1; }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;
-  "$root/.venv/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" 2>/dev/null
-} >"$out/versions.txt" 2>&1
-bash "$root/scripts/build.sh" -DMESHDDP_ENABLE_CUDA=ON >"$out/build.txt" 2>&1 || { echo "gpu_check: build failed, see $out/build.txt" >&2; exit 1; }
-test -x "$build/tests/gpu_tests" || { echo "gpu_check: gpu_tests was not built (no nvcc at configure time?)" >&2; exit 1; }
+# --- the machine -----------------------------------------------------------------------------------
+if [ "$dry_run" != 1 ]; then
+  nvidia-smi >>"$log" 2>&1 || { echo "gpu_check: no GPU visible (nvidia-smi failed); MESHDDP_GPU_CHECK_DRY_RUN=1 checks the flow without one" | tee -a "$summary" >&2; exit 1; }
+fi
+# No network there: use a python3 that already holds torch 2.11.0 (the device image's) as .venv.
+if [ ! -e "$root/.venv" ] && python3 -c "import torch, scikit_build_core, pytest, sys; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2>/dev/null; then
+  ln -s "$(python3 -c 'import sys; print(sys.prefix)')" "$root/.venv"
+  note "using $(readlink "$root/.venv") as .venv (its torch 2.11.0; nothing installed)"
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; nvcc --version 2>&1 | tail -2; g++ --version | head -1
+  "$root/.venv/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else 'n/a')" 2>&1
+} >"$out/versions.txt"
+
+# --- build (only the targets the stages need) ------------------------------------------------------
+configure_args=(-DMESHDDP_ENABLE_CUDA=ON)
+gtest_deb="$(ls "$root"/.gpu_deps/googletest_*.deb 2>/dev/null | head -1)"
+if [ -n "$gtest_deb" ]; then
+  rm -rf "$build/gtest_src" && mkdir -p "$build/gtest_src" && dpkg-deb -x "$gtest_deb" "$build/gtest_src"
+  configure_args+=("-DMESHDDP_GTEST_SOURCE_DIR=$build/gtest_src/usr/src/googletest")
+fi
+targets=()
+for s in "${stages[@]}"; do
+  case "$s" in
+    tests|sanitizer) targets+=(gpu_tests optimizer_tests) ;;
+    bench) targets+=(ddp_bench fused_step_bench) ;;
+  esac
+done
+# Set-up and configure (no timeout needed: no network, seconds), then the build under its timeout.
+if ! bash "$root/scripts/setup.sh" >>"$log" 2>&1; then
+  echo "setup: FAILED (no .venv with torch 2.11.0 and no network to make one; see the log)" >>"$summary"; failed+=(setup); finish
+fi
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${configure_args[@]}" >>"$log" 2>&1 ||
+    { echo "configure: FAILED (see the log)" >>"$summary"; failed+=(configure); finish; }
+fi
+grep -q "^CMAKE_CUDA_COMPILER:[A-Z]*=.*nvcc" "$build/CMakeCache.txt" ||
+  { echo "configure: FAILED (CMake found no nvcc: the CUDA parts and gpu_tests are not built)" >>"$summary"; failed+=(configure); finish; }
+step build 420 cmake --build "$build" -j "$(nproc)" --target $(printf '%s\n' "${targets[@]}" | sort -u)
+if [[ " ${failed[*]} " == *" build "* ]]; then finish; fi
 tests="$build/tests"
 
-# 1. The GPU tests (NCCL at world size 1 with every collective forced, 4 ranks on one GPU over
-#    Gloo) and the fused kernels on CUDA. A skip means torch saw no device: a failure here.
-export MESHDDP_FORCE_COLLECTIVES=1
-step gpu_tests "$tests/gpu_tests"
-step kernel_tests_cuda "$tests/optimizer_tests" --gtest_filter='FusedStep*:DistributedOptimizer.Fused*'
-if grep -q "SKIPPED \]" "$out/gpu_tests.txt" "$out/kernel_tests_cuda.txt"; then
-  echo "[gpu_check] tests SKIPPED: no CUDA device seen by torch" >&2; failed+=(skipped)
-fi
-# The NCCL blocking-wait path (Note [Waiting on NCCL]) on the same tests.
-MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
-
-# 2. compute-sanitizer on the world-size-1 GPU tests and the CUDA kernel tests.
-sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-for tool in memcheck racecheck synccheck; do
-  step "sanitizer_${tool}_gpu_tests" "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
-  step "sanitizer_${tool}_kernels" "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/optimizer_tests" --gtest_filter='FusedStepCuda.*'
+# --- stages ----------------------------------------------------------------------------------------
+for s in "${stages[@]}"; do
+  case "$s" in
+  tests)
+    # A skip means torch saw no device: counted as a failure unless this is a dry run.
+    MESHDDP_FORCE_COLLECTIVES=1 step gpu_tests 240 "$tests/gpu_tests"
+    MESHDDP_FORCE_COLLECTIVES=1 step kernel_tests_cuda 180 "$tests/optimizer_tests" --gtest_filter='FusedStep*:DistributedOptimizer.Fused*'
+    # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.
+    MESHDDP_FORCE_COLLECTIVES=1 MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait 120 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
+    skipped="$(grep -c "^\[  SKIPPED \]" "$log")"
+    echo "tests skipped (no CUDA device seen by torch): $skipped" >>"$summary"
+    if [ "$skipped" -gt 0 ] && [ "$dry_run" != 1 ]; then failed+=(skipped_tests); fi
+    ;;
+  sanitizer)
+    sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    if [ ! -x "$sanitizer" ]; then
+      echo "sanitizer: NOT RUN (no compute-sanitizer on PATH nor at $sanitizer)" >>"$summary"; failed+=(sanitizer); continue
+    fi
+    for tool in memcheck synccheck racecheck; do
+      MESHDDP_FORCE_COLLECTIVES=1 step "sanitizer_${tool}_kernels" 90 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/optimizer_tests" --gtest_filter='FusedStepCuda.*'
+    done
+    for tool in memcheck synccheck racecheck; do
+      MESHDDP_FORCE_COLLECTIVES=1 step "sanitizer_${tool}_gpu_tests" 150 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
+    done
+    ;;
+  bench)
+    device=cuda; [ "$dry_run" = 1 ] && device=cpu
+    small=1; [ "$dry_run" = 1 ] || small=0
+    numels=10000000,100000000,1000000000; [ "$small" = 1 ] && numels=100003
+    step fused_step_bench 240 "$build/bench/fused_step_bench" --device "$device" --numel "$numels" --reps 10
+    ddp_env=(env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533)
+    mlp=(--layers 16 --hidden 4096 --batch 16 --reps 20); [ "$small" = 1 ] && mlp=(--layers 2 --hidden 64 --batch 8 --reps 2 --warmup 1)
+    step ddp_bench_mlp 240 "${ddp_env[@]}" "$build/bench/ddp_bench" --device "$device" "${mlp[@]}" --json "$out/ddp_bench_mlp.json"
+    ;;
+  esac
 done
-unset MESHDDP_FORCE_COLLECTIVES
-
-# 3. Measurements (docs/gpu.md lists what to record from each file).
-step fused_step_bench "$build/bench/fused_step_bench" --device cuda --numel 10000000,100000000,1000000000 --reps 10
-step ddp_bench_cuda env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
-  "$build/bench/ddp_bench" --device cuda --layers 16 --hidden 4096 --batch 16 --reps 20 --json "$out/ddp_bench_cuda.json"
-
-# 4. The CPU suite, for good measure.
-step ctest bash -c "cd '$build' && ctest --timeout 600"
-
-if [ "${#failed[@]}" -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]} (logs in $out)" >&2; exit 1; fi
-echo "gpu_check: all passed (logs in $out)" >&2
+finish

@@ -46,8 +46,10 @@ std::vector<torch::Tensor> golden_on_gpu() {
   return out;
 }
 
-// Trains on this rank's shard with DDP (optionally ZeRO-1 with the same SGD); returns params on CPU.
-std::vector<torch::Tensor> train_rank(DeviceMesh& mesh, bool zero1, int64_t* allocs_after_warmup = nullptr) {
+// Trains on this rank's shard with DDP (optionally ZeRO-1 with the same SGD, its param all-gathers
+// optionally overlapped with the next forward); returns params on CPU.
+std::vector<torch::Tensor> train_rank(DeviceMesh& mesh, bool zero1, int64_t* allocs_after_warmup = nullptr,
+                                      bool overlap_param_gather = false) {
   Mlp model = make_mlp(3, kIn, kHidden, kOut);
   model->to(torch::kCUDA);
   DdpConfig config;
@@ -61,6 +63,7 @@ std::vector<torch::Tensor> train_rank(DeviceMesh& mesh, bool zero1, int64_t* all
     oc.kind = OptimizerKind::kSgd;
     oc.lr = 0.05;
     oc.momentum = 0.9;
+    oc.overlap_param_gather = overlap_param_gather;
     zero = std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), oc);
   } else {
     sgd = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -104,7 +107,7 @@ void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::
 // the param all-gather and their stream ordering on the one GPU.
 const bool kForceCollectives = setenv("MESHDDP_FORCE_COLLECTIVES", "1", 1) == 0;
 
-std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr) {
+std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr, bool overlap_param_gather = false) {
   EXPECT_TRUE(kForceCollectives);
   setenv("LOCAL_RANK", "0", 1);
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -112,7 +115,7 @@ std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = null
   options.device_type = c10::DeviceType::CUDA;
   options.timeout = kTestTimeout;
   DeviceMesh mesh = DeviceMesh::from_store(store, 0, 1, {1}, {"dp"}, options);
-  return train_rank(mesh, zero1, allocs);
+  return train_rank(mesh, zero1, allocs, overlap_param_gather);
 }
 
 }  // namespace
@@ -125,6 +128,26 @@ TEST(Gpu, DdpWithNcclAtWorldSizeOneMatchesGolden) {
 TEST(Gpu, ZeroOneWithNcclAtWorldSizeOneMatchesGolden) {
   SKIP_WITHOUT_GPU();
   expect_close(run_world_one_nccl(true), golden_on_gpu());
+}
+
+// The all-gathers run on NCCL's stream; the next forward's kernels must wait for them (at world size
+// 1 the data does not change, so this checks the waits run and NCCL accepts the order, not the data).
+TEST(Gpu, ZeroOneWithOverlappedParamGatherWithNcclAtWorldSizeOneMatchesGolden) {
+  SKIP_WITHOUT_GPU();
+  expect_close(run_world_one_nccl(true, nullptr, /*overlap_param_gather=*/true), golden_on_gpu());
+}
+
+// The data check of the same order: Gloo's CUDA all-gather copies each rank's new params back into the
+// param buffer on a stream of its own, after the step returns; a forward that did not wait for it
+// would read the last step's weights on 3 of 4 ranks and drift from the golden.
+TEST(Gpu, ZeroOneWithOverlappedParamGatherOverGlooWithCudaTensorsOnFourRanksMatchesGolden) {
+  SKIP_WITHOUT_GPU();
+  auto golden = golden_on_gpu();
+  std::vector<std::vector<torch::Tensor>> per_rank(4);
+  run_on_mesh({4}, {"dp"}, [&](DeviceMesh& mesh) {
+    per_rank[mesh.rank()] = train_rank(mesh, /*zero1=*/true, nullptr, /*overlap_param_gather=*/true);
+  });
+  for (int r = 0; r < 4; ++r) expect_close(per_rank[r], golden);
 }
 
 TEST(Gpu, DdpWithGlooAndCudaTensorsOnFourRanksMatchesGolden) {
@@ -143,3 +166,4 @@ TEST(Gpu, NoDeviceAllocationPerStepAfterWarmUp) {
   run_world_one_nccl(true, &device_allocs);
   EXPECT_EQ(device_allocs, 0) << "cudaMalloc calls during steps 2.." << kSteps << " (the hot path must reuse memory)";
 }
+
