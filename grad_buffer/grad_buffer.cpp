@@ -155,7 +155,8 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   grad_placeholders_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;
-    if (!config_.gradient_accumulation_fusion || main_grads_[i].scalar_type() != param.scalar_type()) continue;
+    // Every slot, fp32 main grads of bf16/fp16 params too (for writers that take them: SlotDtypes).
+    if (!config_.gradient_accumulation_fusion) continue;
     // Expanded from one element: a zero of the param's shape that costs nothing to hand out each step.
     grad_placeholders_[i] = at::zeros({}, param.options().requires_grad(false)).expand(param.sizes());
     register_grad_slot(param, this, static_cast<int64_t>(i));

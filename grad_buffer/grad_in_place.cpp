@@ -63,7 +63,7 @@ void unregister_grad_slot(const at::Tensor& param, const GradBuffer* buffer) {
   if (it != registry().end() && it->second.buffer == buffer) registry().erase(it);
 }
 
-at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write) {
+at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write, SlotDtypes accepts) {
   if (c10::GradMode::is_enabled()) return {};  // create_graph: the gradient must carry its graph
   SlotEntry entry;
   {
@@ -71,6 +71,9 @@ at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write) {
     auto it = registry().find(param.unsafeGetTensorImpl());
     if (it == registry().end()) return {};
     entry = it->second;
+  }
+  if (accepts == SlotDtypes::kParamDtype && entry.buffer->main_grad(entry.index).scalar_type() != param.scalar_type()) {
+    return {};  // an fp32 main grad of a bf16/fp16 param, and a writer that computes in the param's dtype
   }
   // The buffer outlives every backward through its params (destroying a DistributedDataParallel
   // while a backward runs through its module is already undefined).

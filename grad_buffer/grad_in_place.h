@@ -25,15 +25,23 @@ class GradBuffer;
 // (beta = 0); true: add to what the slot holds (later micro-batches, or a second use of the param).
 using GradSlotWriter = c10::function_ref<void(const at::Tensor& slot, bool accumulate)>;
 
+// Which slots a writer can fill. kParamDtype: only a slot of the param's own dtype. kParamDtypeOrFp32:
+// also the fp32 main-grad slot of a bf16/fp16 param (GradBufferConfig::grad_reduce_in_fp32), which the
+// writer must fill in fp32 from the low-precision operands, e.g. a GEMM with an fp32 output (on CUDA:
+// at::mm_out / at::addmm_out with out_dtype, as Megatron's wgrad_gemm_accum_fp32): the gradient is
+// then never rounded to bf16 before it is accumulated.
+enum class SlotDtypes { kParamDtype, kParamDtypeOrFp32 };
+
 // If a live GradBuffer (built with gradient_accumulation_fusion) holds `param` in a slot of the
-// param's own dtype, and this backward records no graph (grad mode off: not create_graph), calls
+// param's own dtype (or fp32, if `accepts` says so), and this backward records no graph (grad mode off: not create_graph), calls
 // `write` with that slot and returns the placeholder the caller must return from backward as the
 // param's gradient: a zero tensor that allocates nothing per call, which the buffer's hook takes out
 // before AccumulateGrad (so .grad is not touched twice) while the hook still marks the param ready
-// as usual. Otherwise (no buffer, fp32 main grads of bf16 params, create_graph, a step already
-// synced) calls nothing and returns an undefined tensor: the caller computes and returns the
+// as usual. Otherwise (no buffer, a slot of a dtype `accepts` does not cover, create_graph, a step
+// already synced) calls nothing and returns an undefined tensor: the caller computes and returns the
 // gradient itself, and the buffer's hook handles it as any other gradient.
-at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write);
+at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write,
+                               SlotDtypes accepts = SlotDtypes::kParamDtype);
 
 // For GradBuffer: (un)registers `param` as slot `index` of `buffer`. unregister only removes an
 // entry that still names `buffer` (a later buffer may have taken the param over).

@@ -2,6 +2,7 @@
 
 #include "grad_buffer/grad_in_place.h"
 
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
@@ -37,29 +38,44 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
       auto sizes = input.sizes().vec();
       grad_input = grad_out.mm(weight).view(sizes);
     }
+    // fp32 main grads of bf16/fp16 params: written by a GEMM with an fp32 output, which ATen has on
+    // CUDA only (mm/addmm with out_dtype); on CPU such params take the autograd path.
+    const SlotDtypes accepts = grad_out.is_cuda() ? SlotDtypes::kParamDtypeOrFp32 : SlotDtypes::kParamDtype;
     at::Tensor grad_weight, grad_bias;
     if (ctx->needs_input_grad(1)) {
       const at::Tensor input_2d = input.reshape({-1, in_features});
       const at::Tensor grad_out_t = grad_out.t();
-      grad_weight = write_grad_in_place(weight, [&](const at::Tensor& slot, bool accumulate) {
-        if (accumulate) {
-          slot.addmm_(grad_out_t, input_2d);
-        } else {
-          at::Tensor out = slot;
-          at::mm_out(out, grad_out_t, input_2d);
-        }
-      });
+      grad_weight = write_grad_in_place(
+          weight,
+          [&](const at::Tensor& slot, bool accumulate) {
+            at::Tensor out = slot;
+            const bool widen = slot.scalar_type() != grad_out.scalar_type();  // fp32 slot, bf16 operands
+            if (accumulate && widen) {
+              at::addmm_out(out, slot, grad_out_t, input_2d, slot.scalar_type());
+            } else if (accumulate) {
+              slot.addmm_(grad_out_t, input_2d);
+            } else if (widen) {
+              at::mm_out(out, grad_out_t, input_2d, slot.scalar_type());
+            } else {
+              at::mm_out(out, grad_out_t, input_2d);
+            }
+          },
+          accepts);
       if (!grad_weight.defined()) grad_weight = grad_out_t.mm(input_2d);
     }
     if (bias.defined() && ctx->needs_input_grad(2)) {
-      grad_bias = write_grad_in_place(bias, [&](const at::Tensor& slot, bool accumulate) {
-        if (accumulate) {
-          slot.add_(grad_out.sum(0));
-        } else {
-          at::Tensor out = slot;
-          at::sum_out(out, grad_out, {0});
-        }
-      });
+      grad_bias = write_grad_in_place(
+          bias,
+          [&](const at::Tensor& slot, bool accumulate) {
+            // Summed into the slot's dtype (fp32 main grads: the sum is not rounded to bf16).
+            if (accumulate) {
+              slot.add_(grad_out.sum(0, /*keepdim=*/false, slot.scalar_type()));
+            } else {
+              at::Tensor out = slot;
+              at::sum_out(out, grad_out, {0}, /*keepdim=*/false, slot.scalar_type());
+            }
+          },
+          accepts);
       if (!grad_bias.defined()) grad_bias = grad_out.sum(0);
     }
     return {grad_input, grad_weight, grad_bias};

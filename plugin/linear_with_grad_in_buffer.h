@@ -6,9 +6,12 @@
 // style; call it from your own layers' forward to get the same, e.g. with a torch::nn::Linear:
 //   x = meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias);   // instead of fc(x)
 // Forward and gradients are the same ops as torch::linear's (the golden runs this function too, with
-// no buffer, where it is a plain linear). When a param is not in a buffer that can take it (no DDP,
-// gradient_accumulation_fusion off, fp32 main grads of a bf16 param, create_graph), its gradient is
-// returned to autograd as usual.
+// no buffer, where it is a plain linear). bf16/fp16 params with fp32 main grads (grad_reduce_in_fp32):
+// on CUDA the GEMM writes fp32 from the bf16 operands (mm/addmm with out_dtype; the gradient is not
+// rounded to bf16 before it is accumulated, as Megatron's wgrad_gemm_accum_fp32); ATen has no such
+// GEMM on CPU, where these params take the autograd path. When a param is not in a buffer that can
+// take it (no DDP, gradient_accumulation_fusion off, create_graph), its gradient is returned to
+// autograd as usual.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -3,12 +3,14 @@
 //   - DDP and ZeRO-1 at world size 1 with NCCL groups;
 //   - 4 ranks (threads) sharing the one GPU with Gloo groups and CUDA tensors (NCCL cannot put two
 //     ranks on one GPU);
+//   - bf16 params with fp32 main grads: the weight-gradient GEMM writes fp32 into the slot (out_dtype);
 //   - nothing allocated from the device per step once warm (the caching allocator makes no new
 //     cudaMalloc after the first steps: activations reuse its blocks; the flat buffers were made once).
 // Tolerance 1e-5: GPU matmuls of different batch shapes (per-rank shards vs the whole batch) sum in
 // different orders; fp32, 10 steps.
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/linear_with_grad_in_buffer.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
 
@@ -167,3 +169,50 @@ TEST(Gpu, NoDeviceAllocationPerStepAfterWarmUp) {
   EXPECT_EQ(device_allocs, 0) << "cudaMalloc calls during steps 2.." << kSteps << " (the hot path must reuse memory)";
 }
 
+// bf16 params with fp32 main grads: linear_with_grad_in_buffer's GEMM writes the weight gradient into
+// the fp32 slot from the bf16 operands (at::mm_out / addmm_out with out_dtype, CUDA only), the bias by
+// an fp32 sum; two micro-batches, the second accumulating. Reference: the same products in fp32 from
+// the bf16 operands cast up (exact products; only the summation order differs: rtol 1e-5).
+namespace {
+struct Bf16LinearImpl : torch::nn::Module {
+  Bf16LinearImpl() {
+    torch::manual_seed(11);
+    fc = register_module("fc", torch::nn::Linear(64, 32));
+    fc->to(torch::kCUDA, torch::kBFloat16);
+  }
+  torch::Tensor forward(torch::Tensor x) { return linear_with_grad_in_buffer(x, fc->weight, fc->bias); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Bf16Linear);
+}  // namespace
+
+TEST(Gpu, Bf16ParamsWithFp32MainGradsAreWrittenInPlaceInFp32) {
+  SKIP_WITHOUT_GPU();
+  run_on_mesh({1}, {"dp"}, [&](DeviceMesh& mesh) {
+    Bf16Linear model;
+    DdpConfig config;
+    config.grad_reduce_in_fp32 = true;
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    at::Tensor ref_w = torch::zeros({32, 64}, torch::kCUDA), ref_b = torch::zeros({32}, torch::kCUDA);
+    ddp.zero_grad_buffer();
+    for (int m = 0; m < 2; ++m) {
+      torch::manual_seed(200 + m);
+      const at::Tensor x = torch::randn({48, 64}, torch::kCUDA).to(torch::kBFloat16);
+      ddp.set_is_last_microbatch(m == 1);
+      ddp.forward(x).to(torch::kFloat).pow(2).sum().backward();
+      const at::Tensor g = (2 * at::linear(x, model->fc->weight.detach(), model->fc->bias.detach()).to(torch::kFloat))
+                               .to(torch::kBFloat16);
+      ref_w += g.t().to(torch::kFloat).mm(x.to(torch::kFloat));
+      ref_b += g.to(torch::kFloat).sum(0);
+    }
+    ddp.finish_grad_sync();
+    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2) << "weight and bias written into their fp32 slots";
+    const at::Tensor w = ddp.main_grad("fc.weight"), b = ddp.main_grad("fc.bias");
+    ASSERT_EQ(w.scalar_type(), torch::kFloat);
+    const double w_err = ((w - ref_w).abs().max() / ref_w.abs().max()).item<double>();
+    const double b_err = ((b - ref_b).abs().max() / ref_b.abs().max()).item<double>();
+    std::cout << "[ relative max |diff|: weight " << w_err << ", bias " << b_err << " ]" << std::endl;
+    EXPECT_LE(w_err, 1e-5);
+    EXPECT_LE(b_err, 1e-5);
+  });
+}
