@@ -24,9 +24,9 @@ struct GptScenario {
   bool create_graph = false;             // backward(create_graph=true) on every micro-batch
   // Checkpoints (plugin/checkpoint.h, with either optimizer): save into `save_dir` (as step
   // `save_before_step`) before that step; or start at step `first_step` from `load_dir`'s latest.
-  std::string save_dir;
+  std::string save_dir = {};
   int save_before_step = -1;
-  std::string load_dir;
+  std::string load_dir = {};
   int first_step = 0;
 };
 

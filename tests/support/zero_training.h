@@ -27,7 +27,7 @@ struct ZeroScenario {
   bool bf16 = false;            // bf16 params, fp32 main grads and master weights
   size_t bucket_bytes = 512;    // several buckets, params straddling shards
   int64_t hidden = kZeroHidden;
-  std::optional<LrScheduleConfig> schedule;  // drives both the golden's and the ZeRO-1 optimizer
+  std::optional<LrScheduleConfig> schedule = {};  // drives both the golden's and the ZeRO-1 optimizer
   FusedStep fused_step = FusedStep::kAuto;   // kAlways: the fused kernels on CPU (fused_step_test)
 };
 
