@@ -9,8 +9,12 @@ namespace bench {
 
 namespace {
 
+// at::linear, not fc.forward(x): the C++ frontend's Linear computes a 3-D input as matmul, then
+// += bias (two bf16 roundings), while at::linear (Python's nn.Linear, and linear_with_grad_in_buffer)
+// runs one addmm on the flattened input; with fc.forward, local's bf16 GPT loss differed from
+// meshddp's at the first step (4.6656647 vs 4.6657729).
 at::Tensor apply_linear(const at::Tensor& x, torch::nn::LinearImpl& fc, bool grads_in_buffer) {
-  return grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc.weight, fc.bias) : fc.forward(x);
+  return grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc.weight, fc.bias) : at::linear(x, fc.weight, fc.bias);
 }
 
 }  // namespace

@@ -59,8 +59,12 @@ with tempfile.TemporaryDirectory() as tmp:
     gpt_params = L * (12 * H * H + 13 * H) + V * H + S * H + 2 * H + H * V  # blocks, embeddings, ln_f, head
     ddp = ["meshddp", "meshddp_autograd", "meshddp_no_overlap", "meshddp_zero1", "meshddp_fp32_grads",
            "meshddp_zero1_fp32_grads", "reducer_view", "reducer_copy", "naive"]
-    # fp32: every DDP candidate's loss was bit-identical in this run (local, on rank 0's batch alone: 5e-4
-    # away); bf16: within 8.4e-5 of each other (bf16 rounding of different GEMM and reduction orders).
+    # Every DDP candidate trains on the DP mean of the same batches from the same weights, so their last
+    # losses agree: in fp32 all of them, to the 8 digits of the JSON (measured: identical; local, on rank
+    # 0's batch alone, is 5e-4 away). In bf16, two groups, each identical within (measured): bf16 params
+    # stepped in bf16 (meshddp, the Reducer, naive: local's arithmetic), and fp32 masters (ZeRO-1,
+    # fp32 main grads), 2.6e-5 from the first (local: 7.8e-5).
+    fp32_masters = ["meshddp_zero1", "meshddp_fp32_grads", "meshddp_zero1_fp32_grads"]
     runs = {}
     for dtype in ["fp32", "bf16"]:  # both at once: most of each run is process start-up
         path3 = os.path.join(tmp, f"gpt_{dtype}.json")
@@ -69,7 +73,7 @@ with tempfile.TemporaryDirectory() as tmp:
             "--seq", str(S), "--vocab", str(V), "--batch", "2", "--warmup", "1", "--reps", "2", "--collective-reps", "0",
             "--candidates", ",".join(["local"] + ddp), "--json", path3]
         runs[dtype] = (cmd3, path3, subprocess.Popen(cmd3, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for dtype, size, tol in [("fp32", 4, 1e-6), ("bf16", 2, 1e-3)]:
+    for dtype, size in [("fp32", 4), ("bf16", 2)]:
         cmd3, path3, proc = runs[dtype]
         stdout, stderr = proc.communicate(timeout=120)
         if proc.returncode != 0:
@@ -98,9 +102,8 @@ with tempfile.TemporaryDirectory() as tmp:
         for ok, what in checks:
             if not ok:
                 fail(what)
-        # Every DDP candidate trains on the DP mean of the same batches from the same weights.
-        ref = g["meshddp"]["last_loss"]
         for name in ddp:
-            if abs(g[name]["last_loss"] - ref) > tol * abs(ref):
-                fail(f"{name}'s last loss {g[name]['last_loss']} != meshddp's {ref} (rel. tol {tol})")
+            ref = "meshddp_zero1" if dtype == "bf16" and name in fp32_masters else "meshddp"
+            if abs(g[name]["last_loss"] - g[ref]["last_loss"]) > 1e-6 * abs(g[ref]["last_loss"]):
+                fail(f"{name}'s last loss {g[name]['last_loss']} != {ref}'s {g[ref]['last_loss']} (rel. tol 1e-6)")
 print("1 passed, 0 failed")
