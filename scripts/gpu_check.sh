@@ -48,9 +48,42 @@ unset MESHDDP_FORCE_COLLECTIVES
 step fused_step_bench "$build/bench/fused_step_bench" --device cuda --numel 10000000,100000000,1000000000 --reps 10
 step ddp_bench_cuda env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
   "$build/bench/ddp_bench" --device cuda --layers 16 --hidden 4096 --batch 16 --reps 20 --json "$out/ddp_bench_cuda.json"
+# Issue 10's ratio: meshddp / local step time at world size 1 on the ~1B-parameter bf16 GPT (--preset
+# gpt1b: 1.04e9 params, batch 8 x 1024 tokens; its memory arithmetic is in bench/ddp_bench.cpp), with
+# meshddp_fp32_grads (fp32 main grads and masters, Megatron's bf16 default) beside it. Then the same
+# with every collective forced (MESHDDP_FORCE_COLLECTIVES=1: at DP 1 meshddp otherwise skips them, so
+# this is the overlap machinery's cost with NCCL live on its stream), with ZeRO-1 (reduce-scatter,
+# fp32 masters, all-gather) in place of meshddp_fp32_grads.
+gpt1b=(--device cuda --preset gpt1b --dtype bf16 --warmup 3 --reps 20 --collective-reps 0)
+step ddp_bench_gpt1b env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 \
+  "$build/bench/ddp_bench" "${gpt1b[@]}" --candidates local,meshddp,meshddp_fp32_grads --json "$out/ddp_bench_gpt1b.json"
+step ddp_bench_gpt1b_forced env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29535 \
+  MESHDDP_FORCE_COLLECTIVES=1 "$build/bench/ddp_bench" "${gpt1b[@]}" --candidates local,meshddp,meshddp_zero1 \
+  --json "$out/ddp_bench_gpt1b_forced.json"
 
 # 4. The CPU suite, for good measure.
 step ctest bash -c "cd '$build' && ctest --timeout 600"
+
+# Summary of the ratios against issue 10's goal (also in $out/summary.txt).
+ratio() {  # ratio JSON A B [GOAL]: "A / B = x" of ddp_bench's median step times, and whether x <= GOAL
+  "$root/.venv/bin/python" - "$@" <<'PY' 2>&1
+import json, sys
+path, a, b, goal = (sys.argv[1:] + [""])[:4]
+try:
+    med = {c["name"]: c["median_ms"]["total"] for c in json.load(open(path))["candidates"]}
+    r = med[a] / med[b]
+    verdict = f"; goal <= {goal}: {'met' if r <= float(goal) else 'MISSED'}" if goal else ""
+    print(f"{path.rsplit('/', 1)[-1]}: {a} / {b} = {r:.3f} ({med[a]:.1f} / {med[b]:.1f} ms{verdict})")
+except (OSError, KeyError, ValueError, ZeroDivisionError) as e:
+    print(f"{path}: no {a} / {b} ratio ({type(e).__name__}: {e})")
+PY
+}
+{ ratio "$out/ddp_bench_gpt1b.json" meshddp local 1.02   # issue 10's figure
+  ratio "$out/ddp_bench_gpt1b.json" meshddp_fp32_grads local
+  ratio "$out/ddp_bench_gpt1b_forced.json" meshddp local 1.02
+  ratio "$out/ddp_bench_gpt1b_forced.json" meshddp_zero1 local
+  ratio "$out/ddp_bench_cuda.json" meshddp local
+} | tee "$out/summary.txt" | sed 's/^/[gpu_check] /' >&2
 
 if [ "${#failed[@]}" -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]} (logs in $out)" >&2; exit 1; fi
 echo "gpu_check: all passed (logs in $out)" >&2
