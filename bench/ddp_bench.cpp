@@ -15,19 +15,28 @@
 //   naive           backward, then one blocking all-reduce per parameter, then the step
 //   meshddp_bf16    meshddp with the bf16_compress communication hook (grad_buffer/comm_hook.h)
 //   reducer_bf16    reducer_view with PyTorch's bf16_compress_hook (Bf16CompressCommHook below)
+//   meshddp_fp32_grads  meshddp with grad_reduce_in_fp32 (Megatron's default for bf16): with --dtype bf16,
+//                   fp32 main grads and fp32 master weights (Fp32Masters below); for fp32 params = meshddp
+//   meshddp_zero1_fp32_grads  meshddp_zero1 with grad_reduce_in_fp32
 //
 // Every candidate steps the same torch::optim optimizer (--optimizer sgd: momentum 0.9, the default;
-// or adamw) except meshddp_zero1, whose DistributedOptimizer runs the same arithmetic on its shard.
+// or adamw) except meshddp_zero1*, whose DistributedOptimizer runs the same arithmetic on its shard
+// (with fp32 masters for bf16 params), and meshddp_fp32_grads, which steps fp32 masters. With
+// --dtype bf16 the others keep bf16 params, grads and optimizer state: the same arithmetic as local.
+//
+// Models (bench/bench_models.h; --model): mlp, a deep MLP stack (the default, issue 6's runs), or gpt,
+// a GPT-style decoder (--layers --hidden --heads --seq --vocab; --batch sequences per rank).
+// --preset gpt1b is issue 10's ~1B-parameter bf16 transformer (set_preset below).
 //
 // --mode main   the candidates, plus per-parameter gradient-ready times, standalone collective times
 //               (every bucket size, and a size sweep for the cost model's alpha/beta) and memory
 // --mode sweep  meshddp (all-reduce) at several bucket sizes, interleaved, with local as the floor
 //
 //   torchrun --standalone --nproc-per-node 2 --no-python build/bench/ddp_bench --json out.json
+#include "bench/bench_models.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/linear_with_grad_in_buffer.h"
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -97,16 +106,20 @@ class Bf16CompressCommHook : public c10d::CppCommHookInterface<c10::intrusive_pt
 
 struct Flags {
   std::string mode = "main";
+  std::string preset;         // "" or gpt1b (set_preset)
+  std::string model = "mlp";  // mlp or gpt (bench/bench_models.h)
+  std::string dtype = "fp32"; // fp32 or bf16: the params, and the float inputs
   int64_t layers = 24;
   int64_t hidden = 1024;
-  int64_t batch = 32;  // per rank
+  int64_t heads = 16, seq = 1024, vocab = 32000;  // gpt only
+  int64_t batch = 32;  // per rank: MLP rows, GPT sequences
   int warmup = 3;
   int reps = 10;
   double bucket_mb = 40;               // meshddp and the Reducer's bucket cap
   double reducer_first_bucket_mb = 1;  // torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
   std::string candidates = "local,meshddp,meshddp_autograd,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
   std::string sweep_mb = "1,2,5,10,20,40,100";
-  int collective_reps = 5;
+  int collective_reps = 5;  // 0: no standalone collectives (no "collectives" in the JSON)
   int threads = 0;  // 0: cores / local ranks
   std::string json;
   uint64_t seed = 0;
@@ -116,22 +129,52 @@ struct Flags {
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
   std::cerr << "error: " << bad << "\nusage: " << prog
-            << " [--mode main|sweep] [--layers N] [--hidden N] [--batch N] [--warmup N] [--reps N]"
+            << " [--mode main|sweep] [--preset gpt1b] [--model mlp|gpt] [--dtype fp32|bf16] [--layers N] [--hidden N]"
+               " [--heads N] [--seq N] [--vocab N] [--batch N] [--warmup N] [--reps N]"
                " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
                " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--json PATH]\n";
   std::exit(2);
 }
 
+// --preset gpt1b: issue 10's "~1B-parameter bf16 transformer" at world size 1 on one 80 GB GPU.
+// 18 blocks of hidden 2048: 18 x (12 h^2 + 13 h) = 906.4M, + token and position embeddings (65.5M +
+// 2.1M) + the untied LM head (65.5M) = 1,039,622,144 params. Memory with SGD momentum, every
+// candidate alive at once: local and meshddp hold param + grad + momentum in bf16 = 6 B/param =
+// 6.2 GB each; meshddp_fp32_grads 2 + 4 (fp32 grads) + 4 (fp32 master) + 4 (fp32 momentum) =
+// 14 B = 14.6 GB; meshddp_zero1 2 + 2 + 4 + 4 + 4 (fp32 grad scratch) = 16 B = 16.6 GB. Activations
+// (one candidate at a time): about 34 s h bytes per block and sequence in bf16 (Korthikanti et al.
+// 2022 without dropout; flash attention keeps no s x s scores) = 71 MB x 18 = 1.3 GB, plus the
+// logits (bf16, their fp32 copy, log-softmax and gradients: ~0.4 GB) = ~1.7 GB per sequence; batch 8
+// = ~14 GB. So local,meshddp,meshddp_fp32_grads need ~41 GB and adding meshddp_zero1 ~58 GB: fits
+// in 80 GB with room for the allocator. 8 x 1024 tokens = 5.5e13 FLOP per step (~0.15-0.25 s).
+void set_preset(Flags& f, const std::string& name) {
+  if (name != "gpt1b") return;
+  f.preset = name, f.model = "gpt", f.dtype = "bf16", f.layers = 18, f.hidden = 2048, f.heads = 16, f.seq = 1024;
+  f.vocab = 32000, f.batch = 8;
+}
+
+// A preset first (wherever it stands), then every other flag, which overrides it.
 Flags parse(int argc, char** argv) {
   Flags f;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::string(argv[i]) != "--preset") continue;
+    set_preset(f, argv[i + 1]);
+    if (f.preset.empty()) usage_and_exit(argv[0], std::string("unknown --preset '") + argv[i + 1] + "' (known: gpt1b)");
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     try {
       if (arg == "--mode") f.mode = v;
+      else if (arg == "--preset") continue;
+      else if (arg == "--model") f.model = v;
+      else if (arg == "--dtype") f.dtype = v;
       else if (arg == "--layers") f.layers = std::stoll(v);
       else if (arg == "--hidden") f.hidden = std::stoll(v);
+      else if (arg == "--heads") f.heads = std::stoll(v);
+      else if (arg == "--seq") f.seq = std::stoll(v);
+      else if (arg == "--vocab") f.vocab = std::stoll(v);
       else if (arg == "--batch") f.batch = std::stoll(v);
       else if (arg == "--warmup") f.warmup = std::stoi(v);
       else if (arg == "--reps") f.reps = std::stoi(v);
@@ -153,7 +196,13 @@ Flags parse(int argc, char** argv) {
   if (f.optimizer != "sgd" && f.optimizer != "adamw") usage_and_exit(argv[0], "--optimizer must be sgd or adamw");
   if (f.mode != "main" && f.mode != "sweep") usage_and_exit(argv[0], "--mode must be main or sweep");
   if (f.device != "cpu" && f.device != "cuda") usage_and_exit(argv[0], "--device must be cpu or cuda");
+  if (f.model != "mlp" && f.model != "gpt") usage_and_exit(argv[0], "--model must be mlp or gpt");
+  if (f.dtype != "fp32" && f.dtype != "bf16") usage_and_exit(argv[0], "--dtype must be fp32 or bf16");
   if (f.reps < 1 || f.warmup < 0 || f.layers < 1 || f.hidden < 1 || f.batch < 1) usage_and_exit(argv[0], "bad sizes");
+  if (f.model == "gpt" && (f.heads < 1 || f.hidden % f.heads != 0 || f.seq < 1 || f.vocab < 2)) {
+    usage_and_exit(argv[0], "GPT sizes: --heads must divide --hidden (" + std::to_string(f.hidden) + " % " +
+                                std::to_string(f.heads) + "), --seq >= 1, --vocab >= 2");
+  }
   return f;
 }
 
@@ -181,33 +230,14 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// The model: a deep MLP stack (Linear + ReLU), hidden x hidden layers. (The "tiny GPT" of the TP issue
-// does not exist yet.)
-struct MlpStackImpl : torch::nn::Module {
-  MlpStackImpl(int64_t hidden, int64_t layers) {
-    for (int64_t l = 0; l < layers; ++l) blocks->push_back(torch::nn::Linear(hidden, hidden));
-    register_module("blocks", blocks);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (size_t l = 0; l < blocks->size(); ++l) {
-      auto* fc = blocks[l]->as<torch::nn::Linear>();
-      x = grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias) : fc->forward(x);
-      if (l + 1 < blocks->size()) x = torch::relu(x);
-    }
-    return x;
-  }
-  torch::nn::ModuleList blocks;
-  // meshddp's candidates: the same layers through meshddp::linear_with_grad_in_buffer, whose
-  // weight-gradient GEMM writes into the flat buffer (same math as torch's Linear)
-  bool grads_in_buffer = false;
-};
-TORCH_MODULE(MlpStack);
-
-MlpStack make_model(const Flags& f) {
-  torch::manual_seed(f.seed);  // every candidate starts from the same weights
-  MlpStack model(f.hidden, f.layers);
-  if (f.device == "cuda") model->to(torch::kCUDA);
-  return model;
+// The model (bench/bench_models.h): every candidate builds its own from the same seed.
+bench::ModelOptions model_options(const Flags& f) {
+  bench::ModelOptions o;
+  o.kind = f.model, o.layers = f.layers, o.hidden = f.hidden, o.heads = f.heads, o.seq = f.seq, o.vocab = f.vocab;
+  o.batch = f.batch, o.seed = f.seed;
+  o.dtype = f.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  o.device = f.device == "cuda" ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  return o;
 }
 
 // The same optimizer for every candidate: SGD (lr 1e-3, momentum 0.9) or AdamW (lr 1e-4, wd 1e-2);
@@ -316,6 +346,7 @@ struct Candidate {
   std::vector<Phases> timed;                // one per repetition (this rank)
   ReadyTimeline* timeline = nullptr;
   std::vector<int64_t> bucket_numels;       // meshddp: the layout's buckets in launch order
+  at::Tensor last_loss;                     // this rank's loss of the last step (read once, at the end)
 };
 
 std::string json_num_list(const std::vector<double>& v) {
@@ -354,40 +385,80 @@ std::string layout_json(const meshddp::GradBuffer& buffer) {
   return o.str();
 }
 
+// What a meshddp candidate varies (DdpConfig fields, and the optimizer that goes with them).
+struct MeshddpSetup {
+  bool zero1 = false;            // use_distributed_optimizer, stepped by meshddp's DistributedOptimizer
+  bool overlap = true;           // overlap_grad_reduce
+  bool grads_in_buffer = true;   // linear_with_grad_in_buffer + gradient_accumulation_fusion
+  std::string comm_hook = meshddp::kNoCommHook;
+  bool fp32_grads = false;       // grad_reduce_in_fp32: bf16 params get fp32 main grads (and, without
+                                 // zero1, fp32 masters: Fp32Masters); same as meshddp for fp32 params
+};
+
+// Megatron's mixed-precision optimizer without ZeRO (Float16OptimizerWithFloat16Params), for
+// meshddp_fp32_grads with bf16 params, whose param.grad() DDP releases: an fp32 master copy of every
+// param, whose .grad is the param's fp32 main grad (a view of the flat buffer: no copy); torch::optim
+// steps the masters (fp32 state), then every param takes its master's value (one cast-copy).
+struct Fp32Masters {
+  Fp32Masters() = default;
+  explicit Fp32Masters(const meshddp::DdpEngine& ddp) {
+    for (const auto& p : ddp.named_parameters()) {
+      params.push_back(p.param);
+      masters.push_back(p.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true));
+      main_grads.push_back(ddp.main_grad(p.name));
+    }
+  }
+  void step(torch::optim::Optimizer& opt) {
+    for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = main_grads[i];
+    opt.step();
+    torch::NoGradGuard no_grad;
+    at::_foreach_copy_(params, masters);
+  }
+  std::vector<at::Tensor> params, masters, main_grads;
+};
+
 struct Bench {
   Flags flags;
   meshddp::DeviceMesh mesh;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   int64_t world = 1, rank = 0;
-  at::Tensor x, y;
+  bench::ModelOptions model_opts;
+  bench::Batch batch;      // this rank's fixed input and target
+  int64_t param_numel = 0;
 
   explicit Bench(Flags f, meshddp::DeviceMesh m) : flags(std::move(f)), mesh(std::move(m)) {
     group = mesh["dp"];
     world = mesh.size("dp");
     rank = mesh.coordinate("dp");
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed * 7919 + 17 + rank);
-    x = torch::randn({flags.batch, flags.hidden}, gen);
-    y = torch::randn({flags.batch, flags.hidden}, gen);
-    x = x.to(mesh.device());
-    y = y.to(mesh.device());
+    model_opts = model_options(flags);
+    model_opts.device = mesh.device();
+    batch = bench::make_batch(model_opts, rank);
   }
 
   void barrier() { group->barrier()->wait(); }
 
+  std::shared_ptr<bench::BenchModel> make_model() {
+    auto model = bench::make_bench_model(model_opts);
+    param_numel = 0;
+    for (const auto& p : model->parameters()) param_numel += p.numel();
+    return model;
+  }
+
   // --- candidates -------------------------------------------------------------------------------
 
   std::unique_ptr<Candidate> make_local(ReadyTimeline* timeline) {
-    auto model = make_model(flags);
+    auto model = make_model();
     auto opt = make_optimizer(flags.optimizer, model->parameters());
     if (timeline) timeline->attach(*model);
     auto c = std::make_unique<Candidate>();
     c->name = "local";
     c->timeline = timeline;
-    c->step = [this, model, opt, timeline]() mutable {
+    c->step = [this, model, opt, timeline, self = c.get()]() mutable {
       Phases p;
       auto t0 = Clock::now();
       opt->zero_grad();  // set_to_none: AccumulateGrad steals the fresh gradient
-      auto loss = torch::mse_loss(model->forward(x), y);
+      auto loss = model->loss(model->forward(batch.input), batch.target);
+      self->last_loss = loss.detach();
       auto t1 = Clock::now();
       if (timeline) timeline->begin_backward();
       loss.backward();
@@ -402,21 +473,22 @@ struct Bench {
     return c;
   }
 
-  std::unique_ptr<Candidate> make_meshddp(const std::string& name, double bucket_mb, bool zero1,
-                                          ReadyTimeline* timeline, bool overlap = true, bool grads_in_buffer = true,
-                                          const std::string& comm_hook = meshddp::kNoCommHook) {
-    auto model = make_model(flags);
-    model->grads_in_buffer = grads_in_buffer;
+  std::unique_ptr<Candidate> make_meshddp(const std::string& name, double bucket_mb, const MeshddpSetup& setup,
+                                          ReadyTimeline* timeline) {
+    auto model = make_model();
+    model->grads_in_buffer = setup.grads_in_buffer;
     meshddp::DdpConfig config;
-    config.gradient_accumulation_fusion = grads_in_buffer;
-    config.comm_hook = comm_hook;
-    config.overlap_grad_reduce = overlap;
+    config.gradient_accumulation_fusion = setup.grads_in_buffer;
+    config.comm_hook = setup.comm_hook;
+    config.overlap_grad_reduce = setup.overlap;
+    config.grad_reduce_in_fp32 = setup.fp32_grads;
     config.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
-    config.use_distributed_optimizer = zero1;
-    auto ddp = std::make_shared<meshddp::DistributedDataParallel<MlpStackImpl>>(model.ptr(), mesh, "dp", config);
+    config.use_distributed_optimizer = setup.zero1;
+    auto ddp = std::make_shared<meshddp::DistributedDataParallel<bench::BenchModel>>(model, mesh, "dp", config);
     std::shared_ptr<torch::optim::Optimizer> opt;
     std::shared_ptr<meshddp::DistributedOptimizer> zopt;
-    if (zero1) {
+    auto masters = std::make_shared<Fp32Masters>();
+    if (setup.zero1) {
       meshddp::DistributedOptimizerConfig oc;
       if (flags.optimizer == "adamw") {
         oc.kind = meshddp::OptimizerKind::kAdamW, oc.lr = kAdamLr, oc.weight_decay = kAdamWd;
@@ -425,6 +497,9 @@ struct Bench {
       }
       oc.overlap_param_gather = false;  // the gather completes inside step(): nothing leaks into the next candidate
       zopt = std::make_shared<meshddp::DistributedOptimizer>(ddp->grad_buffer(), oc);
+    } else if (setup.fp32_grads && model_opts.dtype != at::kFloat) {
+      *masters = Fp32Masters(*ddp);
+      opt = make_optimizer(flags.optimizer, masters->masters);
     } else {
       opt = make_optimizer(flags.optimizer, model->parameters());
     }
@@ -434,11 +509,12 @@ struct Bench {
     c->timeline = timeline;
     for (const auto& b : ddp->grad_buffer().layout().buckets) c->bucket_numels.push_back(b.numel());
     auto hooks = std::make_shared<std::vector<double>>();
-    c->step = [this, model, ddp, opt, zopt, timeline, hooks]() {
+    c->step = [this, model, ddp, opt, zopt, masters, timeline, hooks, self = c.get()]() {
       Phases p;
       auto t0 = Clock::now();
       ddp->zero_grad_buffer();
-      auto loss = torch::mse_loss(ddp->forward(x), y);
+      auto loss = model->loss(ddp->forward(batch.input), batch.target);
+      self->last_loss = loss.detach();
       auto t1 = Clock::now();
       if (timeline) timeline->begin_backward();
       loss.backward();
@@ -448,6 +524,8 @@ struct Bench {
       hooks->push_back(static_cast<double>(ddp->grad_buffer().buckets_launched_by_hooks()));
       if (zopt) {
         zopt->step();
+      } else if (!masters->masters.empty()) {
+        masters->step(*opt);
       } else {
         opt->step();
       }
@@ -457,7 +535,7 @@ struct Bench {
       p.total = ms_since(t0, t4);
       return p;
     };
-    c->memory = [model, ddp, opt, zopt]() {
+    c->memory = [model, ddp, opt, zopt, masters]() {
       Memory m;
       std::vector<at::Tensor> grads;
       for (const auto& p : model->parameters()) grads.push_back(p.grad()), m.param_bytes += p.nbytes();
@@ -469,7 +547,7 @@ struct Bench {
         m.optimizer_state_bytes = r.optimizer_state_bytes + r.master_weight_bytes + r.grad_scratch_bytes;
         m.param_bytes = r.param_buffer_bytes;
       } else {
-        m.optimizer_state_bytes = optimizer_state_bytes(*opt);
+        m.optimizer_state_bytes = optimizer_state_bytes(*opt) + distinct_storage_bytes(masters->masters);
       }
       return m;
     };
@@ -484,7 +562,7 @@ struct Bench {
   }
 
   std::unique_ptr<Candidate> make_reducer(bool view, bool bf16 = false) {
-    auto model = make_model(flags);
+    auto model = make_model();
     // Broadcast rank 0's params like torch DDP's init sync (they are already equal: same seed).
     std::vector<at::Tensor> params;
     std::unordered_map<size_t, std::string> names;
@@ -508,7 +586,7 @@ struct Bench {
     auto opt = make_optimizer(flags.optimizer, model->parameters());
     auto c = std::make_unique<Candidate>();
     c->name = bf16 ? "reducer_bf16" : view ? "reducer_view" : "reducer_copy";
-    c->step = [this, model, reducer, opt, view]() mutable {
+    c->step = [this, model, reducer, opt, view, self = c.get()]() mutable {
       Phases p;
       auto t0 = Clock::now();
       // With gradient_as_bucket_view the grads are bucket views: zero them in place (set_to_none would
@@ -525,7 +603,8 @@ struct Bench {
       }
       reducer->prepare_for_forward();
       reducer->rebuild_buckets();  // does something once, before the second forward
-      auto loss = torch::mse_loss(model->forward(x), y);
+      auto loss = model->loss(model->forward(batch.input), batch.target);
+      self->last_loss = loss.detach();
       reducer->prepare_for_backward({});
       auto t1 = Clock::now();
       loss.backward();  // buckets all-reduce from the hooks; finalize (wait + copy back) runs at the end
@@ -556,15 +635,16 @@ struct Bench {
   }
 
   std::unique_ptr<Candidate> make_naive() {
-    auto model = make_model(flags);
+    auto model = make_model();
     auto opt = make_optimizer(flags.optimizer, model->parameters());
     auto c = std::make_unique<Candidate>();
     c->name = "naive";
-    c->step = [this, model, opt]() mutable {
+    c->step = [this, model, opt, self = c.get()]() mutable {
       Phases p;
       auto t0 = Clock::now();
       opt->zero_grad();
-      auto loss = torch::mse_loss(model->forward(x), y);
+      auto loss = model->loss(model->forward(batch.input), batch.target);
+      self->last_loss = loss.detach();
       auto t1 = Clock::now();
       loss.backward();
       auto t2 = Clock::now();
@@ -715,42 +795,43 @@ int main(int argc, char** argv) {
     std::vector<std::unique_ptr<Candidate>> cands;
     ReadyTimeline local_timeline, meshddp_timeline;
     if (flags.mode == "main") {
+      const double mb = flags.bucket_mb;
       for (const auto& name : split(flags.candidates)) {
         if (name == "local") cands.push_back(bench.make_local(&local_timeline));
-        else if (name == "meshddp") cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, &meshddp_timeline));
-        else if (name == "meshddp_no_overlap")
-          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, /*overlap=*/false));
-        else if (name == "meshddp_zero1") cands.push_back(bench.make_meshddp(name, flags.bucket_mb, true, nullptr));
+        else if (name == "meshddp") cands.push_back(bench.make_meshddp(name, mb, {}, &meshddp_timeline));
+        else if (name == "meshddp_no_overlap") cands.push_back(bench.make_meshddp(name, mb, {.overlap = false}, nullptr));
+        else if (name == "meshddp_zero1") cands.push_back(bench.make_meshddp(name, mb, {.zero1 = true}, nullptr));
         else if (name == "meshddp_autograd")  // before issue 14: torch's Linear, gradients added by autograd, zeroing pass
-          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, true, /*grads_in_buffer=*/false));
+          cands.push_back(bench.make_meshddp(name, mb, {.grads_in_buffer = false}, nullptr));
+        else if (name == "meshddp_fp32_grads") cands.push_back(bench.make_meshddp(name, mb, {.fp32_grads = true}, nullptr));
+        else if (name == "meshddp_zero1_fp32_grads")
+          cands.push_back(bench.make_meshddp(name, mb, {.zero1 = true, .fp32_grads = true}, nullptr));
         else if (name == "reducer_view") cands.push_back(bench.make_reducer(true));
         else if (name == "reducer_copy") cands.push_back(bench.make_reducer(false));
         else if (name == "naive") cands.push_back(bench.make_naive());
         else if (name == "meshddp_bf16")
-          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, false, nullptr, true, true, meshddp::kBf16CompressHook));
+          cands.push_back(bench.make_meshddp(name, mb, {.comm_hook = meshddp::kBf16CompressHook}, nullptr));
         else if (name == "meshddp_zero1_bf16")
-          cands.push_back(bench.make_meshddp(name, flags.bucket_mb, true, nullptr, true, true, meshddp::kBf16CompressHook));
+          cands.push_back(bench.make_meshddp(name, mb, {.zero1 = true, .comm_hook = meshddp::kBf16CompressHook}, nullptr));
         else if (name == "reducer_bf16") cands.push_back(bench.make_reducer(true, /*bf16=*/true));
         else usage_and_exit(argv[0], "unknown candidate " + name);
       }
     } else {
       cands.push_back(bench.make_local(&local_timeline));  // the cost model's input for this run
       for (const auto& mb : split(flags.sweep_mb)) {
-        cands.push_back(bench.make_meshddp("meshddp_" + mb + "MiB", std::stod(mb), false, nullptr));
+        cands.push_back(bench.make_meshddp("meshddp_" + mb + "MiB", std::stod(mb), {}, nullptr));
       }
     }
-    int64_t numel = 0;
-    {
-      auto m = make_model(flags);
-      for (const auto& p : m->parameters()) numel += p.numel();
-    }
+    const int64_t numel = bench.param_numel;
     if (root) {
-      std::printf("# meshddp bench (%s): %s, MLP stack %lld x Linear(%lld, %lld) = %lld params (%.1f MB fp32), batch %lld "
-                  "per rank, %s, %d intra-op thread(s) per rank, %d warm-up + %d reps\n# loadavg at start: %s\n",
-                  flags.mode.c_str(), bench.mesh.describe().c_str(), static_cast<long long>(flags.layers),
-                  static_cast<long long>(flags.hidden), static_cast<long long>(flags.hidden),
-                  static_cast<long long>(numel), numel * 4 / 1e6, static_cast<long long>(flags.batch), flags.optimizer.c_str(), threads,
-                  flags.warmup, flags.reps, load_start.c_str());
+      const bool gpt = flags.model == "gpt";
+      std::printf("# meshddp bench (%s%s%s): %s, %s = %lld params (%.1f MB), batch %lld %s per rank, %s, %d intra-op "
+                  "thread(s) per rank, %d warm-up + %d reps\n# loadavg at start: %s\n",
+                  flags.mode.c_str(), flags.preset.empty() ? "" : ", preset ", flags.preset.c_str(),
+                  bench.mesh.describe().c_str(), bench::describe(bench.model_opts).c_str(), static_cast<long long>(numel),
+                  numel * c10::elementSize(bench.model_opts.dtype) / 1e6, static_cast<long long>(flags.batch),
+                  gpt ? ("sequences of " + std::to_string(flags.seq) + " tokens").c_str() : "rows", flags.optimizer.c_str(),
+                  threads, flags.warmup, flags.reps, load_start.c_str());
       std::fflush(stdout);
     }
 
@@ -767,7 +848,7 @@ int main(int argc, char** argv) {
     std::ostringstream coll;
     std::vector<double> bucket_ar_ms, bucket_rs_ms, bucket_ag_ms;
     std::vector<int64_t> bucket_numels, zero_numels;
-    if (flags.mode == "main") {
+    if (flags.mode == "main" && flags.collective_reps > 0) {
       for (const auto& c : cands) {
         if (c->name == "meshddp" || (c->name == "meshddp_no_overlap" && bucket_numels.empty())) bucket_numels = c->bucket_numels;
         if (c->name == "meshddp_zero1") zero_numels = c->bucket_numels;
@@ -790,24 +871,30 @@ int main(int argc, char** argv) {
            << ", \"all_reduce_sweep_ms\": " << json_num_list(sweep_ms) << "},\n";
     }
     const std::string load_end = loadavg();
+    std::vector<double> losses;  // this rank's loss at the last step: the candidates train the same model
+    for (auto& c : cands) losses.push_back(c->last_loss.item<double>());  // every candidate ran >= 1 step
 
     if (root) {
-      std::printf("\n%-16s %9s %9s %9s %9s %9s  %s\n", "candidate", "step_ms", "fwd", "bwd", "sync", "opt",
-                  "grad+comm MB / opt-state MB");
+      std::printf("\n%-24s %9s %9s %9s %9s %9s %10s  %s\n", "candidate", "step_ms", "fwd", "bwd", "sync", "opt",
+                  "last_loss", "grad+comm MB / opt-state MB");
       for (size_t i = 0; i < cands.size(); ++i) {
         std::vector<double> f, b, s, o;
         for (const auto& p : results[i]) f.push_back(p.fwd), b.push_back(p.bwd), s.push_back(p.sync), o.push_back(p.opt);
-        std::printf("%-16s %9.1f %9.1f %9.1f %9.1f %9.1f  %.1f / %.1f\n", cands[i]->name.c_str(), med[cands[i]->name],
-                    median(f), median(b), median(s), median(o), mems[i].grad_and_comm_bytes / 1e6,
-                    mems[i].optimizer_state_bytes / 1e6);
+        std::printf("%-24s %9.1f %9.1f %9.1f %9.1f %9.1f %10.6f  %.1f / %.1f\n", cands[i]->name.c_str(),
+                    med[cands[i]->name], median(f), median(b), median(s), median(o), losses[i],
+                    mems[i].grad_and_comm_bytes / 1e6, mems[i].optimizer_state_bytes / 1e6);
       }
       auto ratio = [&](const char* a, const char* b) {
         if (med.count(a) && med.count(b) && med[b] > 0) std::printf("  %s / %s = %.3f\n", a, b, med[a] / med[b]);
       };
       std::printf("\nratios of median step time:\n");
-      for (const char* base : {"reducer_view", "reducer_copy", "local", "naive"}) ratio("meshddp", base);
-      for (const char* base : {"reducer_view", "local"}) ratio("meshddp_zero1", base);
+      for (const auto& c : cands) {
+        if (c->name != "local") ratio(c->name.c_str(), "local");
+      }
+      for (const char* base : {"reducer_view", "reducer_copy", "naive"}) ratio("meshddp", base);
+      ratio("meshddp_zero1", "reducer_view");
       ratio("meshddp_zero1", "meshddp");
+      ratio("meshddp_fp32_grads", "meshddp");
       ratio("meshddp_bf16", "reducer_bf16");
       if (!bucket_ar_ms.empty()) {
         double sum = 0;
@@ -824,7 +911,11 @@ int main(int argc, char** argv) {
         std::ofstream out(flags.json);
         out.precision(8);
         out << "{\n\"mode\": \"" << flags.mode << "\",\n\"world\": " << bench.world << ",\n\"threads_per_rank\": "
-            << threads << ",\n\"layers\": " << flags.layers << ",\n\"hidden\": " << flags.hidden
+            << threads << ",\n\"device\": \"" << bench.mesh.device() << "\",\n\"preset\": \"" << flags.preset
+            << "\",\n\"model\": \"" << flags.model << "\",\n\"dtype\": \"" << flags.dtype << "\",\n\"layers\": "
+            << flags.layers << ",\n\"hidden\": " << flags.hidden;
+        if (flags.model == "gpt") out << ",\n\"heads\": " << flags.heads << ",\n\"seq\": " << flags.seq << ",\n\"vocab\": " << flags.vocab;
+        out
             << ",\n\"batch_per_rank\": " << flags.batch << ",\n\"params\": " << numel << ",\n\"warmup\": " << flags.warmup
             << ",\n\"reps\": " << flags.reps << ",\n\"optimizer\": \"" << flags.optimizer << "\"" << ",\n\"bucket_mb\": " << flags.bucket_mb
             << ",\n\"reducer_first_bucket_mb\": " << flags.reducer_first_bucket_mb << ",\n\"loadavg_start\": \""
@@ -841,7 +932,7 @@ int main(int argc, char** argv) {
           out << "  {\"name\": \"" << cands[i]->name << "\", " << phases_json(results[i])
               << ", \"grad_and_comm_bytes\": " << mems[i].grad_and_comm_bytes
               << ", \"optimizer_state_bytes\": " << mems[i].optimizer_state_bytes
-              << ", \"param_bytes\": " << mems[i].param_bytes;
+              << ", \"param_bytes\": " << mems[i].param_bytes << ", \"last_loss\": " << losses[i];
           if (cands[i]->extra_json) out << ", " << cands[i]->extra_json();
           out << "}" << (i + 1 < cands.size() ? "," : "") << "\n";
         }

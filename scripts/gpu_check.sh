@@ -9,7 +9,8 @@
 #              blocking-wait path
 #   sanitizer  compute-sanitizer memcheck, racecheck and synccheck on the world-size-1 GPU tests and
 #              on the kernel tests
-#   bench      fused_step_bench at 1e7/1e8/1e9 elements, ddp_bench --device cuda at world size 1
+#   bench      fused_step_bench at 1e7/1e8/1e9 elements, ddp_bench --device cuda at world size 1 (the
+#              MLP stack, and the ~1B bf16 GPT: meshddp / local against the 1.02 goal in summary.txt)
 # Output (a directory: $MESHDDP_GPU_CHECK_DIR, else $OUT, else build/gpu_check), few files because
 # the device tool brings back at most 8: summary.txt (a line per step: ok / FAILED / TIMEOUT /
 # NOT RUN, seconds), gpu_check.log (every step's output, in order), versions.txt, and the benches'
@@ -60,6 +61,21 @@ finish() {
   echo "==== summary ($out/summary.txt)" >&2; cat "$summary" >&2
   if [ "${#failed[@]}" -gt 0 ]; then echo "gpu_check: FAILED or not run: ${failed[*]} (log: $log)" >&2; exit 1; fi
   echo "gpu_check: all passed (log: $log)" >&2; exit 0
+}
+
+# ratio JSON A B [GOAL]: "A / B = x" of ddp_bench's median step times, and whether x <= GOAL.
+ratio() {
+  "$root/.venv/bin/python" - "$@" <<'PY' 2>&1
+import json, sys
+path, a, b, goal = (sys.argv[1:] + [""])[:4]
+try:
+    med = {c["name"]: c["median_ms"]["total"] for c in json.load(open(path))["candidates"]}
+    r = med[a] / med[b]
+    verdict = f"; goal <= {goal}: {'met' if r <= float(goal) else 'MISSED'}" if goal else ""
+    print(f"{path.rsplit('/', 1)[-1]}: {a} / {b} = {r:.3f} ({med[a]:.1f} / {med[b]:.1f} ms{verdict})")
+except (OSError, KeyError, ValueError, ZeroDivisionError) as e:
+    print(f"{path}: no {a} / {b} ratio ({type(e).__name__}: {e})")
+PY
 }
 
 # --- the machine -----------------------------------------------------------------------------------
@@ -136,6 +152,22 @@ for s in "${stages[@]}"; do
     ddp_env=(env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533)
     mlp=(--layers 16 --hidden 4096 --batch 16 --reps 20); [ "$small" = 1 ] && mlp=(--layers 2 --hidden 64 --batch 8 --reps 2 --warmup 1)
     step ddp_bench_mlp 240 "${ddp_env[@]}" "$build/bench/ddp_bench" --device "$device" "${mlp[@]}" --json "$out/ddp_bench_mlp.json"
+    # Issue 10's ratio: meshddp / local at world size 1 on the ~1B-parameter bf16 GPT (--preset gpt1b:
+    # 1.04e9 params, batch 8 x 1024 tokens; memory arithmetic in bench/ddp_bench.cpp), beside
+    # meshddp_fp32_grads (Megatron's bf16 default); then with every collective forced (NCCL live on
+    # its stream at DP 1) and ZeRO-1 in place of meshddp_fp32_grads (docs/gpu.md).
+    gpt=(--preset gpt1b --warmup 3 --reps 20); [ "$small" = 1 ] && gpt=(--model gpt --layers 2 --hidden 64 --heads 2 --seq 16 --vocab 128 --batch 2 --warmup 1 --reps 2)
+    gpt+=(--device "$device" --dtype bf16 --collective-reps 0)
+    step ddp_bench_gpt1b 300 "${ddp_env[@]}" MASTER_PORT=29534 "$build/bench/ddp_bench" "${gpt[@]}" \
+      --candidates local,meshddp,meshddp_fp32_grads --json "$out/ddp_bench_gpt1b.json"
+    step ddp_bench_gpt1b_forced 300 "${ddp_env[@]}" MASTER_PORT=29535 MESHDDP_FORCE_COLLECTIVES=1 "$build/bench/ddp_bench" "${gpt[@]}" \
+      --candidates local,meshddp,meshddp_zero1 --json "$out/ddp_bench_gpt1b_forced.json"
+    { ratio "$out/ddp_bench_gpt1b.json" meshddp local 1.02   # issue 10's figure
+      ratio "$out/ddp_bench_gpt1b.json" meshddp_fp32_grads local
+      ratio "$out/ddp_bench_gpt1b_forced.json" meshddp local 1.02
+      ratio "$out/ddp_bench_gpt1b_forced.json" meshddp_zero1 local
+      ratio "$out/ddp_bench_mlp.json" meshddp local
+    } >>"$summary"
     ;;
   esac
 done
