@@ -8,6 +8,10 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <exception>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -126,9 +130,34 @@ std::vector<meshddp::NamedTensor> named_tensors(const std::vector<std::pair<std:
   return out;
 }
 
+// A process that ends in std::terminate (a joinable std::thread destroyed, an exception escaping a
+// destructor or a thread) otherwise says only "terminate called without an active exception". Say
+// where: the C++ backtrace, with write(2) only (the interpreter may be half torn down), then the
+// handler that was there before (libstdc++'s prints the exception, if any, and aborts).
+std::terminate_handler previous_terminate_handler = nullptr;
+
+[[noreturn]] void report_terminate() {
+  static const char kHead[] =
+      "meshddp: std::terminate was called (a joinable std::thread destroyed, or a C++ exception escaping a "
+      "thread or a destructor); C++ backtrace of the calling thread:\n";
+  [[maybe_unused]] ssize_t written = write(STDERR_FILENO, kHead, sizeof(kHead) - 1);
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  if (previous_terminate_handler != nullptr) previous_terminate_handler();
+  std::abort();
+}
+
+void install_terminate_report() {
+  void* frame[1];
+  backtrace(frame, 1);  // loads libgcc's unwinder now, not inside the handler
+  std::terminate_handler previous = std::set_terminate(report_terminate);
+  if (previous != report_terminate) previous_terminate_handler = previous;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  install_terminate_report();
   m.def(
       "linear_with_grad_in_buffer",
       [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

@@ -89,3 +89,18 @@ def test_dtensor_grad_set_to_none_is_named(mesh):
     m[0].weight.grad = None  # what torch's optimizer.zero_grad() does
     with pytest.raises(RuntimeError, match=r"DTensor parameter '0.weight' got a gradient while its \.grad was not"):
         F.mse_loss(ddp(torch.randn(3, 4)), torch.zeros(3, 2)).backward()
+
+
+def test_a_process_that_ends_in_std_terminate_prints_the_cpp_backtrace():
+    # "terminate called without an active exception" alone says nothing; importing meshddp installs a
+    # std::terminate handler that writes the C++ backtrace first, then runs the previous handler.
+    import signal
+    import subprocess
+    import sys
+
+    code = "import ctypes, meshddp; ctypes.CDLL('libstdc++.so.6')['_ZSt9terminatev']()"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGABRT, (run.returncode, run.stderr)
+    assert "meshddp: std::terminate was called" in run.stderr, run.stderr
+    assert "backtrace" in run.stderr and "libstdc++" in run.stderr, run.stderr
+    assert "terminate called without an active exception" in run.stderr, run.stderr  # the previous handler ran too
