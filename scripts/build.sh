@@ -11,5 +11,5 @@ if [ ! -f "$build/CMakeCache.txt" ] || [ "$#" -gt 0 ]; then
   echo "[build] configuring $build (log: $build/configure.log)" >&2
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" 2>&1 | tee "$build/configure.log"
 fi
-echo "[build] building with $(nproc) jobs (a cold build takes ~8 min on 2 cores)" >&2
+echo "[build] building with $(nproc) jobs (a cold build takes ~12 min on 2 cores)" >&2
 cmake --build "$build" -j "$(nproc)"
