@@ -22,20 +22,34 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
+PHASE_COLORS = ["#8da0cb", "#66c2a5", "#fc8d62", "#a6d854"]
+
+
+def stack_phases(ax, bars, phases):
+    """Stacked bars of the median phases; bars = [(label, candidate JSON)]; returns each bar's top."""
+    bottom = [0.0] * len(bars)
+    for (key, label), color in zip(phases, PHASE_COLORS):
+        vals = [c["median_ms"][key] for _, c in bars]
+        ax.bar([n for n, _ in bars], vals, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    return bottom
+
+
+def save(fig, name):
+    fig.tight_layout()
+    out = os.path.join(DOCS, name)
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
 def ratio_bars(runs):
     fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.6), squeeze=False)
     phases = [("fwd", "forward"), ("bwd", "backward (Reducer: + its comm wait)"), ("sync", "exposed sync"),
               ("opt", "optimizer")]
-    colors = ["#8da0cb", "#66c2a5", "#fc8d62", "#a6d854"]
     for ax, (title, data) in zip(axes[0], runs):
         cands = data["candidates"]
-        names = [c["name"] for c in cands]
         base = next(c for c in cands if c["name"] == "meshddp")["median_ms"]["total"]
-        bottom = [0.0] * len(cands)
-        for (key, label), color in zip(phases, colors):
-            vals = [c["median_ms"][key] for c in cands]
-            ax.bar(names, vals, bottom=bottom, color=color, label=label)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = stack_phases(ax, [(c["name"], c) for c in cands], phases)
         for i, c in enumerate(cands):
             t = c["median_ms"]["total"]
             ax.text(i, max(bottom[i], t) * 1.01, f"{t:.0f} ms\n{t / base:.2f}x", ha="center", va="bottom", fontsize=8)
@@ -44,10 +58,7 @@ def ratio_bars(runs):
         ax.set_ylim(0, max(max(bottom), max(c["median_ms"]["total"] for c in cands)) * 1.22)
         ax.tick_params(axis="x", labelrotation=25, labelsize=8)
         ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    out = os.path.join(DOCS, "bench_ratios.png")
-    fig.savefig(out, dpi=110)
-    print("wrote", out)
+    save(fig, "bench_ratios.png")
 
 
 def sweep_plot(sweep, cpu_model):
@@ -74,10 +85,7 @@ def sweep_plot(sweep, cpu_model):
     ax.set_title(f"bucket-size sweep, {sweep['world']} ranks Gloo CPU, {sweep['params'] / 1e6:.1f}M params", fontsize=10)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = os.path.join(DOCS, "bench_bucket_sweep.png")
-    fig.savefig(out, dpi=110)
-    print("wrote", out)
+    save(fig, "bench_bucket_sweep.png")
 
 
 def scaling_plot(scale):
@@ -107,10 +115,7 @@ def scaling_plot(scale):
     ax2.set_ylabel("predicted exposed communication (ms)")
     ax2.set_title("exposed DP communication per step", fontsize=9)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    out = os.path.join(DOCS, "bench_scaling.png")
-    fig.savefig(out, dpi=110)
-    print("wrote", out)
+    save(fig, "bench_scaling.png")
 
 
 def before_after_phases(panels):
@@ -119,7 +124,6 @@ def before_after_phases(panels):
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.8), squeeze=False)
     phases = [("fwd", "forward"), ("bwd", "backward (Reducer: + its comm wait)"), ("sync", "exposed comm"),
               ("opt", "optimizer (ZeRO-1: + param all-gather)")]
-    colors = ["#8da0cb", "#66c2a5", "#fc8d62", "#a6d854"]
     for ax, (title, before, after) in zip(axes[0], panels):
         bars = []
         for c in after["candidates"]:
@@ -127,12 +131,7 @@ def before_after_phases(panels):
             if old is not None:
                 bars.append((c["name"] + "\nbefore", old))
             bars.append((c["name"] + ("\nafter" if old is not None else ""), c))
-        names = [n for n, _ in bars]
-        bottom = [0.0] * len(bars)
-        for (key, label), color in zip(phases, colors):
-            vals = [c["median_ms"][key] for _, c in bars]
-            ax.bar(names, vals, bottom=bottom, color=color, label=label)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = stack_phases(ax, bars, phases)
         for i, (_, c) in enumerate(bars):
             t = c["median_ms"]["total"]
             ax.text(i, max(bottom[i], t) * 1.01, f"{t:.0f}", ha="center", va="bottom", fontsize=7)
@@ -141,10 +140,7 @@ def before_after_phases(panels):
         ax.set_ylim(0, max(max(bottom), max(c["median_ms"]["total"] for _, c in bars)) * 1.15)
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
         ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    out = os.path.join(DOCS, "bench_issue14_phases.png")
-    fig.savefig(out, dpi=110)
-    print("wrote", out)
+    save(fig, "bench_issue14_phases.png")
 
 
 def main():
