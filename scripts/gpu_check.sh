@@ -145,15 +145,14 @@ for s in "${stages[@]}"; do
     done
     ;;
   bench)
-    device=cuda; [ "$dry_run" = 1 ] && device=cpu
-    small=1; [ "$dry_run" = 1 ] || small=0
+    device=cuda small=0; [ "$dry_run" = 1 ] && device=cpu small=1  # a dry run: tiny sizes on CPU
     numels=10000000,100000000,1000000000; [ "$small" = 1 ] && numels=100003
     step fused_step_bench 240 "$build/bench/fused_step_bench" --device "$device" --numel "$numels" --reps 10
     ddp_env=(env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533)
     mlp=(--layers 16 --hidden 4096 --batch 16 --reps 20); [ "$small" = 1 ] && mlp=(--layers 2 --hidden 64 --batch 8 --reps 2 --warmup 1)
     step ddp_bench_mlp 240 "${ddp_env[@]}" "$build/bench/ddp_bench" --device "$device" "${mlp[@]}" --json "$out/ddp_bench_mlp.json"
     # Issue 10's ratio: meshddp / local at world size 1 on the ~1B-parameter bf16 GPT (--preset gpt1b:
-    # 1.04e9 params, batch 8 x 1024 tokens; memory arithmetic in bench/ddp_bench.cpp), beside
+    # 1.04e9 params, batch 8 x 1024 tokens; memory arithmetic in bench/bench_flags.cpp), beside
     # meshddp_fp32_grads (Megatron's bf16 default); then with every collective forced (NCCL live on
     # its stream at DP 1) and ZeRO-1 in place of meshddp_fp32_grads (docs/gpu.md).
     gpt=(--preset gpt1b --warmup 3 --reps 20); [ "$small" = 1 ] && gpt=(--model gpt --layers 2 --hidden 64 --heads 2 --seq 16 --vocab 128 --batch 2 --warmup 1 --reps 2)
