@@ -2,7 +2,7 @@
 
 #include "mesh/collectives.h"
 
-#include <ATen/ops/isfinite.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -162,6 +162,14 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     register_grad_slot(param, this, static_cast<int64_t>(i));
   }
   buckets_.resize(layout_.buckets.size());
+  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
+    for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
+      NonfinitePieces pieces = nonfinite_pieces(layout_, b);
+      const c10::Device device = layout_.buffers[layout_.buckets[b].buffer].key.device;
+      at::Tensor offsets = at::from_blob(pieces.offsets.data(), {pieces.size() + 1}, at::kLong).clone().to(device);
+      nonfinite_.push_back(BucketNonfinite{std::move(pieces), std::move(offsets), {}, {}});
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     reset_step_state();
@@ -339,32 +347,12 @@ void GradBuffer::launch_ready_buckets_in_order() {
   }
 }
 
-namespace {
-
-// The number of NaN/Inf elements of `data`, exactly. On CUDA: lazy (no sync). On CPU the tensor
-// expression is ~5 unfused passes with a temporary each (abs, ne, eq, mul, not): ~120 ms per 10M fp32
-// elements on one core, run inside backward's hook (measured by bench/ddp_bench, docs/benchmarks.md).
-// Any NaN/Inf makes the plain sum non-finite (NaN and Inf propagate), so on CPU one vectorized sum
-// (~2 ms per 10M) decides, and the exact count runs only when that sum is not finite (a NaN/Inf, or
-// finite values whose sum overflows, where the count is then 0): the same counts as before.
-at::Tensor count_nonfinite(const at::Tensor& data) {
-  if (data.is_cpu() && std::isfinite(data.sum().item<double>())) {
-    return at::zeros({}, at::TensorOptions().dtype(at::kLong));
-  }
-  return at::isfinite(data).logical_not().sum();
-}
-
-}  // namespace
-
 void GradBuffer::launch_bucket(int64_t b) {
   BucketState& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
-    nonfinite_counts_[b] = count_nonfinite(data);  // read by the optimizer, and by raise_if_nonfinite()
-    if (config_.check_for_nan_in_grad) note_nonfinite_params(b);
-  }
+  if (!nonfinite_.empty()) count_nonfinite(b);  // the local values: the collective replaces them
   CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
@@ -466,11 +454,7 @@ void GradBuffer::reset_step_state() {
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;
-  nonfinite_notes_.assign(buckets_.size(), std::string());
-  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
-    const c10::Device device = layout_.buffers.empty() ? c10::Device(c10::kCPU) : layout_.buffers[0].key.device;
-    nonfinite_counts_.assign(buckets_.size(), at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device)));
-  }
+  for (BucketNonfinite& nonfinite : nonfinite_) nonfinite.piece_counts = nonfinite.total = at::Tensor();
   state_ = StepState::kIdle;
 }
 
@@ -502,8 +486,19 @@ at::Tensor GradBuffer::bucket_param_data(int64_t b) const {
 at::Tensor GradBuffer::local_nonfinite_counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(config_.use_distributed_optimizer, "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
-  if (nonfinite_counts_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
-  return at::stack(nonfinite_counts_);
+  if (nonfinite_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
+  std::vector<at::Tensor> totals;
+  for (const BucketNonfinite& nonfinite : nonfinite_) {
+    totals.push_back(nonfinite.total.defined() ? nonfinite.total : at::zeros({}, nonfinite.offsets.options()));
+  }
+  return at::stack(totals);
+}
+
+std::vector<int64_t> GradBuffer::local_nonfinite_counts_by_param() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(config_.use_distributed_optimizer || config_.check_for_nan_in_grad,
+              "GradBuffer: non-finite counts are kept with use_distributed_optimizer or check_for_nan_in_grad");
+  return nonfinite_by_param();
 }
 
 int64_t GradBuffer::buckets_launched() const {

@@ -23,6 +23,7 @@
 
 #include "grad_buffer/bucket_layout.h"
 #include "grad_buffer/grad_in_place.h"
+#include "grad_buffer/nonfinite_count.h"
 #include "grad_buffer/comm_hook.h"
 #include "grad_buffer/param_gather.h"
 #include "mesh/placement.h"
@@ -169,9 +170,13 @@ class GradBuffer {
   void notify_params_changed() { ++params_version_; }
 
   // Per bucket, the number of non-finite values in this rank's local gradient when the bucket was
-  // launched (before the collective), as lazy int64 scalars (no host sync). With the distributed
-  // optimizer only; zeros for buckets not launched this step.
+  // launched (before the collective), as an int64 tensor on the buffer's device (no host sync). With
+  // the distributed optimizer only; zeros for buckets not launched this step.
   at::Tensor local_nonfinite_counts() const;
+  // The same counts by param (index in params(); 0 for params of buckets not launched this step),
+  // on the host: one copy from the device, for reports. With the distributed optimizer or
+  // check_for_nan_in_grad.
+  std::vector<int64_t> local_nonfinite_counts_by_param() const;
   int64_t dp_rank() const { return dp_group_->getRank(); }
   c10d::ProcessGroup& dp_group() const { return *dp_group_; }
   // The group gradient norms and non-finite checks reduce over: the world group if there is one.
@@ -242,8 +247,11 @@ class GradBuffer {
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
-  void note_nonfinite_params(int64_t b);   // mutex held; check_for_nan_in_grad (nonfinite_check.cpp)
-  void raise_if_nonfinite();               // mutex held; check_for_nan_in_grad (nonfinite_check.cpp)
+  // nonfinite_check.cpp, mutex held: the count of bucket b's local gradient (at its launch), this
+  // step's counts by param, and check_for_nan_in_grad's agreement and error after the sync.
+  void count_nonfinite(int64_t b);
+  std::vector<int64_t> nonfinite_by_param() const;
+  void raise_if_nonfinite();
 
   std::vector<NamedParam> params_;
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
@@ -257,8 +265,16 @@ class GradBuffer {
   std::vector<at::Tensor> param_buffers_;
   std::unique_ptr<ParamGather> param_gather_;
   std::shared_ptr<CommHook> comm_hook_;
-  std::vector<at::Tensor> nonfinite_counts_;  // per bucket, see local_nonfinite_counts()
-  std::vector<std::string> nonfinite_notes_;  // per bucket with check_for_nan_in_grad: the params, if any
+  // Per bucket, with the distributed optimizer or check_for_nan_in_grad (empty otherwise): its
+  // pieces (nonfinite_count.h) and their offsets on the buffer's device, set once; this step's count
+  // per piece and in all (device tensors; undefined until the bucket launches).
+  struct BucketNonfinite {
+    NonfinitePieces pieces;
+    at::Tensor offsets;
+    at::Tensor piece_counts;
+    at::Tensor total;
+  };
+  std::vector<BucketNonfinite> nonfinite_;
 
   mutable std::mutex mutex_;
   StepState state_ = StepState::kIdle;

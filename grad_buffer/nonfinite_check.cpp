@@ -1,46 +1,73 @@
-// check_for_nan_in_grad for GradBuffer: each bucket's local gradient is counted for NaN/Inf just
-// before its collective (grad_buffer.cpp launch_bucket), the params of a bucket with any are noted
-// then (the local values are gone after the collective), and after the sync every rank agrees,
-// through one all-reduce, to throw the same error. Raising on the rank that saw the NaN, before its
-// collective, would leave its peers waiting in that collective until the timeout.
+// Non-finite gradients for GradBuffer: each bucket's local gradient is counted for NaN/Inf, by
+// param, just before its collective (launch_bucket; the local values are gone after the
+// collective), into device tensors (nonfinite_count.h: one read of the bucket, no host sync). The
+// distributed optimizer reads the totals when it steps; with check_for_nan_in_grad, after the sync
+// every rank agrees, through one all-reduce, to throw the same error naming the params. Raising on
+// the rank that saw the NaN, before its collective, would leave its peers waiting in that collective
+// until the timeout; reading the count per bucket would stall backward on the device (one host sync
+// per bucket, as Megatron's check does).
 #include "grad_buffer/grad_buffer.h"
 
 #include "mesh/collectives.h"
 
-#include <ATen/ops/isfinite.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
 
 namespace meshddp {
 
-void GradBuffer::note_nonfinite_params(int64_t b) {
-  // The one host sync of the check (a no-op wait on CPU, where the count is already known).
-  if (nonfinite_counts_[b].item<int64_t>() == 0) return;
-  std::ostringstream out;
-  for (int64_t p : layout_.buckets[b].params) {
-    const int64_t n = at::isfinite(main_grads_[p]).logical_not().sum().item<int64_t>();
-    if (n == 0) continue;
-    out << "  rank " << stats_group().getRank() << " (DP rank " << dp_rank() << "): parameter '" << params_[p].name
-        << "' has " << n << " NaN/Inf gradient value(s) of " << main_grads_[p].numel() << ", in "
-        << bucket_description(b) << "\n";
+void GradBuffer::count_nonfinite(int64_t b) {
+  BucketNonfinite& nonfinite = nonfinite_[b];
+  nonfinite.piece_counts = count_nonfinite_pieces(bucket_data(b), nonfinite.offsets);
+  nonfinite.total = nonfinite.piece_counts.sum();
+}
+
+std::vector<int64_t> GradBuffer::nonfinite_by_param() const {
+  std::vector<int64_t> by_param(params_.size(), 0);
+  std::vector<at::Tensor> counted;
+  std::vector<const BucketNonfinite*> buckets;
+  for (const BucketNonfinite& nonfinite : nonfinite_) {
+    if (!nonfinite.piece_counts.defined()) continue;
+    counted.push_back(nonfinite.piece_counts);
+    buckets.push_back(&nonfinite);
   }
-  nonfinite_notes_[b] = out.str();
+  if (counted.empty()) return by_param;
+  const at::Tensor host = at::cat(counted).cpu();  // the one copy from the device
+  const int64_t* counts = host.const_data_ptr<int64_t>();
+  for (const BucketNonfinite* nonfinite : buckets) {
+    for (int64_t param : nonfinite->pieces.param) by_param[param] += *counts++;
+  }
+  return by_param;
 }
 
 void GradBuffer::raise_if_nonfinite() {
-  std::string mine;
-  for (const auto& note : nonfinite_notes_) mine += note;
-  at::Tensor total = at::stack(nonfinite_counts_).sum().to(at::kDouble).reshape({1});
+  std::vector<at::Tensor> totals;
+  for (const BucketNonfinite& nonfinite : nonfinite_) {
+    if (nonfinite.total.defined()) totals.push_back(nonfinite.total);
+  }
+  const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
+  at::Tensor total = totals.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))
+                                    : at::stack(totals).sum().to(at::kDouble).reshape({1});
   all_reduce_sum_now(stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
-  if (total.item<double>() == 0) return;
+  if (total.item<double>() == 0) return;  // the check's one host sync
+  const std::vector<int64_t> by_param = nonfinite_by_param();
+  std::ostringstream mine;
+  for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
+    for (int64_t p : layout_.buckets[b].params) {
+      if (by_param[p] == 0) continue;
+      mine << "  rank " << stats_group().getRank() << " (DP rank " << dp_rank() << "): parameter '" << params_[p].name
+           << "' has " << by_param[p] << " NaN/Inf gradient value(s) of " << main_grads_[p].numel() << ", in "
+           << bucket_description(b) << "\n";
+    }
+  }
   std::ostringstream report;
   report << "GradBuffer: non-finite gradients at step " << syncs_completed_ - 1
          << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one), found in the local "
             "gradients before their collective:\n";
-  const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
-  for (const std::string& lines : all_gather_strings(stats_group(), mine, "the non-finite gradient report", device)) {
+  for (const std::string& lines : all_gather_strings(stats_group(), mine.str(), "the non-finite gradient report", device)) {
     report << lines;
   }
   report << "The reduced gradients are non-finite on every rank; do not step the optimizer. Look for a too-large "

@@ -363,18 +363,18 @@ void DistributedOptimizer::write_params_and_gather() {
 void DistributedOptimizer::finish_param_sync() { buffer_.param_gather()->wait_all(); }
 
 std::string DistributedOptimizer::nonfinite_report() {
-  // Local: which buckets had non-finite values before the reduction (this rank produced them), and
+  // Local: which params had non-finite values before the reduction (this rank produced them), and
   // which owned params have non-finite reduced gradients.
   const auto& params = buffer_.params();
   std::ostringstream mine;
-  const at::Tensor counts = buffer_.local_nonfinite_counts().cpu();
-  for (int64_t b = 0; b < counts.numel(); ++b) {
-    const int64_t n = counts[b].item<int64_t>();
-    if (n == 0) continue;
-    mine << "  DP rank " << buffer_.dp_rank() << " produced " << n << " non-finite value(s) in its local gradient of bucket "
-         << b << ", which holds";
-    for (int64_t p : buffer_.layout().buckets[b].params) mine << " '" << params[p].name << "'";
-    mine << "\n";
+  const std::vector<int64_t> produced = buffer_.local_nonfinite_counts_by_param();
+  for (int64_t b = 0; b < static_cast<int64_t>(buffer_.layout().buckets.size()); ++b) {
+    for (int64_t p : buffer_.layout().buckets[b].params) {
+      if (produced[p] == 0) continue;
+      mine << "  DP rank " << buffer_.dp_rank() << " produced " << produced[p] << " non-finite value(s) in its local "
+           << "gradient of parameter '" << params[p].name << "' (" << buffer_.main_grad(p).numel()
+           << " elements, bucket " << b << ")\n";
+    }
   }
   for (size_t b = 0; b < shards_.size(); ++b) {
     for (const ShardSegment& seg : shards_[b].segments) {

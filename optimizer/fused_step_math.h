@@ -17,15 +17,11 @@
 //   test on a GPU (ATen's CUDA foreach kernels let nvcc contract freely).
 #pragma once
 
+#include "grad_buffer/host_device.h"
+
 #include <cstdint>
 #include <cstring>
 #include <math.h>  // fmaf, sqrtf: the same names on host and device
-
-#if defined(__CUDACC__)
-#define MESHDDP_HD __host__ __device__
-#else
-#define MESHDDP_HD
-#endif
 
 namespace meshddp::fused {
 

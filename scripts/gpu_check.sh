@@ -101,7 +101,7 @@ fi
 targets=()
 for s in "${stages[@]}"; do
   case "$s" in
-    tests|sanitizer) targets+=(gpu_tests optimizer_tests) ;;
+    tests|sanitizer) targets+=(gpu_tests optimizer_tests grad_buffer_tests) ;;
     bench) targets+=(ddp_bench fused_step_bench) ;;
   esac
 done
@@ -126,6 +126,7 @@ for s in "${stages[@]}"; do
     # A skip means torch saw no device: counted as a failure unless this is a dry run.
     MESHDDP_FORCE_COLLECTIVES=1 step gpu_tests 240 "$tests/gpu_tests"
     MESHDDP_FORCE_COLLECTIVES=1 step kernel_tests_cuda 180 "$tests/optimizer_tests" --gtest_filter='FusedStep*:DistributedOptimizer.Fused*'
+    step nonfinite_count_tests_cuda 60 "$tests/grad_buffer_tests" --gtest_filter='NonfiniteCount*:CheckForNan*'
     # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.
     MESHDDP_FORCE_COLLECTIVES=1 MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait 120 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
     skipped="$(grep -c "^\[  SKIPPED \]" "$log")"
@@ -139,6 +140,7 @@ for s in "${stages[@]}"; do
     fi
     for tool in memcheck synccheck racecheck; do
       MESHDDP_FORCE_COLLECTIVES=1 step "sanitizer_${tool}_kernels" 90 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/optimizer_tests" --gtest_filter='FusedStepCuda.*'
+      step "sanitizer_${tool}_nonfinite_count" 60 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/grad_buffer_tests" --gtest_filter='NonfiniteCountCuda.*'
     done
     for tool in memcheck synccheck racecheck; do
       MESHDDP_FORCE_COLLECTIVES=1 step "sanitizer_${tool}_gpu_tests" 150 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'

@@ -72,7 +72,7 @@ code, out, err = run(torchrun_cmd(gpt_binary, 2, *zero))
 expect("gpt_example ZeRO-1 skips the NaN step, reports it, and finishes",
        code == 0 and steps_printed(out) == [0, 1, 2, 3, 4]
        and "step 2 skipped (1 in a row, --max-skipped-steps 3): DistributedOptimizer: step skipped" in err
-       and "DP rank 1 produced 1 non-finite value(s)" in err
+       and "DP rank 1 produced 1 non-finite value(s) in its local gradient of parameter" in err
        and re.search(r"# summary: 5 steps, .* 1 skipped step\(s\)", err) is not None,
        f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
 code, out, err = run(torchrun_cmd(gpt_binary, 2, *zero, "--max-skipped-steps", "1"))
