@@ -104,8 +104,11 @@ int main(int argc, char** argv) {
     });
     double aten_fused_ms = NAN;
     if (device.is_cuda()) {
+      // As torch.optim.AdamW(fused=True) steps: the step count is incremented on the device first
+      // (_fused_adamw_ reads it; at 0 the bias correction would divide by zero).
       at::Tensor steps = at::zeros({}, f32);
       aten_fused_ms = best_ms(device, warmup, reps, [&] {
+        steps.add_(1);
         at::_fused_adamw_({master}, {g}, {m}, {v}, {}, {steps}, lr, b1, b2, wd, eps, false, false);
         param.copy_(master);
       });

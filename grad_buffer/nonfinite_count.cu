@@ -23,7 +23,6 @@ void count_pieces_cuda(Format format, const void* data, const int64_t* offsets, 
     rc = cub::DeviceSegmentedReduce::Sum(temp, temp_bytes, counts, out, pieces, offsets, offsets + 1,
                                          static_cast<cudaStream_t>(stream));
   });
-  if (rc == cudaSuccess) rc = cudaGetLastError();
   if (rc != cudaSuccess) {
     throw std::runtime_error(std::string("meshddp non-finite count: cub::DeviceSegmentedReduce::Sum failed: ") +
                              cudaGetErrorString(rc));

@@ -259,20 +259,32 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
   }
 }
 
+WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool has_stuck_report) {
+  if (backend == c10d::ProcessGroup::BackendType::NCCL) return nccl_blocking_wait ? WaitMode::kPolling : WaitMode::kWait;
+  return has_stuck_report ? WaitMode::kReporting : WaitMode::kWait;
+}
+
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
-  if (group.getBackendType() == c10d::ProcessGroup::BackendType::NCCL && nccl_blocking_wait()) {
-    wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
-    return;
-  }
-  try {
-    if (const auto report_after = collective_report_after(group)) {
-      wait_reporting(work, group, what, *report_after);
-    } else {
-      work->wait();
-    }
-  } catch (const std::exception& e) {
-    fail_collective(work, group, what, e.what());
+  const auto report_after = collective_report_after(group);
+  switch (choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), report_after.has_value())) {
+    case WaitMode::kPolling:
+      wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
+      return;
+    case WaitMode::kReporting:
+      try {
+        wait_reporting(work, group, what, *report_after);
+      } catch (const std::exception& e) {
+        fail_collective(work, group, what, e.what());
+      }
+      return;
+    case WaitMode::kWait:
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        fail_collective(work, group, what, e.what());
+      }
+      return;
   }
 }
 

@@ -53,6 +53,14 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
 // NCCL groups, so a hang is reported naming the bucket instead of by c10d's watchdog alone.
 bool nccl_blocking_wait();
 
+// How wait_collective waits on a group (Note [Waiting on NCCL]); pure, so testable without a GPU.
+enum class WaitMode {
+  kWait,       // work->wait(): on NCCL a stream wait (the host goes on), elsewhere a blocking wait
+  kReporting,  // wait(slice) in doubling slices with the stuck report between them (never on NCCL)
+  kPolling,    // wait_collective_polling with the group's timeout
+};
+WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool has_stuck_report);
+
 // Convenience: launch and wait.
 void all_reduce_sum_now(c10d::ProcessGroup& group, const at::Tensor& tensor, const std::string& what);
 // In-place MAX all-reduce, launched and waited (e.g. the max logit of a vocab-parallel softmax).

@@ -69,6 +69,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
       const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(nccl_setup.device_index));
       nccl->setBoundDeviceId(device);
       nccl->eagerConnectSingleDevice(device);  // the communicator now (or the split, collective over the parent)
+      // setBackend hands the backend the group's bound device, which would clear the one set above.
+      group->setBoundDeviceId(device);
     }
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);

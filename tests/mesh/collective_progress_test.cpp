@@ -142,3 +142,19 @@ TEST(CollectiveProgress, PollingWaitReportsTheLateRankAndTimesOutNamingTheBucket
   EXPECT_THAT(error, HasSubstr("it is launch #3 on this group; rank(s) that have not reached it (global ranks): 1 "
                                "(at launch #2)"));
 }
+
+// Note [Waiting on NCCL]: on NCCL, wait(timeout) aborts the communicator when the timeout passes, so
+// wait_collective must never wait there in slices, even on a mesh with a stuck report (every mesh
+// from a store has one): a stream wait by default, polling with MESHDDP_NCCL_BLOCKING_WAIT=1. Gloo
+// waits in slices when there is a report, plainly otherwise. (Before this test, an NCCL group with a
+// stuck report took the slices: a collective 30 s late would have been aborted.)
+TEST(CollectiveProgress, NcclGroupsAreNeverWaitedOnInSlices) {
+  using Backend = c10d::ProcessGroup::BackendType;
+  EXPECT_EQ(choose_wait_mode(Backend::NCCL, /*nccl_blocking_wait=*/false, /*has_stuck_report=*/true), WaitMode::kWait);
+  EXPECT_EQ(choose_wait_mode(Backend::NCCL, false, false), WaitMode::kWait);
+  EXPECT_EQ(choose_wait_mode(Backend::NCCL, true, true), WaitMode::kPolling);
+  EXPECT_EQ(choose_wait_mode(Backend::NCCL, true, false), WaitMode::kPolling);
+  EXPECT_EQ(choose_wait_mode(Backend::GLOO, false, true), WaitMode::kReporting);
+  EXPECT_EQ(choose_wait_mode(Backend::GLOO, true, true), WaitMode::kReporting);  // the switch is NCCL's only
+  EXPECT_EQ(choose_wait_mode(Backend::GLOO, false, false), WaitMode::kWait);
+}

@@ -284,7 +284,10 @@ TEST(DistributedOptimizer, LoadStateDictWithBf16ParamsRefreshesTheMasterWeights)
     config.grad_reduce_in_fp32 = true;
     config.bucket_bytes = 512;
     DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
-    DistributedOptimizer opt(ddp.grad_buffer(), {.kind = OptimizerKind::kSgd, .lr = 0.1});
+    DistributedOptimizerConfig sgd;
+    sgd.kind = OptimizerKind::kSgd;
+    sgd.lr = 0.1;
+    DistributedOptimizer opt(ddp.grad_buffer(), sgd);
     for (int step = 0; step < 2; ++step) {  // the masters move away from the initial weights
       ddp.zero_grad_buffer();
       auto [x, y] = make_batch(kZeroSeed, step, 8, kZeroIn, kZeroOut);

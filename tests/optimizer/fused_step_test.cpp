@@ -219,7 +219,9 @@ void compare_sgd_with_aten(const at::Device& device, int64_t bound) {
                            sgd_scalars(0.05, weight_decay, momentum, grad_scale));
             aten_sgd(aten, 0.05, weight_decay, momentum, grad_scale);
             EXPECT_LE(max_ulps(fused.master, aten.master), bound) << "master, " << where;
-            if (momentum > 0) EXPECT_LE(max_ulps(fused.momentum_buffer, aten.momentum_buffer), bound) << where;
+            if (momentum > 0) {
+              EXPECT_LE(max_ulps(fused.momentum_buffer, aten.momentum_buffer), bound) << where;
+            }
             expect_same_bits(param, fused.master.to(at::kBFloat16), "param = cast(master), " + where);
           }
         }
