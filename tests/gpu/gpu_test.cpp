@@ -8,6 +8,7 @@
 //     cudaMalloc after the first steps: activations reuse its blocks; the flat buffers were made once).
 // Tolerance 1e-5: GPU matmuls of different batch shapes (per-rank shards vs the whole batch) sum in
 // different orders; fp32, 10 steps.
+#include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/linear_with_grad_in_buffer.h"
@@ -215,4 +216,42 @@ TEST(Gpu, Bf16ParamsWithFp32MainGradsAreWrittenInPlaceInFp32) {
     EXPECT_LE(w_err, 1e-5);
     EXPECT_LE(b_err, 1e-5);
   });
+}
+
+// Stream order with data that moves at world size 1: on NCCL, wait_collective is a stream wait (the
+// host goes on, Note [Waiting on NCCL]). The input of an all-gather into a separate output is written
+// by a slow GEMM on the current stream just before the launch, and the output is read on the current
+// stream right after the wait. If NCCL's stream did not wait for the GEMM, the output would hold the
+// old input (zeros); if the current stream did not wait for NCCL, the read would race NCCL's kernel
+// (both become runnable when the GEMM ends) and could see the output's old contents (-1). Five
+// rounds, all-gather and reduce-scatter.
+TEST(Gpu, NcclWaitOrdersTheCurrentStreamAfterTheCollectiveWithDataThatMoves) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_TRUE(kForceCollectives);
+  setenv("LOCAL_RANK", "0", 1);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  MeshOptions options;
+  options.device_type = c10::DeviceType::CUDA;
+  options.timeout = kTestTimeout;
+  DeviceMesh mesh = DeviceMesh::from_store(store, 0, 1, {1}, {"dp"}, options);
+  c10d::ProcessGroup& group = *mesh["dp"];
+  ASSERT_EQ(group.getBackendType(), c10d::ProcessGroup::BackendType::NCCL);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor a = torch::randn({4096, 4096}, cuda) / 64;
+  for (int round = 0; round < 5; ++round) {
+    torch::Tensor input = torch::zeros({1 << 20}, cuda);
+    torch::Tensor gathered = torch::full({1 << 20}, -1.0, cuda);
+    torch::Tensor scattered = torch::full({1 << 20}, -1.0, cuda);
+    torch::cuda::synchronize();
+    torch::Tensor slow = a;
+    for (int k = 0; k < 8; ++k) slow = torch::mm(slow, a);  // ~1 TFLOP in fp32: milliseconds
+    input.copy_(slow.flatten().narrow(0, 0, 1 << 20));
+    wait_collective(all_gather_into(group, gathered, input, "the ordering test's all-gather"), group, "all-gather");
+    wait_collective(reduce_scatter_sum(group, scattered, input.clone(), "the ordering test's reduce-scatter"), group,
+                    "reduce-scatter");
+    const bool gathered_ok = torch::equal(gathered, input);    // reads on the current stream
+    const bool scattered_ok = torch::equal(scattered, input);
+    EXPECT_TRUE(gathered_ok) << "round " << round << ": the all-gather's output is not its input";
+    EXPECT_TRUE(scattered_ok) << "round " << round << ": the reduce-scatter's output is not its input";
+  }
 }
