@@ -110,14 +110,18 @@ void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::
 // the param all-gather and their stream ordering on the one GPU.
 const bool kForceCollectives = setenv("MESHDDP_FORCE_COLLECTIVES", "1", 1) == 0;
 
-std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr, bool overlap_param_gather = false) {
+// A 1-D mesh of one rank on GPU 0 with NCCL groups.
+DeviceMesh world_one_nccl_mesh() {
   EXPECT_TRUE(kForceCollectives);
   setenv("LOCAL_RANK", "0", 1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
   MeshOptions options;
   options.device_type = c10::DeviceType::CUDA;
   options.timeout = kTestTimeout;
-  DeviceMesh mesh = DeviceMesh::from_store(store, 0, 1, {1}, {"dp"}, options);
+  return DeviceMesh::from_store(c10::make_intrusive<c10d::HashStore>(), 0, 1, {1}, {"dp"}, options);
+}
+
+std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr, bool overlap_param_gather = false) {
+  DeviceMesh mesh = world_one_nccl_mesh();
   return train_rank(mesh, zero1, allocs, overlap_param_gather);
 }
 
@@ -227,13 +231,7 @@ TEST(Gpu, Bf16ParamsWithFp32MainGradsAreWrittenInPlaceInFp32) {
 // rounds, all-gather and reduce-scatter.
 TEST(Gpu, NcclWaitOrdersTheCurrentStreamAfterTheCollectiveWithDataThatMoves) {
   SKIP_WITHOUT_GPU();
-  EXPECT_TRUE(kForceCollectives);
-  setenv("LOCAL_RANK", "0", 1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  MeshOptions options;
-  options.device_type = c10::DeviceType::CUDA;
-  options.timeout = kTestTimeout;
-  DeviceMesh mesh = DeviceMesh::from_store(store, 0, 1, {1}, {"dp"}, options);
+  DeviceMesh mesh = world_one_nccl_mesh();
   c10d::ProcessGroup& group = *mesh["dp"];
   ASSERT_EQ(group.getBackendType(), c10d::ProcessGroup::BackendType::NCCL);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
@@ -277,12 +275,7 @@ TEST(Gpu, ZeroOneWithFusedAdamWOnNcclAtWorldSizeOneMatchesTorchAdamW) {
     adamw.step();
   }
 
-  setenv("LOCAL_RANK", "0", 1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  MeshOptions options;
-  options.device_type = c10::DeviceType::CUDA;
-  options.timeout = kTestTimeout;
-  DeviceMesh mesh = DeviceMesh::from_store(store, 0, 1, {1}, {"dp"}, options);
+  DeviceMesh mesh = world_one_nccl_mesh();
   Mlp model = make_mlp(3, kIn, kHidden, kOut);
   model->to(torch::kCUDA);
   DdpConfig config;

@@ -1,5 +1,6 @@
 // assign_buckets: boundaries, padding, ordering and offsets, computed by hand. No process group.
 #include "grad_buffer/bucket_layout.h"
+#include "tests/support/param_specs.h"
 
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
@@ -9,13 +10,7 @@ using namespace meshddp;
 
 namespace {
 
-std::vector<ParamSpec> fp32_params(const std::vector<int64_t>& numels) {
-  std::vector<ParamSpec> params;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    params.push_back(ParamSpec{"p" + std::to_string(i), numels[i], c10::kFloat, c10::kFloat, c10::Device(c10::kCPU)});
-  }
-  return params;
-}
+std::vector<ParamSpec> fp32_params(const std::vector<int64_t>& numels) { return test::fp32_param_specs(numels); }
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 // GradBuffer, a NaN in a param bigger than one piece is attributed to that param.
 #include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/nonfinite_count.h"
+#include "tests/support/param_specs.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -18,13 +19,15 @@ using namespace meshddp;
 
 namespace {
 
-std::vector<ParamSpec> fp32_params(const std::vector<int64_t>& numels) {
-  std::vector<ParamSpec> params;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    params.push_back(ParamSpec{"p" + std::to_string(i), numels[i], c10::kFloat, c10::kFloat, c10::Device(c10::kCPU)});
-  }
-  return params;
-}
+#define SKIP_WITHOUT_CUDA_KERNELS()                                                 \
+  if (!kCudaKernelsBuilt) GTEST_SKIP() << "a build without the CUDA kernels"; \
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: scripts/gpu_check.sh runs this on a GPU"
+
+#ifdef MESHDDP_WITH_CUDA
+constexpr bool kCudaKernelsBuilt = true;
+#else
+constexpr bool kCudaKernelsBuilt = false;
+#endif
 
 // ATen's count of each piece, on the host.
 std::vector<int64_t> aten_counts(const at::Tensor& data, const std::vector<int64_t>& offsets) {
@@ -94,7 +97,8 @@ void compare_with_aten(const at::Device& device) {
 // Two 100-element params and one of 10, padded for DP 2 (params start at multiples of 64, the bucket
 // ends at a multiple of 128); pieces of at most 64 elements. Placement is reverse registration order.
 TEST(NonfinitePieces, CoverTheBucketInPiecesOfAtMostMaxPieceAttributingPaddingToThePrecedingParam) {
-  const BucketLayout layout = assign_buckets(fp32_params({100, 10, 100}), LayoutConfig{size_t{1} << 30, true, 2});
+  const BucketLayout layout =
+      assign_buckets(test::fp32_param_specs({100, 10, 100}), LayoutConfig{size_t{1} << 30, true, 2});
   ASSERT_EQ(layout.buckets.size(), 1u);
   // p2 at 0 (100, padded to 128), p1 at 128 (10, padded to 192), p0 at 192 (100): end 292 -> 384.
   ASSERT_EQ(layout.slots[1].offset, 128);
@@ -104,7 +108,8 @@ TEST(NonfinitePieces, CoverTheBucketInPiecesOfAtMostMaxPieceAttributingPaddingTo
   EXPECT_EQ(pieces.offsets, (std::vector<int64_t>{0, 64, 128, 192, 256, 320, 384}));
   EXPECT_EQ(pieces.param, (std::vector<int64_t>{2, 2, 1, 0, 0, 0}));
   // Unpadded, one piece per param when they are small; a zero-element param gets no piece.
-  const BucketLayout dense = assign_buckets(fp32_params({3, 0, 5}), LayoutConfig{size_t{1} << 30, false, 1});
+  const BucketLayout dense =
+      assign_buckets(test::fp32_param_specs({3, 0, 5}), LayoutConfig{size_t{1} << 30, false, 1});
   const NonfinitePieces whole = nonfinite_pieces(dense, 0);
   EXPECT_EQ(whole.offsets, (std::vector<int64_t>{0, 5, 8}));
   EXPECT_EQ(whole.param, (std::vector<int64_t>{2, 0}));
@@ -122,10 +127,7 @@ TEST(NonfiniteCount, RefusesOffsetsThatDoNotCoverTheData) {
 }
 
 TEST(NonfiniteCountCuda, MatchesAtenIsfiniteForEveryGradDtypeOnCuda) {
-#ifndef MESHDDP_WITH_CUDA
-  GTEST_SKIP() << "a build without the CUDA kernels";
-#endif
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: scripts/gpu_check.sh runs this on a GPU";
+  SKIP_WITHOUT_CUDA_KERNELS();
   compare_with_aten(at::Device(at::kCUDA, 0));
 }
 
@@ -165,9 +167,6 @@ void attribute_through_grad_buffer(const at::Device& device) {
 TEST(NonfiniteCount, GradBufferAttributesEachPiecesCountToItsParam) { attribute_through_grad_buffer(at::kCPU); }
 
 TEST(NonfiniteCountCuda, GradBufferAttributesEachPiecesCountToItsParamOnCuda) {
-#ifndef MESHDDP_WITH_CUDA
-  GTEST_SKIP() << "a build without the CUDA kernels";
-#endif
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: scripts/gpu_check.sh runs this on a GPU";
+  SKIP_WITHOUT_CUDA_KERNELS();
   attribute_through_grad_buffer(at::Device(at::kCUDA, 0));
 }

@@ -3,6 +3,7 @@
 // that never stopped), the crash-safe layout (a crash between files, keep-last-K, incomplete step
 // directories), and damaged files: each a named error on every rank that changes no rank's state.
 #include "tests/support/rank_threads.h"
+#include "tests/support/temp_dir.h"
 #include "tests/support/zero_training.h"
 
 #include <gmock/gmock.h>
@@ -21,15 +22,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-// POSIX, not std::filesystem: the torch wheel exports an older std::filesystem that crashes when it
-// shadows libstdc++'s (docs/building.md).
-std::string fresh_dir(const std::string& name) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp ? tmp : "/tmp") + "/meshddp-ckpt-" + name + "-" + std::to_string(::getpid());
-  std::system(("rm -rf '" + dir + "'").c_str());
-  return dir;
-}
-void remove_dir(const std::string& dir) { std::system(("rm -rf '" + dir + "'").c_str()); }
+std::string scratch_dir(const std::string& name) { return test::fresh_dir("ckpt-" + name); }
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
@@ -108,7 +101,7 @@ void expect_every_rank_says(const std::vector<std::string>& messages, const std:
 TEST(Checkpoint, RoundTripAtTheSameDpSizeContinuesBitExactly) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
     ZeroScenario s{.kind = kind};
-    auto dir = fresh_dir("same");
+    auto dir = scratch_dir("same");
     auto uninterrupted = train_and_save(s, 4, dir);
     EXPECT_TRUE(exists(dir + "/step-6/manifest.json"));
     EXPECT_TRUE(exists(dir + "/step-6/rank00003.safetensors"));
@@ -127,7 +120,7 @@ TEST(Checkpoint, RoundTripAtTheSameDpSizeContinuesBitExactly) {
 TEST(Checkpoint, ReshardsFromFourRanksToTwoAndFromTwoToFour) {
   for (auto [save_dp, load_dp] : {std::pair{4, 2}, std::pair{2, 4}, std::pair{4, 1}}) {
     ZeroScenario s{.bf16 = false};
-    auto dir = fresh_dir("reshard");
+    auto dir = scratch_dir("reshard");
     auto uninterrupted = train_and_save(s, save_dp, dir);
     auto resumed = load_and_continue(s, load_dp, dir);
     const double diff = max_abs_diff(uninterrupted, resumed);
@@ -139,7 +132,7 @@ TEST(Checkpoint, ReshardsFromFourRanksToTwoAndFromTwoToFour) {
 
 TEST(Checkpoint, Bf16MasterWeightsSurviveResharding) {
   ZeroScenario s{.bf16 = true};
-  auto dir = fresh_dir("bf16");
+  auto dir = scratch_dir("bf16");
   auto uninterrupted = train_and_save(s, 2, dir);
   auto resumed = load_and_continue(s, 4, dir);
   EXPECT_LE(max_abs_diff(uninterrupted, resumed), 8e-3);
@@ -150,7 +143,7 @@ TEST(Checkpoint, Bf16MasterWeightsSurviveResharding) {
 // and no rank's params or step change (checked inside load_errors).
 TEST(Checkpoint, DamagedFilesGiveNamedErrorsOnEveryRankAndLoadNothing) {
   ZeroScenario s;
-  auto dir = fresh_dir("damage");
+  auto dir = scratch_dir("damage");
   train_and_save(s, 2, dir);
   const std::string file = dir + "/step-6/rank00001.safetensors", backup = dir + "/backup";
   std::system(("cp '" + file + "' '" + backup + "'").c_str());
@@ -184,7 +177,7 @@ TEST(Checkpoint, DamagedFilesGiveNamedErrorsOnEveryRankAndLoadNothing) {
   restore();
 
   // From another save of the same step: same size, another save id.
-  auto other = fresh_dir("damage-other");
+  auto other = scratch_dir("damage-other");
   train_and_save(s, 2, other);
   std::system(("cp '" + other + "/step-6/rank00001.safetensors' '" + file + "'").c_str());
   expect_every_rank_says(load_errors(s, 2, dir), "(written by rank 1) is from another save (save id ");
@@ -198,7 +191,7 @@ TEST(Checkpoint, DamagedFilesGiveNamedErrorsOnEveryRankAndLoadNothing) {
 
 TEST(Checkpoint, AChangedModelIsNamed) {
   ZeroScenario s;
-  auto dir = fresh_dir("model");
+  auto dir = scratch_dir("model");
   train_and_save(s, 2, dir);
   ZeroScenario wider = s;
   wider.hidden = kZeroHidden + 8;
@@ -214,7 +207,7 @@ TEST(Checkpoint, AChangedModelIsNamed) {
 // the previous checkpoint complete, `latest` naming it, and the new step never taken.
 TEST(Checkpoint, ACrashBetweenFilesLeavesThePreviousCheckpointLatestAndLoadable) {
   ZeroScenario s;
-  auto dir = fresh_dir("crash");
+  auto dir = scratch_dir("crash");
   std::vector<std::string> errors(2);
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     ZeroRank rank(mesh, s, kZeroSeed);
@@ -251,7 +244,7 @@ TEST(Checkpoint, ACrashBetweenFilesLeavesThePreviousCheckpointLatestAndLoadable)
 
 TEST(Checkpoint, KeepLastKeepsTheNewestStepsAndNeverOverwritesLatest) {
   ZeroScenario s;
-  auto dir = fresh_dir("keep");
+  auto dir = scratch_dir("keep");
   std::string overwrite_error;
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     ZeroRank rank(mesh, s, kZeroSeed);

@@ -5,6 +5,7 @@
 #include "plugin/checkpoint.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
+#include "tests/support/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,12 +20,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp ? tmp : "/tmp") + "/meshddp-train-ckpt-" + name + "-" + std::to_string(::getpid());
-  std::system(("rm -rf '" + dir + "'").c_str());
-  return dir;
-}
+std::string scratch_dir(const std::string& name) { return test::fresh_dir("train-ckpt-" + name); }
 
 }  // namespace
 
@@ -34,7 +30,7 @@ std::string fresh_dir(const std::string& name) {
 // 10 steps from scratch; measured here: < 2e-7 relative, so 2e-6 leaves a factor of ten.
 TEST(TrainingCheckpoint, ResumingAtFourByOneOneByFourAndTwoByTwoContinuesTheLossCurve) {
   for (bool zero : {false, true}) {
-    const std::string dir = fresh_dir(zero ? "gpt-zero" : "gpt");
+    const std::string dir = scratch_dir(zero ? "gpt-zero" : "gpt");
     GptScenario s{.dp = 2, .tp = 2, .distributed_optimizer = zero, .steps = 10};
     GptScenario save = s;
     save.save_dir = dir;
@@ -111,7 +107,7 @@ struct StatefulRank {
 }  // namespace
 
 TEST(TrainingCheckpoint, FrozenParamsBuffersAdamWStateAndUserValuesComeBackAtAnotherDpSize) {
-  const std::string dir = fresh_dir("stateful");
+  const std::string dir = scratch_dir("stateful");
   std::vector<torch::Tensor> saved;  // rank 0's: fc.weight, fc.bias, scale, seen, exp_avg(fc.weight)
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     StatefulRank rank(mesh, 1);
@@ -145,7 +141,7 @@ TEST(TrainingCheckpoint, FrozenParamsBuffersAdamWStateAndUserValuesComeBackAtAno
 }
 
 TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
-  const std::string dir = fresh_dir("changed"), old_dir = fresh_dir("changed-old");
+  const std::string dir = scratch_dir("changed"), old_dir = scratch_dir("changed-old");
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     StatefulRank rank(mesh, 1);
     save_checkpoint(rank.state(), dir, 0);
