@@ -134,7 +134,8 @@ TEST(NonfiniteCountCuda, MatchesAtenIsfiniteForEveryGradDtypeOnCuda) {
 namespace {
 
 // Through the buffer: a bucket holding a 70000-element param (two pieces) and a small one; a NaN at
-// element 66000 of the big one, two Infs in the small one. The ZeRO-1 totals and the counts by param.
+// element 66000 of the big one, two Infs in the small one. The ZeRO-1 totals and the counts by param;
+// then check_for_nan_in_grad's error on the same gradients.
 void attribute_through_grad_buffer(const at::Device& device) {
   test::run_on_mesh({1}, {"dp"}, [&](DeviceMesh& mesh) {
     std::vector<NamedParam> params{{"big", at::zeros({70000}, device).requires_grad_(true)},
@@ -159,6 +160,23 @@ void attribute_through_grad_buffer(const at::Device& device) {
     torch::autograd::backward({params[0].param.sum() + params[1].param.sum()});
     buffer.finish_grad_sync();
     EXPECT_EQ(buffer.local_nonfinite_counts_by_param(), (std::vector<int64_t>{0, 0}));
+
+    // check_for_nan_in_grad (no ZeRO) on the same gradients: finish_grad_sync() throws naming both.
+    std::vector<NamedParam> again{{"big", at::zeros({70000}, device).requires_grad_(true)},
+                                  {"small", at::zeros({9}, device).requires_grad_(true)}};
+    GradBufferConfig check;
+    check.check_for_nan_in_grad = true;
+    GradBuffer checked(again, mesh["dp"], check);
+    checked.zero_grad_buffer();
+    torch::autograd::backward({(again[0].param * big.to(device)).sum() + (again[1].param * small.to(device)).sum()});
+    std::string error;
+    try {
+      checked.finish_grad_sync();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    EXPECT_THAT(error, ::testing::HasSubstr("parameter 'big' has 1 NaN/Inf gradient value(s) of 70000"));
+    EXPECT_THAT(error, ::testing::HasSubstr("parameter 'small' has 2 NaN/Inf gradient value(s) of 9"));
   });
 }
 
