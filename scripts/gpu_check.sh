@@ -101,7 +101,8 @@ fi
 targets=()
 for s in "${stages[@]}"; do
   case "$s" in
-    tests|sanitizer) targets+=(gpu_tests optimizer_tests grad_buffer_tests) ;;
+    tests) targets+=(gpu_tests optimizer_tests grad_buffer_tests meshddp_python) ;;
+    sanitizer) targets+=(gpu_tests optimizer_tests grad_buffer_tests) ;;
     bench) targets+=(ddp_bench fused_step_bench) ;;
   esac
 done
@@ -127,6 +128,10 @@ for s in "${stages[@]}"; do
     MESHDDP_FORCE_COLLECTIVES=1 step gpu_tests 240 "$tests/gpu_tests"
     MESHDDP_FORCE_COLLECTIVES=1 step kernel_tests_cuda 180 "$tests/optimizer_tests" --gtest_filter='FusedStepCuda.*:DistributedOptimizer.Fused*'
     step nonfinite_count_tests_cuda 60 "$tests/grad_buffer_tests" --gtest_filter='NonfiniteCount*:CheckForNan*'
+    # The Python package on the GPU (torch's NCCL DeviceMesh); a skip fails it unless this is a dry run.
+    require_gpu=1; [ "$dry_run" = 1 ] && require_gpu=0
+    step python_gpu 120 env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
+      "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_gpu.py"
     # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.
     MESHDDP_FORCE_COLLECTIVES=1 MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait 120 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
     skipped="$(grep -c "^\[  SKIPPED \]" "$log")"
