@@ -422,14 +422,16 @@ int64_t GradBuffer::syncs_completed() const {
 void GradBuffer::check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind) {
   // Every rank of `group` says which collective it is about to launch; all must say the same.
   const std::string mine = std::to_string(b) + " " + kind + " " + std::to_string(layout_.buckets[b].numel()) + " " +
-                           c10::toString(layout_.buffers[layout_.buckets[b].buffer].key.grad_dtype);
+                           c10::toString(layout_.buffers[layout_.buckets[b].buffer].key.grad_dtype) + " " +
+                           comm_hook_->name();
   const auto all = all_gather_strings(group, mine, "the MESHDDP_DEBUG_SYNC check of " + bucket_description(b),
                                       layout_.buffers[layout_.buckets[b].buffer].key.device);
   for (size_t r = 0; r < all.size(); ++r) {
     TORCH_CHECK(all[r] == all[0], "GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks of ",
-                describe_group(group), ": rank 0 launches [bucket index, kind, numel, dtype] = [", all[0],
-                "] while rank ", r, " launches [", all[r], "]. Ranks must build the same model and DdpConfig and run ",
-                "the same backward sequence (same micro-batch settings, no_sync() on every rank alike)");
+                describe_group(group), ": rank 0 launches [bucket index, kind, numel, dtype, comm hook] = [", all[0],
+                "] while rank ", r, " launches [", all[r], "]. Ranks must build the same model and DdpConfig, ",
+                "register the same comm hook, and run the same backward sequence (same micro-batch settings, ",
+                "no_sync() on every rank alike)");
   }
 }
 

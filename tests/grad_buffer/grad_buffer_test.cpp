@@ -234,8 +234,29 @@ TEST(GradBuffer, DebugSyncModeNamesTheFirstDivergentBucketCollective) {
   unsetenv("MESHDDP_DEBUG_SYNC");
   for (const auto& e : errors) {
     EXPECT_THAT(e, HasSubstr("GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks"));
-    EXPECT_THAT(e, HasSubstr("rank 0 launches [bucket index, kind, numel, dtype] = [0 all-reduce 3 Float] while rank 1 "
-                             "launches [0 all-reduce 5 Float]"));
+    EXPECT_THAT(e, HasSubstr("rank 0 launches [bucket index, kind, numel, dtype, comm hook] = "
+                             "[0 all-reduce 3 Float none] while rank 1 launches [0 all-reduce 5 Float none]"));
+  }
+}
+
+// A comm hook registered by hand on one rank only (DdpConfig::comm_hook is agreed at construction;
+// register_comm_hook() is a local call): the ranks would reduce different dtypes in one collective.
+// MESHDDP_DEBUG_SYNC=1 names the hooks instead.
+TEST(GradBuffer, DebugSyncModeNamesACommHookRegisteredOnOneRankOnly) {
+  setenv("MESHDDP_DEBUG_SYNC", "1", 1);
+  std::vector<std::string> errors(2);
+  test::run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    auto p = at::zeros({4}).requires_grad_(true);
+    GradBuffer buffer({{"w", p}}, mesh["dp"], GradBufferConfig{});
+    if (mesh.rank() == 1) buffer.register_comm_hook(std::make_shared<CompressCommHook>(at::kBFloat16));
+    errors[mesh.rank()] = error_of([&] {
+      torch::autograd::backward({(p * 2).sum()});
+      buffer.finish_grad_sync();
+    });
+  });
+  unsetenv("MESHDDP_DEBUG_SYNC");
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
   }
 }
 
