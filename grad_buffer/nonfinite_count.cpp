@@ -76,45 +76,42 @@ at::Tensor count_nonfinite_pieces(const at::Tensor& data, const at::Tensor& offs
               ", got ", offsets.defined() ? offsets.toString() : "undefined");
   const int64_t pieces = offsets.numel() - 1;
   const auto options = at::TensorOptions().dtype(at::kLong).device(data.device());
-  if (data.is_cpu()) {
+  if (data.is_cpu()) {  // on CUDA the offsets stay on the device unread: GradBuffer builds them from the layout
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     TORCH_CHECK(off[0] == 0 && off[pieces] == data.numel(), who, ": 'offsets' must run from 0 to data's ",
                 data.numel(), " elements, got ", off[0], " to ", off[pieces]);
     for (int64_t p = 0; p < pieces; ++p) {
       TORCH_CHECK(off[p] <= off[p + 1], who, ": 'offsets' decrease at piece ", p, ": ", off[p], " > ", off[p + 1]);
     }
+  }
+  const auto format = format_of(data.scalar_type());
+  if (!format) {  // no functor for this dtype: ATen per piece, on any device (one host copy of the offsets)
+    const at::Tensor host_offsets = offsets.cpu();
+    const int64_t* off = host_offsets.const_data_ptr<int64_t>();
+    std::vector<at::Tensor> parts;
+    for (int64_t p = 0; p < pieces; ++p) {
+      parts.push_back(at::isfinite(data.slice(0, off[p], off[p + 1])).logical_not().sum());
+    }
+    return parts.empty() ? at::zeros({0}, options) : at::stack(parts);
+  }
+  if (data.is_cpu()) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
     // Any NaN/Inf makes the plain sum non-finite (NaN and Inf propagate): one vectorized sum (~2 ms per
     // 10M fp32 on one core) proves the common case; the exact count runs only when the sum is not
     // finite (a NaN/Inf, or finite values whose sum overflows, which then count 0).
     if (std::isfinite(data.sum().item<double>())) return at::zeros({pieces}, options);
     at::Tensor out = at::empty({pieces}, options);
     int64_t* counts = out.data_ptr<int64_t>();
-    if (const auto format = format_of(data.scalar_type())) {
-      nonfinite::with_functor(*format, data.const_data_ptr(), [&](const auto& is_nonfinite) {
-        at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t p = begin; p < end; ++p) counts[p] = count_range(is_nonfinite, off[p], off[p + 1]);
-        });
+    nonfinite::with_functor(*format, data.const_data_ptr(), [&](const auto& is_nonfinite) {
+      at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) counts[p] = count_range(is_nonfinite, off[p], off[p + 1]);
       });
-      return out;
-    }
-    for (int64_t p = 0; p < pieces; ++p) {
-      counts[p] = at::isfinite(data.slice(0, off[p], off[p + 1])).logical_not().sum().item<int64_t>();
-    }
+    });
     return out;
   }
 #ifdef MESHDDP_WITH_CUDA
   if (data.is_cuda()) {
     at::Tensor out = at::empty({pieces}, options);
-    const auto format = format_of(data.scalar_type());
-    if (!format) {  // no functor for this dtype: ATen per piece (one host copy of the offsets)
-      const at::Tensor host_offsets = offsets.cpu();
-      const int64_t* off = host_offsets.const_data_ptr<int64_t>();
-      std::vector<at::Tensor> parts;
-      for (int64_t p = 0; p < pieces; ++p) {
-        parts.push_back(at::isfinite(data.slice(0, off[p], off[p + 1])).logical_not().sum());
-      }
-      return parts.empty() ? out : at::stack(parts);
-    }
     if (pieces == 0) return out;
     c10::cuda::CUDAGuard guard(data.device());
     void* stream = c10::cuda::getCurrentCUDAStream(data.device().index()).stream();

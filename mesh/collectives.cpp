@@ -267,24 +267,19 @@ WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blo
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
   const auto report_after = collective_report_after(group);
-  switch (choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), report_after.has_value())) {
-    case WaitMode::kPolling:
-      wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
-      return;
-    case WaitMode::kReporting:
-      try {
-        wait_reporting(work, group, what, *report_after);
-      } catch (const std::exception& e) {
-        fail_collective(work, group, what, e.what());
-      }
-      return;
-    case WaitMode::kWait:
-      try {
-        work->wait();
-      } catch (const std::exception& e) {
-        fail_collective(work, group, what, e.what());
-      }
-      return;
+  const WaitMode mode = choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), report_after.has_value());
+  if (mode == WaitMode::kPolling) {
+    wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
+    return;
+  }
+  try {
+    if (mode == WaitMode::kReporting) {
+      wait_reporting(work, group, what, *report_after);
+    } else {
+      work->wait();
+    }
+  } catch (const std::exception& e) {
+    fail_collective(work, group, what, e.what());
   }
 }
 

@@ -119,6 +119,14 @@ TEST(NonfinitePieces, CoverTheBucketInPiecesOfAtMostMaxPieceAttributingPaddingTo
 
 TEST(NonfiniteCount, MatchesAtenIsfiniteForEveryGradDtypeOnCpu) { compare_with_aten(at::kCPU); }
 
+// A dtype without a bit-test functor (complex here) is counted by ATen's isfinite per piece.
+TEST(NonfiniteCount, OtherDtypesAreCountedByAten) {
+  at::Tensor data = at::zeros({10}, at::kComplexFloat);
+  data[1] = c10::complex<float>(std::numeric_limits<float>::quiet_NaN(), 0);
+  data[7] = c10::complex<float>(0, std::numeric_limits<float>::infinity());
+  EXPECT_EQ(to_vector(count_nonfinite_pieces(data, at::tensor({0, 5, 10}, at::kLong))), (std::vector<int64_t>{1, 1}));
+}
+
 TEST(NonfiniteCount, RefusesOffsetsThatDoNotCoverTheData) {
   const at::Tensor data = at::zeros({10});
   EXPECT_THROW(count_nonfinite_pieces(data, at::tensor({0, 5}, at::kLong)), c10::Error);         // stops short
