@@ -34,42 +34,62 @@ constexpr int kSteps = 10;
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine: the GPU path is checked " \
                                                     "by scripts/gpu_check.sh on a GPU machine"
 
-std::vector<torch::Tensor> golden_on_gpu() {
+// The goldens' optimizers, and the same for ZeRO-1: SGD with momentum, or AdamW.
+std::unique_ptr<torch::optim::Optimizer> torch_optimizer(Mlp& model, bool adamw) {
+  if (adamw) {
+    return std::make_unique<torch::optim::AdamW>(model->parameters(),
+                                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  }
+  return std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+DistributedOptimizerConfig zero_config(bool adamw) {
+  DistributedOptimizerConfig oc;
+  if (adamw) {
+    oc.kind = OptimizerKind::kAdamW;
+    oc.lr = 1e-2;
+    oc.weight_decay = 0.01;
+  } else {
+    oc.kind = OptimizerKind::kSgd;
+    oc.lr = 0.05;
+    oc.momentum = 0.9;
+  }
+  return oc;
+}
+
+std::vector<torch::Tensor> golden_on_gpu(bool adamw = false) {
   Mlp model = make_mlp(3, kIn, kHidden, kOut);
   model->to(torch::kCUDA);
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto opt = torch_optimizer(model, adamw);
   for (int step = 0; step < kSteps; ++step) {
-    opt.zero_grad();
+    opt->zero_grad();
     auto [x, y] = make_batch(3, step, kBatch, kIn, kOut);
     torch::mse_loss(model->forward(x.cuda()), y.cuda()).backward();
-    opt.step();
+    opt->step();
   }
   std::vector<torch::Tensor> out;
   for (auto& p : model->parameters()) out.push_back(p.detach().cpu());
   return out;
 }
 
-// Trains on this rank's shard with DDP (optionally ZeRO-1 with the same SGD, its param all-gathers
-// optionally overlapped with the next forward); returns params on CPU.
+// Trains on this rank's shard with DDP (optionally ZeRO-1 with the same optimizer, its param
+// all-gathers optionally overlapped with the next forward); returns params on CPU.
 std::vector<torch::Tensor> train_rank(DeviceMesh& mesh, bool zero1, int64_t* allocs_after_warmup = nullptr,
-                                      bool overlap_param_gather = false) {
+                                      bool overlap_param_gather = false, bool adamw = false) {
   Mlp model = make_mlp(3, kIn, kHidden, kOut);
   model->to(torch::kCUDA);
   DdpConfig config;
   config.bucket_bytes = 4096;
   config.use_distributed_optimizer = zero1;
   DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
-  std::unique_ptr<torch::optim::SGD> sgd;
+  std::unique_ptr<torch::optim::Optimizer> plain;
   std::unique_ptr<DistributedOptimizer> zero;
   if (zero1) {
-    DistributedOptimizerConfig oc;
-    oc.kind = OptimizerKind::kSgd;
-    oc.lr = 0.05;
-    oc.momentum = 0.9;
-    oc.overlap_param_gather = overlap_param_gather;
+    DistributedOptimizerConfig oc = zero_config(adamw);
+    oc.overlap_param_gather = overlap_param_gather;  // fused_step kAuto: the fused kernels on CUDA
     zero = std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), oc);
   } else {
-    sgd = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    plain = torch_optimizer(model, adamw);
   }
   const int64_t dp = mesh.size("dp"), r = mesh.coordinate("dp");
   for (int step = 0; step < kSteps; ++step) {
@@ -81,10 +101,10 @@ std::vector<torch::Tensor> train_rank(DeviceMesh& mesh, bool zero1, int64_t* all
     auto [x, y] = make_batch(3, step, kBatch, kIn, kOut);
     torch::mse_loss(ddp.forward(shard_rows(x, r, dp).cuda()), shard_rows(y, r, dp).cuda()).backward();
     if (zero) {
-      zero->step();
+      EXPECT_FALSE(zero->step().skipped) << "step " << step;
     } else {
       ddp.finish_grad_sync();
-      sgd->step();
+      plain->step();
     }
   }
   if (zero) zero->finish_param_sync();
@@ -120,9 +140,10 @@ DeviceMesh world_one_nccl_mesh() {
   return DeviceMesh::from_store(c10::make_intrusive<c10d::HashStore>(), 0, 1, {1}, {"dp"}, options);
 }
 
-std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr, bool overlap_param_gather = false) {
+std::vector<torch::Tensor> run_world_one_nccl(bool zero1, int64_t* allocs = nullptr, bool overlap_param_gather = false,
+                                              bool adamw = false) {
   DeviceMesh mesh = world_one_nccl_mesh();
-  return train_rank(mesh, zero1, allocs, overlap_param_gather);
+  return train_rank(mesh, zero1, allocs, overlap_param_gather, adamw);
 }
 
 }  // namespace
@@ -260,40 +281,5 @@ TEST(Gpu, NcclWaitOrdersTheCurrentStreamAfterTheCollectiveWithDataThatMoves) {
 // the kernel is within a few ulps of ATen's per step: FusedStepCuda.*).
 TEST(Gpu, ZeroOneWithFusedAdamWOnNcclAtWorldSizeOneMatchesTorchAdamW) {
   SKIP_WITHOUT_GPU();
-  auto params_of = [](Mlp& model) {
-    std::vector<torch::Tensor> out;
-    for (auto& p : model->parameters()) out.push_back(p.detach().cpu());
-    return out;
-  };
-  Mlp golden = make_mlp(3, kIn, kHidden, kOut);
-  golden->to(torch::kCUDA);
-  torch::optim::AdamW adamw(golden->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = make_batch(3, step, kBatch, kIn, kOut);
-    adamw.zero_grad();
-    torch::mse_loss(golden->forward(x.cuda()), y.cuda()).backward();
-    adamw.step();
-  }
-
-  DeviceMesh mesh = world_one_nccl_mesh();
-  Mlp model = make_mlp(3, kIn, kHidden, kOut);
-  model->to(torch::kCUDA);
-  DdpConfig config;
-  config.bucket_bytes = 4096;
-  config.use_distributed_optimizer = true;
-  DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
-  DistributedOptimizerConfig oc;
-  oc.kind = OptimizerKind::kAdamW;
-  oc.lr = 1e-2;
-  oc.weight_decay = 0.01;
-  oc.fused_step = FusedStep::kAuto;  // the fused kernel for CUDA shards
-  DistributedOptimizer zero(ddp.grad_buffer(), oc);
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = make_batch(3, step, kBatch, kIn, kOut);
-    ddp.zero_grad_buffer();
-    torch::mse_loss(ddp.forward(x.cuda()), y.cuda()).backward();
-    EXPECT_FALSE(zero.step().skipped) << "step " << step;
-  }
-  zero.finish_param_sync();
-  expect_close(params_of(model), params_of(golden));
+  expect_close(run_world_one_nccl(true, nullptr, false, /*adamw=*/true), golden_on_gpu(/*adamw=*/true));
 }
