@@ -196,6 +196,11 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   if (!world && groups_by_dim.size() == 1) world = groups_by_dim[0];
   TORCH_CHECK(!world || world->getSize() == world_size, "DeviceMesh::from_groups: the world group has ",
               world ? world->getSize() : 0, " ranks, expected ", world_size, " (", describe_mesh_shape(mesh.sizes_, mesh.names_), ")");
+  // Groups a caller made NCCL-only take meshddp's CPU control-plane collectives too.
+  for (size_t d = 0; d < groups_by_dim.size(); ++d) {
+    ensure_cpu_backend(*groups_by_dim[d], "DeviceMesh::from_groups (dim '" + mesh.names_[d] + "')");
+  }
+  if (world) ensure_cpu_backend(*world, "DeviceMesh::from_groups (the world group)");
   mesh.groups_ = std::move(groups_by_dim);
   mesh.world_ = std::move(world);
   return mesh;
