@@ -352,7 +352,9 @@ void GradBuffer::launch_bucket(int64_t b) {
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  if (!nonfinite_.empty()) count_nonfinite(b);  // the local values: the collective replaces them
+  // The local values: the collective replaces them. The counts are members, on the current stream,
+  // which the collective's stream waits for at launch (Note [Stream lifetimes of collective temporaries]).
+  if (!nonfinite_.empty()) count_nonfinite(b);
   CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
