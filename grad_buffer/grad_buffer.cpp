@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_buffer.h"
 
 #include "mesh/collectives.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/stack.h>
@@ -71,13 +72,6 @@ std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
   return kept;
 }
 
-bool debug_sequence_from_env() {
-  const char* mine = std::getenv("MESHDDP_DEBUG_SYNC");
-  const char* torch_debug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-  return (mine != nullptr && std::string_view(mine) == "1") ||
-         (torch_debug != nullptr && std::string_view(torch_debug) == "DETAIL");
-}
-
 // A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
 struct AccumulationPreHook : torch::autograd::FunctionPreHook {
   AccumulationPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
@@ -109,7 +103,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       groups_(std::move(groups)),
       config_(config),
       comm_hook_(make_comm_hook(config_.comm_hook)),
-      debug_sequence_(debug_sequence_from_env()) {
+      debug_sequence_(switch_on(Switch::kDebugSync)) {
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
   dp_size_ = dp_group_->getSize();

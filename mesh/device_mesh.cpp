@@ -4,6 +4,7 @@
 #include "mesh/collectives.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/ones.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -119,8 +120,7 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
   // group is then made by ncclCommSplit of it (color = the group's first global rank), in dim order
   // on every rank, instead of its own store bootstrap. MESHDDP_NCCL_SPLIT=0 turns splitting off
   // (each group then bootstraps itself, lazily at its warm-up). Set-up cost: docs/gpu.md.
-  const char* split_env = std::getenv("MESHDDP_NCCL_SPLIT");
-  const bool split = on_gpu && sizes.size() > 1 && !(split_env != nullptr && std::string_view(split_env) == "0");
+  const bool split = on_gpu && sizes.size() > 1 && switch_on(Switch::kNcclSplit);
   const int device_index = device.has_index() ? device.index() : -1;
   c10::intrusive_ptr<c10d::ProcessGroup> world;
   std::vector<int64_t> all(world_size);
