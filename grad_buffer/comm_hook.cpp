@@ -31,6 +31,8 @@ CommHookWork CompressCommHook::launch(const CommHookBucket& b) {
   const at::Tensor low_output = low.narrow(0, offset, b.output.numel());
   Work work = launch_sum(b, low, low_output, b.what + " (" + name() + ")");
   const at::Tensor output = b.output;
+  // finish() holds `low` (through low_output) until GradBuffer has waited for the collective: Note
+  // [Stream lifetimes of collective temporaries] (comm_hook.h).
   return {std::move(work), [output, low_output]() { output.copy_(low_output); }};
 }
 

@@ -24,6 +24,27 @@
 //   fp16's range (max 65504, subnormals below 6e-5) can overflow or flush small gradients; a
 //   non-finite reduced gradient makes the distributed optimizer skip the step. Halves the bytes
 //   moved; costs a cast pass and a copy-back. Measured: docs/api.md, "Communication hooks".
+//
+// Note [Stream lifetimes of collective temporaries]
+//   On NCCL a collective runs on c10d's own stream; at launch that stream waits for the current
+//   (compute) stream, and wait_collective() makes the current stream wait for it (a stream wait, the
+//   host goes on: Note [Waiting on NCCL]). A tensor a collective reads or writes must therefore stay
+//   allocated until the collective has finished on its stream, and its memory must not be handed to
+//   other work before then. meshddp's rule: every temporary a collective touches stays referenced by
+//   the host until after the wait that orders the current stream behind the collective, and is
+//   allocated on the current stream; once it is dropped the caching allocator returns its block to
+//   that stream's pool, where any later use is ordered after the wait. So no record_stream is needed
+//   (c10d also keeps a collective's tensors referenced from its Work until the wait, whether or not
+//   TORCH_NCCL_AVOID_RECORD_STREAMS is set). The sites:
+//   - the compression hooks' low-precision copy: captured by finish(), which GradBuffer runs and
+//     drops only after wait_collective() (comm_hook.cpp);
+//   - the bucket itself, the ZeRO-1 param buffer, the non-finite counts by piece: members, alive
+//     until the buffer is destroyed or zero_grad_buffer() (which runs after finish_grad_sync()'s
+//     waits) drops them (grad_buffer.cpp);
+//   - the non-finite total and the optimizer's statistics: locals of the function that launches,
+//     waits and only then reads them (nonfinite_check.cpp, distributed_optimizer.cpp).
+//   Work launched on one current stream must be waited with the same current stream (meshddp's calls
+//   all run on the caller's current stream: keep backward and finish_grad_sync() on one stream).
 #pragma once
 
 #include "mesh/collectives.h"

@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_buffer.h"
 
 #include "mesh/collectives.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/stack.h>
@@ -71,13 +72,6 @@ std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
   return kept;
 }
 
-bool debug_sequence_from_env() {
-  const char* mine = std::getenv("MESHDDP_DEBUG_SYNC");
-  const char* torch_debug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-  return (mine != nullptr && std::string_view(mine) == "1") ||
-         (torch_debug != nullptr && std::string_view(torch_debug) == "DETAIL");
-}
-
 // A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
 struct AccumulationPreHook : torch::autograd::FunctionPreHook {
   AccumulationPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
@@ -109,7 +103,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       groups_(std::move(groups)),
       config_(config),
       comm_hook_(make_comm_hook(config_.comm_hook)),
-      debug_sequence_(debug_sequence_from_env()) {
+      debug_sequence_(switch_on(Switch::kDebugSync)) {
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
   dp_size_ = dp_group_->getSize();
@@ -352,7 +346,9 @@ void GradBuffer::launch_bucket(int64_t b) {
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  if (!nonfinite_.empty()) count_nonfinite(b);  // the local values: the collective replaces them
+  // The local values: the collective replaces them. The counts are members, on the current stream,
+  // which the collective's stream waits for at launch (Note [Stream lifetimes of collective temporaries]).
+  if (!nonfinite_.empty()) count_nonfinite(b);
   CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages

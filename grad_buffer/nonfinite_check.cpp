@@ -51,6 +51,7 @@ void GradBuffer::raise_if_nonfinite() {
   const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
   at::Tensor total = totals.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))
                                     : at::stack(totals).sum().to(at::kDouble).reshape({1});
+  // `total` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
   all_reduce_sum_now(stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
   if (total.item<double>() == 0) return;  // the check's one host sync
   const std::vector<int64_t> by_param = nonfinite_by_param();

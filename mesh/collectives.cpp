@@ -1,6 +1,7 @@
 #include "mesh/collectives.h"
 
 #include "mesh/collective_progress.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -58,11 +59,7 @@ Work launched(const c10d::ProcessGroup& group, Work work) {
 }  // namespace
 
 bool skip_collective(const c10d::ProcessGroup& group) {
-  static const bool force = [] {
-    const char* value = std::getenv("MESHDDP_FORCE_COLLECTIVES");
-    return value != nullptr && std::string_view(value) == "1";
-  }();
-  return group.getSize() == 1 && !force;
+  return group.getSize() == 1 && !switch_on(Switch::kForceCollectives);
 }
 
 std::string describe_group(const c10d::ProcessGroup& group) {
@@ -203,13 +200,7 @@ void wait_reporting(const Work& work, c10d::ProcessGroup& group, const std::stri
 //   - with MESHDDP_NCCL_BLOCKING_WAIT=1 (debug; it costs a host sync per wait) it polls on the host
 //     (wait_collective_polling): the stuck report every doubling as on Gloo, and at the timeout an
 //     error naming the bucket, the group and the ranks that have not arrived.
-bool nccl_blocking_wait() {
-  static const bool on = [] {
-    const char* value = std::getenv("MESHDDP_NCCL_BLOCKING_WAIT");
-    return value != nullptr && std::string_view(value) == "1";
-  }();
-  return on;
-}
+bool nccl_blocking_wait() { return switch_on(Switch::kNcclBlockingWait); }
 
 namespace {
 

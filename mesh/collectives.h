@@ -49,7 +49,7 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
 void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
                              std::chrono::milliseconds timeout);
 
-// MESHDDP_NCCL_BLOCKING_WAIT=1 (debug switch, read once per process): wait_collective polls on
+// MESHDDP_NCCL_BLOCKING_WAIT=1 (debug switch, mesh/switches.h): wait_collective polls on
 // NCCL groups, so a hang is reported naming the bucket instead of by c10d's watchdog alone.
 bool nccl_blocking_wait();
 
@@ -72,7 +72,7 @@ std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std
                                            c10::Device device = c10::Device(c10::kCPU));
 
 // Whether a collective on `group` can be skipped: a group of one rank, unless the environment sets
-// MESHDDP_FORCE_COLLECTIVES=1 (test/debug switch, read once per process: run every collective even
+// MESHDDP_FORCE_COLLECTIVES=1 (test/debug switch, mesh/switches.h: run every collective even
 // at size 1, e.g. so a one-GPU run exercises NCCL and its stream ordering).
 bool skip_collective(const c10d::ProcessGroup& group);
 

@@ -4,6 +4,7 @@
 #include "mesh/collectives.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/ones.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -119,8 +120,7 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
   // group is then made by ncclCommSplit of it (color = the group's first global rank), in dim order
   // on every rank, instead of its own store bootstrap. MESHDDP_NCCL_SPLIT=0 turns splitting off
   // (each group then bootstraps itself, lazily at its warm-up). Set-up cost: docs/gpu.md.
-  const char* split_env = std::getenv("MESHDDP_NCCL_SPLIT");
-  const bool split = on_gpu && sizes.size() > 1 && !(split_env != nullptr && std::string_view(split_env) == "0");
+  const bool split = on_gpu && sizes.size() > 1 && switch_on(Switch::kNcclSplit);
   const int device_index = device.has_index() ? device.index() : -1;
   c10::intrusive_ptr<c10d::ProcessGroup> world;
   std::vector<int64_t> all(world_size);
@@ -196,6 +196,11 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   if (!world && groups_by_dim.size() == 1) world = groups_by_dim[0];
   TORCH_CHECK(!world || world->getSize() == world_size, "DeviceMesh::from_groups: the world group has ",
               world ? world->getSize() : 0, " ranks, expected ", world_size, " (", describe_mesh_shape(mesh.sizes_, mesh.names_), ")");
+  // Groups a caller made NCCL-only take meshddp's CPU control-plane collectives too.
+  for (size_t d = 0; d < groups_by_dim.size(); ++d) {
+    ensure_cpu_backend(*groups_by_dim[d], "DeviceMesh::from_groups (dim '" + mesh.names_[d] + "')");
+  }
+  if (world) ensure_cpu_backend(*world, "DeviceMesh::from_groups (the world group)");
   mesh.groups_ = std::move(groups_by_dim);
   mesh.world_ = std::move(world);
   return mesh;

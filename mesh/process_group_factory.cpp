@@ -83,4 +83,34 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
   return group;
 }
 
+void ensure_cpu_backend(c10d::ProcessGroup& group, const std::string& what) {
+  const std::vector<c10::Device> device_types = group.getDeviceTypes();
+  c10::intrusive_ptr<c10d::Backend> existing_gloo;
+  for (const c10::Device& device : device_types) {
+    if (device.type() == c10::DeviceType::CPU) return;
+    auto backend = group.getBackend(device.type());
+    if (backend->getBackendName() == "gloo") existing_gloo = backend;
+  }
+  if (!existing_gloo) {
+    const auto store = group.getStore();
+    TORCH_CHECK(store, what, ": process group '", group.getGroupName(), "' (", group.getBackendName(),
+                ") has no backend for CPU tensors, which meshddp's agreement checks use, and no store to make one ",
+                "from; create it with a CPU backend too, e.g. init_process_group(\"cpu:gloo,cuda:nccl\") or ",
+                "new_group(..., backend=\"cpu:gloo,cuda:nccl\")");
+    // The group's own timeout where its backend says it (NCCL does), else c10d's default.
+    std::chrono::milliseconds timeout = kProcessGroupDefaultTimeout;
+    try {
+      timeout = group.getDefaultBackend()->getBackendOptions()->timeout;
+    } catch (const c10::Error&) {
+      // A backend without getBackendOptions(): keep the default.
+    }
+    // The prefix is the same on every member (torch names a group identically on all of its ranks)
+    // and differs from the keys of the group's own backends.
+    auto side_store = c10::make_intrusive<c10d::PrefixStore>("meshddp_cpu_side/" + group.getGroupName(), store);
+    existing_gloo = make_gloo(side_store, group.getRank(), group.getSize(), timeout);
+  }
+  // A Gloo backend that served only CUDA tensors ("cuda:gloo") takes CPU tensors as well.
+  group.setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, existing_gloo);
+}
+
 }  // namespace meshddp

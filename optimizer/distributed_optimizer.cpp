@@ -218,6 +218,7 @@ StepResult DistributedOptimizer::step() {
       stats[1] += at::linalg_vector_norm(g.narrow(0, seg.shard_offset, seg.numel), 2).to(at::kDouble).square();
     }
   }
+  // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
   all_reduce_sum_now(buffer_.stats_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
   const at::Tensor host = stats.cpu();
   const double nonfinite = host[0].item<double>();

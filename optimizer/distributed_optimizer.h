@@ -92,8 +92,14 @@ class DistributedOptimizer {
 
   // One optimizer step (see Note [Step order]). A collective: every DP rank calls it.
   StepResult step();
-  // Blocks until the params are all-gathered (before evaluation or anything that reads params
-  // outside DistributedDataParallel::forward).
+  // Waits for the params' all-gathers (before evaluation or anything that reads params outside
+  // DistributedDataParallel::forward). On Gloo the host blocks until they are done. On NCCL it is a
+  // stream wait (Note [Waiting on NCCL]): it returns at once, and the caller's *current CUDA stream*
+  // is ordered after the all-gathers, so kernels later queued on that stream read the new params.
+  // Work on another stream, or a host read (a copy to the CPU with non_blocking, a pointer handed to
+  // another library or thread), is not ordered by it: make that stream wait on the current one (an
+  // event), or synchronize the current stream first. Host reads through ATen (.item(), .cpu()) sync
+  // the current stream themselves.
   void finish_param_sync();
   // Refreshes this rank's fp32 master weights from the params (the param buffer), after new values
   // were written into the params outside step(). DistributedDataParallel::load_state_dict() makes

@@ -2,6 +2,7 @@
 
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
+#include "mesh/process_group_factory.h"
 
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
@@ -117,6 +118,11 @@ void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std
 void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group) {
   config_.validate();
+  // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
+  // them first (Note [Control plane on any group], mesh/process_group_factory.h).
+  for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
+    if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
+  }
   // First, before any collective whose kind depends on them: the settings agree on every rank.
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_), "DistributedDataParallel",
                                     "the DdpConfig settings");

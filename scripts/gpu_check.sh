@@ -138,7 +138,7 @@ for s in "${stages[@]}"; do
     if [ "$python_module" = 0 ]; then
       echo "python_gpu: NOT RUN (no Python development headers for .venv's python: CMake did not configure the module)" >>"$summary"
     else
-    step python_gpu 120 env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
+    step python_gpu 240 env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
       "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_gpu.py"
     fi
     # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.

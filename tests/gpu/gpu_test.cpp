@@ -9,6 +9,7 @@
 // Tolerance 1e-5: GPU matmuls of different batch shapes (per-rank shards vs the whole batch) sum in
 // different orders; fp32, 10 steps.
 #include "mesh/collectives.h"
+#include "mesh/switches.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/linear_with_grad_in_buffer.h"
@@ -126,9 +127,9 @@ void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::
 }
 
 // At world size 1 meshddp skips its collectives; this binary forces them (MESHDDP_FORCE_COLLECTIVES,
-// read once per process, hence set before main) so the NCCL runs exercise the bucket collectives,
-// the param all-gather and their stream ordering on the one GPU.
-const bool kForceCollectives = setenv("MESHDDP_FORCE_COLLECTIVES", "1", 1) == 0;
+// mesh/switches.h; set before main) so the NCCL runs exercise the bucket collectives, the param
+// all-gather and their stream ordering on the one GPU.
+const bool kForceCollectives = (override_switch_for_testing(Switch::kForceCollectives, true), true);
 
 // A 1-D mesh of one rank on GPU 0 with NCCL groups.
 DeviceMesh world_one_nccl_mesh() {

@@ -3,6 +3,7 @@
 #include "tests/support/error_of.h"
 #include "grad_buffer/grad_buffer.h"
 #include "mesh/placement.h"
+#include "mesh/switches.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -219,7 +220,7 @@ TEST(GradBuffer, NonFiniteCountsStayExactWhenTheBucketSumOverflows) {
 // group before launching it. Two GradBuffers built on different param lists (DDP's construction
 // check would refuse them) launch buckets of different sizes: named, instead of a hang or garbage.
 TEST(GradBuffer, DebugSyncModeNamesTheFirstDivergentBucketCollective) {
-  setenv("MESHDDP_DEBUG_SYNC", "1", 1);
+  override_switch_for_testing(Switch::kDebugSync, true);
   std::vector<std::string> errors(2);
   test::run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     const int64_t n = mesh.rank() == 0 ? 3 : 5;
@@ -231,7 +232,7 @@ TEST(GradBuffer, DebugSyncModeNamesTheFirstDivergentBucketCollective) {
       buffer.finish_grad_sync();
     });
   });
-  unsetenv("MESHDDP_DEBUG_SYNC");
+  override_switch_for_testing(Switch::kDebugSync, std::nullopt);
   for (const auto& e : errors) {
     EXPECT_THAT(e, HasSubstr("GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks"));
     EXPECT_THAT(e, HasSubstr("rank 0 launches [bucket index, kind, numel, dtype, comm hook] = "
@@ -243,7 +244,7 @@ TEST(GradBuffer, DebugSyncModeNamesTheFirstDivergentBucketCollective) {
 // register_comm_hook() is a local call): the ranks would reduce different dtypes in one collective.
 // MESHDDP_DEBUG_SYNC=1 names the hooks instead.
 TEST(GradBuffer, DebugSyncModeNamesACommHookRegisteredOnOneRankOnly) {
-  setenv("MESHDDP_DEBUG_SYNC", "1", 1);
+  override_switch_for_testing(Switch::kDebugSync, true);
   std::vector<std::string> errors(2);
   test::run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     auto p = at::zeros({4}).requires_grad_(true);
@@ -254,7 +255,7 @@ TEST(GradBuffer, DebugSyncModeNamesACommHookRegisteredOnOneRankOnly) {
       buffer.finish_grad_sync();
     });
   });
-  unsetenv("MESHDDP_DEBUG_SYNC");
+  override_switch_for_testing(Switch::kDebugSync, std::nullopt);
   for (const auto& e : errors) {
     EXPECT_THAT(e, HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
   }

@@ -19,13 +19,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn_name, out_dir, kwargs):
+def _entry(rank, world_size, port, fn_name, out_dir, backend, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import workers
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
         result = getattr(workers, fn_name)(rank, world_size, **kwargs)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -37,15 +37,16 @@ def _entry(rank, world_size, port, fn_name, out_dir, kwargs):
         dist.destroy_process_group()
 
 
-def run(world_size, fn_name, **kwargs):
-    """Results of workers.<fn_name>(rank, world_size, **kwargs) on every rank, in rank order."""
+def run(world_size, fn_name, _backend="gloo", **kwargs):
+    """Results of workers.<fn_name>(rank, world_size, **kwargs) on every rank, in rank order, with
+    torch.distributed's default group made by init_process_group(_backend)."""
     # A forkserver that has imported torch, meshddp and the workers once: each rank is a fork of it
     # (~0.1 s) instead of a fresh interpreter importing torch (~5-9 s per rank on a loaded 2-core box).
     # The server never computes or communicates, so forking it is safe.
     mp.set_forkserver_preload(["torch", "torch.distributed", "meshddp", "workers"])
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world_size, _free_port(), fn_name, out_dir, kwargs), nprocs=world_size,
+            mp.start_processes(_entry, args=(world_size, _free_port(), fn_name, out_dir, _backend, kwargs), nprocs=world_size,
                                start_method="forkserver", join=True)
         except Exception as e:
             errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]

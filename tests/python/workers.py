@@ -64,13 +64,14 @@ def make_optimizer(kind, params, weight_decay):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=weight_decay)
 
 
-def vs_torch_ddp(rank, world_size, variant, optimizer):
+def vs_torch_ddp(rank, world_size, variant, optimizer, device="cpu"):
     """meshddp's DDP and torch's DDP on the same model and data: the gradients after the first
     step's backward, and the params after STEPS optimizer steps. variant: plain | accumulate
     (2 micro-batches, no_sync) | unused (a branch no forward reaches) | tied (a shared weight) |
-    in_buffer (accumulate, with our model's layers writing their gradients into the flat buffer)."""
+    in_buffer (accumulate, with our model's layers writing their gradients into the flat buffer).
+    device: where the model and data live (cuda: every rank on the one GPU, Gloo with CUDA tensors)."""
     torch.manual_seed(0)
-    model = Net(unused=variant == "unused", tied=variant == "tied")
+    model = Net(unused=variant == "unused", tied=variant == "tied").to(device)
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=variant == "unused")
     model.grads_in_buffer = variant == "in_buffer"
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
@@ -86,7 +87,7 @@ def vs_torch_ddp(rank, world_size, variant, optimizer):
         opt_ref.zero_grad()
         ours.zero_grad_buffer()
         for m in range(micro):
-            x, y = batch(step, rank, m)
+            x, y = (t.to(device) for t in batch(step, rank, m))
             last = m == micro - 1
             with contextlib.nullcontext() if last else ref.no_sync():
                 (F.mse_loss(ref(x), y) / micro).backward()
@@ -112,12 +113,12 @@ def vs_torch_ddp(rank, world_size, variant, optimizer):
     }
 
 
-def zero1_vs_adamw(rank, world_size, checkpoint_dir):
+def zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cpu"):
     """ZeRO-1 from Python (meshddp.DistributedOptimizer, AdamW) against torch.optim.AdamW in one
     process on the global batch (every rank computes the golden itself); then a checkpoint saved
     from Python and loaded into a freshly built model and optimizer."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     golden = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
@@ -127,17 +128,17 @@ def zero1_vs_adamw(rank, world_size, checkpoint_dir):
     results = []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
-        x, y = batch(step, rank, 0)
+        x, y = (t.to(device) for t in batch(step, rank, 0))
         F.mse_loss(ddp(x), y).backward()
         results.append(opt.step())
-        xs, ys = zip(*(batch(step, r, 0) for r in range(world_size)))
+        xs, ys = zip(*((t.to(device) for t in batch(step, r, 0)) for r in range(world_size)))
         opt_golden.zero_grad()
         F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
         opt_golden.step()
     opt.finish_param_sync()
     opt.save_checkpoint(checkpoint_dir)
     torch.manual_seed(1)  # other initial values, which the load must overwrite
-    fresh = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
+    fresh = meshddp.DistributedDataParallel(Net().to(device), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                                  use_distributed_optimizer=True))
     fresh_opt = meshddp.DistributedOptimizer(fresh, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
     fresh_opt.load_checkpoint(checkpoint_dir)
@@ -221,6 +222,25 @@ def ddp_suite(rank, world_size, checkpoint_dir):
 
 def tp_suite(rank, world_size, dp, tp):
     return {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+
+
+def cuda_suite(rank, world_size, checkpoint_dir):
+    """Some vs_torch_ddp cases and zero1_vs_adamw with the model and data on the GPU (every rank on
+    the one GPU, Gloo with CUDA tensors): tests/python/test_gpu.py, on a GPU machine."""
+    out = {(v, o): vs_torch_ddp(rank, world_size, v, o, device="cuda") for v, o in (("plain", "sgd"),
+                                                                                  ("in_buffer", "adamw"))}
+    out["zero1"] = zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cuda")
+    return out
+
+
+def zero1_on_cuda_only_group(rank, world_size, checkpoint_dir):
+    """zero1_vs_adamw on a default group whose only backend serves CUDA tensors (init_process_group
+    ("cuda:gloo"), standing for "nccl"): meshddp gives it a CPU backend for its control plane."""
+    before = sorted(d.type for d in dist.group.WORLD._device_types)
+    out = zero1_vs_adamw(rank, world_size, checkpoint_dir)
+    out["device_types_before"] = before
+    out["device_types_after"] = sorted(d.type for d in dist.group.WORLD._device_types)
+    return out
 
 
 def noop(rank, world_size):

@@ -31,7 +31,12 @@ class DistributedOptimizer:
         self.ddp.zero_grad_buffer()
 
     def finish_param_sync(self):
-        """Blocks until params are all-gathered (before reading params outside ddp's forward)."""
+        """Waits for the params' all-gathers (before reading params outside ddp's forward). On Gloo the
+        host blocks until they are done. On NCCL it is a stream wait: it returns at once, and the current
+        CUDA stream is ordered after the all-gathers, so work queued on that stream afterwards sees the
+        new params; another stream, another thread's stream, or a non_blocking copy to the host is not
+        ordered by it (make that stream wait on torch.cuda.current_stream(), or synchronize it first).
+        .item() and .cpu() synchronize the current stream themselves."""
         self._impl.finish_param_sync()
 
     def set_lr(self, lr):
