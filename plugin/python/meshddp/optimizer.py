@@ -34,6 +34,12 @@ class DistributedOptimizer:
         """Blocks until params are all-gathered (before reading params outside ddp's forward)."""
         self._impl.finish_param_sync()
 
+    def reload_masters_from_params(self):
+        """Refreshes this rank's fp32 master weights from the params, after writing new values into the
+        params other than by ddp.load_state_dict() (which makes the next step() do this by itself).
+        A no-op for fp32 params, whose masters are the param buffer itself."""
+        self._impl.reload_masters_from_params()
+
     def set_lr(self, lr):
         """Sets every param group's learning rate to lr x its ratio to the base lr, from the next step()."""
         self._impl.set_lr(lr)

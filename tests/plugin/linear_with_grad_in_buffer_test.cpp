@@ -1,0 +1,150 @@
+// linear_with_grad_in_buffer off the plain backward path: torch::autograd::grad (the gradient comes
+// back to the caller, the buffer is left alone, so the next real backward counts it once) and
+// autocast (CPU bf16: the same casts, output dtype and gradients as torch::nn::functional::linear).
+// Golden: the same layer as torch::linear on a copy of the params, in one process.
+#include "plugin/distributed_data_parallel.h"
+#include "plugin/linear_with_grad_in_buffer.h"
+#include "tests/support/rank_threads.h"
+
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+using namespace meshddp;
+using namespace meshddp::test;
+
+namespace {
+
+constexpr int64_t kIn = 8, kOut = 6, kRows = 5;
+
+struct InBufferLinearImpl : torch::nn::Module {
+  InBufferLinearImpl() {
+    torch::manual_seed(3);
+    fc = register_module("fc", torch::nn::Linear(kIn, kOut));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return linear_with_grad_in_buffer(x, fc->weight, fc->bias); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(InBufferLinear);
+
+torch::Tensor input(int64_t step) {
+  torch::manual_seed(50 + step);
+  return torch::randn({kRows, kIn});
+}
+
+// A loss whose gradient differs per element (not a plain sum).
+torch::Tensor loss_of(const torch::Tensor& out) { return out.to(torch::kFloat).pow(2).sum(); }
+
+// CPU autocast to bf16 for a scope (torch.autocast("cpu", torch.bfloat16) in C++).
+struct CpuAutocast {
+  CpuAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  }
+  ~CpuAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+};
+
+}  // namespace
+
+// autograd::grad(loss, {w, b}) returns the true gradient (the old path handed back the zero
+// placeholder and left the gradient in the slot), the slot stays as it was (zeros: the first step),
+// and the real backward that follows gives exactly 1x the gradient in the slot (was 2x). Exact:
+// the same GEMM as the golden's on the same operands.
+TEST(LinearWithGradInBuffer, AutogradGradReturnsTheGradientAndLeavesTheBufferAlone) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    InBufferLinear model;
+    const torch::Tensor w0 = model->fc->weight.detach().clone().requires_grad_(true);
+    const torch::Tensor b0 = model->fc->bias.detach().clone().requires_grad_(true);
+    const torch::Tensor x = input(0);
+    const auto golden = torch::autograd::grad({loss_of(torch::linear(x, w0, b0))}, {w0, b0});
+
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    ddp.zero_grad_buffer();
+    const auto got = torch::autograd::grad({loss_of(ddp.forward(x))}, {model->fc->weight, model->fc->bias});
+    EXPECT_TRUE(torch::equal(got[0], golden[0])) << "autograd::grad's weight gradient:\n" << got[0];
+    EXPECT_TRUE(torch::equal(got[1], golden[1])) << "autograd::grad's bias gradient:\n" << got[1];
+    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 0);
+    EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), torch::zeros_like(w0))) << "the slot was written";
+
+    loss_of(ddp.forward(x)).backward();
+    ddp.finish_grad_sync();
+    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // the real backward still writes in place
+    const double ratio = (ddp.main_grad("fc.weight").sum() / golden[0].sum()).item<double>();
+    EXPECT_DOUBLE_EQ(ratio, 1.0);
+    EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), golden[0]));
+    EXPECT_TRUE(torch::equal(ddp.main_grad("fc.bias"), golden[1]));
+  });
+}
+
+// Under CPU autocast (bf16) the in-buffer linear matches torch::nn::functional::linear: the output
+// is bf16 and bit-identical (the same bf16 GEMM on the same casts), and after two steps of two
+// micro-batches each (stale slots overwritten, then accumulated) the fp32 main grads and the input
+// gradient agree with the golden's fp32 .grad to bf16 precision: the weight gradient is the same
+// bf16 GEMM widened to fp32 (F.linear's runs as (x^T g)^T, a different accumulation order), the bias
+// gradient is summed in fp32 where F.linear sums in bf16: one bf16 rounding apart, rtol 2^-7
+// (twice bf16's unit roundoff) and atol 1e-3 for entries near zero. Used to throw "expected m1 and
+// m2 to have the same dtype".
+TEST(LinearWithGradInBuffer, UnderCpuAutocastBehavesAsFunctionalLinear) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    InBufferLinear model;
+    auto golden = torch::nn::Linear(kIn, kOut);
+    {
+      torch::NoGradGuard no_grad;
+      golden->weight.copy_(model->fc->weight);
+      golden->bias.copy_(model->fc->bias);
+    }
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    for (int64_t step = 0; step < 2; ++step) {
+      ddp.zero_grad_buffer();
+      golden->zero_grad();
+      for (int64_t micro = 0; micro < 2; ++micro) {
+        ddp.set_is_last_microbatch(micro == 1);
+        const torch::Tensor x = input(10 * step + micro).requires_grad_(true);
+        const torch::Tensor x_ref = x.detach().clone().requires_grad_(true);
+        torch::Tensor out, ref;
+        {
+          CpuAutocast autocast;
+          out = ddp.forward(x);
+          ref = torch::nn::functional::linear(x_ref, golden->weight, golden->bias);
+        }
+        ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+        EXPECT_TRUE(torch::equal(out, ref)) << "step " << step << " micro-batch " << micro;
+        loss_of(out).backward();
+        loss_of(ref).backward();
+        ASSERT_EQ(x.grad().scalar_type(), torch::kFloat);
+        EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1.0 / 128, 1e-3)) << "input gradient";
+      }
+      ddp.finish_grad_sync();
+      const torch::Tensor gw = ddp.main_grad("fc.weight"), gb = ddp.main_grad("fc.bias");
+      ASSERT_EQ(gw.scalar_type(), torch::kFloat);
+      EXPECT_TRUE(torch::allclose(gw, golden->weight.grad(), 1.0 / 128, 1e-3))
+          << "step " << step << ":\n" << gw << "\nvs\n" << golden->weight.grad();
+      EXPECT_TRUE(torch::allclose(gb, golden->bias.grad(), 1.0 / 128, 1e-3))
+          << "step " << step << ":\n" << gb << "\nvs\n" << golden->bias.grad();
+    }
+    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // both written in place, not through autograd
+  });
+}
+
+// Without a buffer (no DDP: the golden's own path) the function under autocast returns F.linear's
+// gradients, in the params' dtype (same tolerance as above: bf16 GEMMs of the same operands).
+TEST(LinearWithGradInBuffer, WithoutABufferUnderCpuAutocastReturnsGradientsInTheParamsDtype) {
+  InBufferLinear model;
+  const torch::Tensor w0 = model->fc->weight.detach().clone().requires_grad_(true);
+  const torch::Tensor b0 = model->fc->bias.detach().clone().requires_grad_(true);
+  const torch::Tensor x = input(0);
+  torch::Tensor out, ref;
+  {
+    CpuAutocast autocast;
+    out = model->forward(x);
+    ref = torch::nn::functional::linear(x, w0, b0);
+  }
+  loss_of(out).backward();
+  loss_of(ref).backward();
+  ASSERT_EQ(model->fc->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::allclose(model->fc->weight.grad(), w0.grad(), 1.0 / 128, 1e-3));
+  EXPECT_TRUE(torch::allclose(model->fc->bias.grad(), b0.grad(), 1.0 / 128, 1e-3));
+}
