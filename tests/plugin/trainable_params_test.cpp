@@ -18,7 +18,7 @@ namespace {
 
 // One training step on rank `rank` of 2; returns the error finish_grad_sync() throws, or "(no error)"
 // after stepping `opt`.
-std::string step(DistributedDataParallel<Mlp>& ddp, torch::optim::Optimizer& opt, int64_t rank, int64_t n) {
+std::string step(DistributedDataParallel<MlpImpl>& ddp, torch::optim::Optimizer& opt, int64_t rank, int64_t n) {
   const auto [x, y] = make_batch(5, n, 8, 4, 2);
   torch::nn::functional::mse_loss(ddp.forward(shard_rows(x, rank, 2)), shard_rows(y, rank, 2)).backward();
   return error_of([&] {

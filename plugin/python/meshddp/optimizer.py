@@ -24,6 +24,7 @@ class DistributedOptimizer:
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
         check, clipping, the sharded update and the param all-gather. Returns a StepResult
         (skipped, grad_norm, clipped, report)."""
+        self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         return self._impl.step()
 
     def zero_grad(self):
