@@ -1,9 +1,12 @@
 // linear_with_grad_in_buffer off the plain backward path: torch::autograd::grad (the gradient comes
 // back to the caller, the buffer is left alone, so the next real backward counts it once) and
-// autocast (CPU bf16: the same casts, output dtype and gradients as torch::nn::functional::linear).
+// autocast (CPU bf16: the same casts, output dtype and gradients as torch::nn::functional::linear;
+// also through tp::Linear on a TP mesh).
 // Golden: the same layer as torch::linear on a copy of the params, in one process.
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/linear_with_grad_in_buffer.h"
+#include "plugin/parallelize.h"
+#include "plugin/tp_layers.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/autocast_mode.h>
@@ -157,4 +160,71 @@ TEST(LinearWithGradInBuffer, WithoutABufferUnderCpuAutocastReturnsGradientsInThe
   ASSERT_EQ(model->fc->weight.grad().scalar_type(), torch::kFloat);
   EXPECT_TRUE(torch::allclose(model->fc->weight.grad(), w0.grad(), 1.0 / 128, 1e-3));
   EXPECT_TRUE(torch::allclose(model->fc->bias.grad(), b0.grad(), 1.0 / 128, 1e-3));
+}
+
+namespace {
+
+// fc1 column-parallel, fc2 row-parallel under a plan: every meshddp::tp::Linear runs the in-buffer linear.
+struct TpMlpImpl : torch::nn::Module {
+  TpMlpImpl() {
+    torch::manual_seed(4);
+    fc1 = register_module("fc1", tp::Linear(kIn, 4));
+    fc2 = register_module("fc2", tp::Linear(4, kOut));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  tp::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TpMlp);
+
+}  // namespace
+
+// tp::Linear under CPU autocast on a 1 x 2 (DP x TP) mesh: no dtype error, bf16 output, and each
+// rank's fp32 main grads are its shards of the golden's (the unparallelized model through
+// torch::nn::functional::linear under the same autocast). Tolerance: the TP run sums fc2's two bf16
+// partial outputs (and the input gradients of fc1's copy) in bf16 across ranks where the golden
+// forms one bf16 GEMM: a few bf16 roundings of values of the activations' size, so rtol 2^-5 and
+// atol 2^-7.
+TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo) {
+  TpMlp golden;
+  const torch::Tensor x = input(3);
+  torch::Tensor golden_out;
+  {
+    CpuAutocast autocast;
+    const auto h = torch::tanh(torch::nn::functional::linear(x, golden->fc1->weight, golden->fc1->bias));
+    golden_out = torch::nn::functional::linear(h, golden->fc2->weight, golden->fc2->bias);
+  }
+  loss_of(golden_out).backward();
+  run_on_mesh({1, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    TpMlp model;
+    {
+      torch::NoGradGuard no_grad;  // the golden's weights (rank threads share torch's RNG)
+      for (const auto& item : golden->named_parameters()) model->named_parameters()[item.key()].copy_(item.value());
+    }
+    parallelize(*model, mesh, {{"fc1", ColwiseParallel{}}, {"fc2", RowwiseParallel{}}});
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    ddp.zero_grad_buffer();
+    torch::Tensor out;
+    {
+      CpuAutocast autocast;
+      out = ddp.forward(x);
+    }
+    ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::allclose(out.to(torch::kFloat), golden_out.to(torch::kFloat), 1.0 / 32, 1.0 / 128));
+    loss_of(out).backward();
+    ddp.finish_grad_sync();
+    const int64_t r = mesh.coordinate("tp");
+    const auto shard = [&](const torch::Tensor& t, int64_t dim) { return t.chunk(2, dim)[r]; };
+    const std::vector<std::pair<std::string, torch::Tensor>> expected = {
+        {"fc1.weight", shard(golden->fc1->weight.grad(), 0)},
+        {"fc1.bias", shard(golden->fc1->bias.grad(), 0)},
+        {"fc2.weight", shard(golden->fc2->weight.grad(), 1)},
+        {"fc2.bias", golden->fc2->bias.grad()}};
+    for (const auto& [name, want] : expected) {
+      const torch::Tensor got = ddp.main_grad(name);
+      ASSERT_EQ(got.scalar_type(), torch::kFloat) << name;
+      EXPECT_TRUE(torch::allclose(got, want, 1.0 / 32, 1.0 / 128)) << name << " on TP rank " << r << ":\n"
+                                                                  << got << "\nvs\n" << want;
+    }
+    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 3);  // fc2.bias (added after the TP sum) goes through autograd
+  });
 }
