@@ -24,6 +24,7 @@ std::string CompressCommHook::name() const { return dtype_ == at::kBFloat16 ? kB
 CommHookWork CompressCommHook::launch(const CommHookBucket& b) {
   if (b.data.scalar_type() == dtype_) return SumCommHook().launch(b);  // nothing to compress
   const at::Tensor low = b.data.to(dtype_);
+  if (b.count_sent) b.count_sent(low);  // the cast may overflow (fp16: beyond 65504): count what is sent
   // `output` is `data` or a slice of it: the same slice of the compressed copy.
   const int64_t offset = b.output.storage_offset() - b.data.storage_offset();
   TORCH_INTERNAL_ASSERT(b.output.is_alias_of(b.data) && offset >= 0 && offset + b.output.numel() <= b.data.numel(),

@@ -67,6 +67,11 @@ struct CommHookBucket {
   bool reduce_scatter = false;
   c10d::ProcessGroup* group = nullptr;  // the DP group, or the whole mesh for TP-partial buckets
   std::string what;                     // "gradient bucket 3 of 5 (...)" for messages
+  // Set when the buffer counts non-finite values (check_for_nan_in_grad, the distributed optimizer):
+  // the buffer has counted `data`; a hook that sends another tensor (e.g. a compressed copy, where
+  // a cast to fp16 may overflow) calls it with that tensor, same numel as `data`, before launching
+  // its collective, and the count of what is sent replaces that of `data`. Empty otherwise.
+  std::function<void(const at::Tensor& sent)> count_sent;
 };
 
 // What a hook launched: the collective to wait on, and what to run once it is done.

@@ -34,6 +34,13 @@ std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params) {
   std::unordered_map<const c10::TensorImpl*, size_t> index_of;
   for (auto& p : params) {
     TORCH_CHECK(p.param.defined(), "GradBuffer: parameter '", p.name, "' is an undefined tensor");
+    TORCH_CHECK(p.param.layout() == at::kStrided, "GradBuffer: parameter '", p.name, "' is a ", p.param.layout(),
+                " tensor, but meshddp keeps every parameter in a dense flat buffer; make it dense (e.g. ",
+                "param.to_dense()) or keep it out of DistributedDataParallel (wrap only the dense part of the model)");
+    TORCH_CHECK(!p.param.is_meta(), "GradBuffer: parameter '", p.name, "' is on the meta device (no storage: a model ",
+                "built under torch.device(\"meta\") or an empty-weights context); materialize it first (e.g. ",
+                "module.to_empty(device=...) and initialize or load its weights), or keep it out of ",
+                "DistributedDataParallel");
     const auto [it, inserted] = index_of.emplace(p.param.unsafeGetTensorImpl(), unique.size());
     if (inserted) {
       unique.push_back(std::move(p));
@@ -61,10 +68,14 @@ struct GradBuffer::HookHandle {
 
 namespace {
 
-std::vector<NamedParam> trainable(std::vector<NamedParam> params) {
+// Splits `params` (deduplicated) into the trainable ones (returned) and the frozen ones (`frozen`).
+std::vector<NamedParam> trainable(std::vector<NamedParam> params, std::vector<NamedParam>& frozen) {
   std::vector<NamedParam> kept;
   for (auto& p : deduplicate_params(std::move(params))) {
-    if (!p.param.requires_grad()) continue;
+    if (!p.param.requires_grad()) {
+      frozen.push_back(std::move(p));
+      continue;
+    }
     TORCH_CHECK(p.param.is_leaf(), "GradBuffer: parameter '", p.name,
                 "' requires grad but is not a leaf tensor; register the parameter itself, not a view or result of it");
     kept.push_back(std::move(p));
@@ -98,12 +109,12 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::
     : GradBuffer(std::move(params), SyncGroups{std::move(dp_group), nullptr, 0, 1}, config) {}
 
 GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config)
-    : params_(trainable(std::move(params))),
-      dp_group_(groups.dp),
+    : dp_group_(groups.dp),
       groups_(std::move(groups)),
       config_(config),
       comm_hook_(make_comm_hook(config_.comm_hook)),
       debug_sequence_(switch_on(Switch::kDebugSync)) {
+  params_ = trainable(std::move(params), frozen_params_);
   config_.validate();
   TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
   dp_size_ = dp_group_->getSize();
@@ -346,10 +357,14 @@ void GradBuffer::launch_bucket(int64_t b) {
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  // The local values: the collective replaces them. The counts are members, on the current stream,
-  // which the collective's stream waits for at launch (Note [Stream lifetimes of collective temporaries]).
-  if (!nonfinite_.empty()) count_nonfinite(b);
   CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
+  if (!nonfinite_.empty()) {
+    // The local values (the collective replaces them), or what the hook sends instead (its cast).
+    // The counts are members, on the current stream, which the collective's stream waits for at
+    // launch (Note [Stream lifetimes of collective temporaries], comm_hook.h).
+    count_nonfinite(b, data);
+    hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
+  }
   if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
@@ -391,6 +406,7 @@ void GradBuffer::wait_launched_buckets() {
 }
 
 void GradBuffer::finish_grad_sync() {
+  check_trainable_params_unchanged("finish_grad_sync()");
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ == StepState::kSynced) return;
   while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
@@ -432,6 +448,7 @@ void GradBuffer::check_collective_sequence(int64_t b, c10d::ProcessGroup& group,
 }
 
 void GradBuffer::zero_grad_buffer() {
+  check_trainable_params_unchanged("zero_grad_buffer()");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t in_flight = 0;
@@ -517,6 +534,24 @@ std::string GradBuffer::bucket_description(int64_t b) const {
       << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype << " elements on "
       << key.device << ")";
   return out.str();
+}
+
+void GradBuffer::check_trainable_params_unchanged(const char* who) const {
+  for (const NamedParam& p : params_) {
+    TORCH_CHECK(p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
+                " was trainable when the model was wrapped but now has requires_grad=False (frozen after wrapping). ",
+                "Its slot in the gradient buffer would still take part in every step with a zero gradient, which an ",
+                "optimizer with weight decay or momentum still applies to it. Which params train is fixed when ",
+                "DistributedDataParallel is built: set requires_grad before wrapping (re-wrap the model, with a new ",
+                "optimizer, to change it)");
+  }
+  for (const NamedParam& p : frozen_params_) {
+    TORCH_CHECK(!p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
+                " was frozen (requires_grad=False) when the model was wrapped but now requires grad (unfrozen after ",
+                "wrapping). It has no slot in the gradient buffer, so its gradient would not be averaged across ranks. ",
+                "Which params train is fixed when DistributedDataParallel is built: set requires_grad before wrapping ",
+                "(re-wrap the model, with a new optimizer, to change it)");
+  }
 }
 
 std::string GradBuffer::unready_param_names(size_t limit) const {

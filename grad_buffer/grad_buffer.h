@@ -87,7 +87,9 @@ struct NamedParam {
 
 // One entry per tensor (a TensorImpl): a tensor registered under several names (tied weights, e.g.
 // an LM head that is the token embedding) is one parameter, kept under its first name, with the
-// later names as aliases. Order of first appearance is kept. Pure: no communication.
+// later names as aliases. Order of first appearance is kept. Throws naming a param that is undefined,
+// sparse (or any non-strided layout) or on the meta device: none can live in a flat buffer. Pure: no
+// communication.
 std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params);
 
 // "'wte.weight'" or "'wte.weight' (also 'lm_head.weight')", for messages.
@@ -112,6 +114,9 @@ class GradBuffer {
   // under several names once, see deduplicate_params), allocates one
   // zeroed flat buffer per (param dtype, grad dtype, device), points each param's grad at its slot
   // (same dtype) and installs the hooks. `dp_group` is the group the buckets are reduced over.
+  // Which params train is fixed here: freezing or unfreezing one later makes zero_grad_buffer() and
+  // finish_grad_sync() throw naming it (re-wrap the model after changing requires_grad). Params
+  // must be dense tensors with storage (not sparse, not on the meta device): an error names any other.
   GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
              GradBufferConfig config);
   // Same, with the TP-aware groups (placements are read from the registry, mesh/placement.h).
@@ -247,13 +252,17 @@ class GradBuffer {
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
+  // Throws naming the param if one was frozen (requires_grad_(false)) or unfrozen since construction:
+  // the layout (which params have a slot) is fixed at construction. `who` names the caller.
+  void check_trainable_params_unchanged(const char* who) const;
   // nonfinite_check.cpp, mutex held: the count of bucket b's local gradient (at its launch), this
   // step's counts by param, and check_for_nan_in_grad's agreement and error after the sync.
-  void count_nonfinite(int64_t b);
+  void count_nonfinite(int64_t b, const at::Tensor& values);  // values: bucket b's data, or what a hook sends
   std::vector<int64_t> nonfinite_by_param() const;
   void raise_if_nonfinite();
 
   std::vector<NamedParam> params_;
+  std::vector<NamedParam> frozen_params_;  // given but not trainable at construction (no slot)
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   SyncGroups groups_;
   std::vector<Placement> placements_;

@@ -30,6 +30,8 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <mutex>
@@ -48,6 +50,20 @@ std::mutex registry_mutex;
 std::unordered_map<const c10::TensorImpl*, SlotEntry>& registry() {
   static auto* map = new std::unordered_map<const c10::TensorImpl*, SlotEntry>();  // never destroyed: used at exit
   return *map;
+}
+
+// Whether the backward running now will execute `param`'s AccumulateGrad (add into .grad, where the
+// buffer's hooks run). A graph task's exec_info is empty for loss.backward() (every node runs); for
+// torch.autograd.grad(loss, [w]) or backward(inputs=...), only the nodes it marks needed run: w's
+// gradient is then captured and returned to the caller, not accumulated. Outside a backward (no
+// graph task), assume it will.
+bool backward_accumulates_into(const at::Tensor& param) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;
+  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!accumulator) return false;
+  const auto it = exec_info->find(accumulator.get());
+  return it != exec_info->end() && it->second.needed_;
 }
 
 }  // namespace
@@ -72,6 +88,9 @@ at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write, Sl
     if (it == registry().end()) return {};
     entry = it->second;
   }
+  // torch.autograd.grad (or a backward that does not reach this param's AccumulateGrad): the caller
+  // gets the gradient as a tensor and the buffer is left alone, as for a gradient through autograd.
+  if (!backward_accumulates_into(param)) return {};
   if (accepts == SlotDtypes::kParamDtype && entry.buffer->main_grad(entry.index).scalar_type() != param.scalar_type()) {
     return {};  // an fp32 main grad of a bf16/fp16 param, and a writer that computes in the param's dtype
   }

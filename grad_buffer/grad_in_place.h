@@ -2,7 +2,7 @@
 // parameter's gradient straight into the parameter's slot of the flat gradient buffer (the weight-
 // gradient GEMM with `out=` the slot), instead of returning it to autograd, which would hand it to
 // AccumulateGrad to be added into the slot: no temporary, no add pass, and no zeroing pass (see
-// Note [Slots written in place] in grad_buffer.cpp). This header is what a layer calls; GradBuffer
+// Note [Slots written in place] in grad_in_place.cpp). This header is what a layer calls; GradBuffer
 // registers the slots it holds. No communication here.
 //
 // A layer's backward, for a parameter `w` whose gradient is G:
@@ -33,12 +33,14 @@ using GradSlotWriter = c10::function_ref<void(const at::Tensor& slot, bool accum
 enum class SlotDtypes { kParamDtype, kParamDtypeOrFp32 };
 
 // If a live GradBuffer (built with gradient_accumulation_fusion) holds `param` in a slot of the
-// param's own dtype (or fp32, if `accepts` says so), and this backward records no graph (grad mode off: not create_graph), calls
+// param's own dtype (or fp32, if `accepts` says so), this backward records no graph (grad mode off:
+// not create_graph) and will accumulate into the param's .grad (not torch.autograd.grad, nor a
+// backward(inputs=...) that leaves the param out: those return the gradient to the caller), calls
 // `write` with that slot and returns the placeholder the caller must return from backward as the
 // param's gradient: a zero tensor that allocates nothing per call, which the buffer's hook takes out
 // before AccumulateGrad (so .grad is not touched twice) while the hook still marks the param ready
-// as usual. Otherwise (no buffer, a slot of a dtype `accepts` does not cover, create_graph, a step
-// already synced) calls nothing and returns an undefined tensor: the caller computes and returns the
+// as usual. Otherwise (no buffer, a slot of a dtype `accepts` does not cover, create_graph,
+// autograd.grad, a step already synced) calls nothing and returns an undefined tensor: the caller computes and returns the
 // gradient itself, and the buffer's hook handles it as any other gradient.
 at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write,
                                SlotDtypes accepts = SlotDtypes::kParamDtype);

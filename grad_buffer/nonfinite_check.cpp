@@ -19,9 +19,9 @@
 
 namespace meshddp {
 
-void GradBuffer::count_nonfinite(int64_t b) {
+void GradBuffer::count_nonfinite(int64_t b, const at::Tensor& values) {
   BucketNonfinite& nonfinite = nonfinite_[b];
-  nonfinite.piece_counts = count_nonfinite_pieces(bucket_data(b), nonfinite.offsets);
+  nonfinite.piece_counts = count_nonfinite_pieces(values, nonfinite.offsets);
   nonfinite.total = nonfinite.piece_counts.sum();
 }
 
@@ -67,7 +67,7 @@ void GradBuffer::raise_if_nonfinite() {
   std::ostringstream report;
   report << "GradBuffer: non-finite gradients at step " << syncs_completed_ - 1
          << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one), found in the local "
-            "gradients before their collective:\n";
+            "gradients as sent to their collective (after the comm hook's cast, if any):\n";
   for (const std::string& lines : all_gather_strings(stats_group(), mine.str(), "the non-finite gradient report", device)) {
     report << lines;
   }

@@ -202,8 +202,9 @@ StepResult DistributedOptimizer::step() {
     const at::Tensor& g = grad32_[b];
     const at::Tensor norm = at::linalg_vector_norm(g, 2);
     // Any NaN/Inf makes the norm non-finite, so on CPU (where isfinite's unfused passes cost ~120 ms
-    // per 10M elements on one core; see count_nonfinite in grad_buffer.cpp) the exact count runs only
-    // when the norm is not finite. Same counts as counting always; on CUDA it stays lazy.
+    // per 10M elements on one core; count_nonfinite_pieces in grad_buffer/nonfinite_count.h proves
+    // the common case the same way, with one sum) the exact count runs only when the norm is not
+    // finite. Same counts as counting always; on CUDA it stays lazy.
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }

@@ -2,6 +2,7 @@
 
 #include "grad_buffer/grad_in_place.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
@@ -16,27 +17,53 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Note [Autocast through the in-buffer linear]
+// Under torch.autocast, F.linear casts its floating-point operands (fp64 excepted) to the autocast
+// dtype of their device and runs there; its backward returns each gradient in its operand's own
+// dtype (the casts' backward). This Function does the same: the forward casts what autocast would
+// cast and saves the cast operands (as autocast's linear does), the backward computes in that
+// dtype and returns or writes each gradient in its param's dtype: into an fp32 slot, on CUDA by a
+// GEMM with an fp32 output (no rounding to bf16 first), on CPU (no such GEMM in ATen) by a GEMM in
+// the compute dtype added into the slot (as F.linear's gradient, rounded to bf16 then widened).
+// No cache: autocast's weight-cast cache would keep a cast made here, under no-grad, for later
+// ops of the region.
+at::Tensor cast_for_autocast(const at::Tensor& t, c10::DeviceType device, c10::ScalarType dtype) {
+  if (!t.defined() || !t.is_floating_point() || t.scalar_type() == at::kDouble || t.device().type() != device) return t;
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer> {
   // The bias is optional (an undefined tensor cannot be a custom Function's input).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
     const at::Tensor b = bias.value_or(at::Tensor());
-    ctx->save_for_backward({input, weight, b});  // weight and bias for their identity (their slots)
-    return at::linear(input, weight, b);
+    at::Tensor x = input, w = weight, bb = b;
+    const c10::DeviceType device = input.device().type();
+    if (at::autocast::is_autocast_enabled(device)) {
+      const c10::ScalarType dtype = at::autocast::get_autocast_dtype(device);
+      x = cast_for_autocast(input, device, dtype);
+      w = cast_for_autocast(weight, device, dtype);
+      bb = cast_for_autocast(b, device, dtype);
+    }
+    // The operands as computed with; weight and bias themselves for their identity (their slots).
+    ctx->save_for_backward({x, w, weight, b});
+    ctx->saved_data["input_dtype"] = input.scalar_type();
+    return at::linear(x, w, bb);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor& bias = saved[2];
-    const int64_t out_features = weight.size(0), in_features = weight.size(1);
+    const at::Tensor& input = saved[0];   // as computed with (autocast: cast)
+    const at::Tensor& w = saved[1];       // as computed with (autocast: cast)
+    const at::Tensor& weight = saved[2];  // the param
+    const at::Tensor& bias = saved[3];
+    const int64_t out_features = w.size(0), in_features = w.size(1);
     const at::Tensor grad_out = grads[0].reshape({-1, out_features});
 
     at::Tensor grad_input;
     if (ctx->needs_input_grad(0)) {
       auto sizes = input.sizes().vec();
-      grad_input = grad_out.mm(weight).view(sizes);
+      grad_input = grad_out.mm(w).view(sizes).to(ctx->saved_data["input_dtype"].toScalarType());
     }
     // fp32 main grads of bf16/fp16 params: written by a GEMM with an fp32 output, which ATen has on
     // CUDA only (mm/addmm with out_dtype); on CPU such params take the autograd path.
@@ -50,7 +77,11 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
           [&](const at::Tensor& slot, bool accumulate) {
             at::Tensor out = slot;
             const bool widen = slot.scalar_type() != grad_out.scalar_type();  // fp32 slot, bf16 operands
-            if (accumulate && widen) {
+            if (widen && !slot.is_cuda()) {
+              // No GEMM with a wider output on CPU (Note [Autocast through the in-buffer linear]).
+              const at::Tensor g = grad_out_t.mm(input_2d);
+              accumulate ? slot.add_(g) : slot.copy_(g);
+            } else if (accumulate && widen) {
               at::addmm_out(out, slot, grad_out_t, input_2d, slot.scalar_type());
             } else if (accumulate) {
               slot.addmm_(grad_out_t, input_2d);
@@ -61,7 +92,7 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
             }
           },
           accepts);
-      if (!grad_weight.defined()) grad_weight = grad_out_t.mm(input_2d);
+      if (!grad_weight.defined()) grad_weight = grad_out_t.mm(input_2d).to(weight.scalar_type());
     }
     if (bias.defined() && ctx->needs_input_grad(2)) {
       grad_bias = write_grad_in_place(
@@ -76,7 +107,7 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
             }
           },
           accepts);
-      if (!grad_bias.defined()) grad_bias = grad_out.sum(0);
+      if (!grad_bias.defined()) grad_bias = grad_out.sum(0, /*keepdim=*/false, bias.scalar_type());
     }
     return {grad_input, grad_weight, grad_bias};
   }

@@ -10,8 +10,12 @@
 // on CUDA the GEMM writes fp32 from the bf16 operands (mm/addmm with out_dtype; the gradient is not
 // rounded to bf16 before it is accumulated, as Megatron's wgrad_gemm_accum_fp32); ATen has no such
 // GEMM on CPU, where these params take the autograd path. When a param is not in a buffer that can
-// take it (no DDP, gradient_accumulation_fusion off, create_graph), its gradient is returned to
-// autograd as usual.
+// take it (no DDP, gradient_accumulation_fusion off, create_graph), or the backward will not
+// accumulate into its .grad (torch::autograd::grad / torch.autograd.grad, backward(inputs=...)
+// without it), its gradient is returned to autograd as usual and the buffer is left alone.
+// Under autocast (torch.autocast, CPU or CUDA) it behaves as torch::linear / F.linear does: the
+// operands are cast to the autocast dtype, the output is in it, and each gradient comes back (or
+// into its slot) in its param's dtype (Note [Autocast through the in-buffer linear] in the .cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

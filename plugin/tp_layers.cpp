@@ -59,7 +59,8 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
     case Mode::kRowwise: {
       auto partial = linear_with_grad_in_buffer(x, weight);
       auto y = sequence_parallel_ ? reduce_scatter_sequence(partial, tp_) : reduce_from_tp(partial, tp_);
-      return bias.defined() ? y + bias : y;
+      // In y's dtype: under autocast y is in the autocast dtype, and so is F.linear's output.
+      return bias.defined() ? y + bias.to(y.scalar_type()) : y;
     }
     default:
       return linear_with_grad_in_buffer(x, weight, bias);

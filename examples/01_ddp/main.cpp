@@ -35,17 +35,21 @@ struct Flags {
   examples::CheckpointFlags checkpoints;
 };
 
+std::string usage_line() {
+  return std::string("[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
+                     "[--distributed-optimizer] ") +
+         examples::run_flags_usage() + examples::checkpoint_usage();
+}
+
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
-  examples::exit_with_usage(prog, bad,
-                            std::string("[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
-                                        "[--distributed-optimizer] ") +
-                                examples::run_flags_usage() + examples::checkpoint_usage());
+  examples::exit_with_usage(prog, bad, usage_line());
 }
 
 Flags parse(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
     if (arg == "--distributed-optimizer") {
       f.distributed_optimizer = true;
       continue;

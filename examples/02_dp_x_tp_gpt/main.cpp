@@ -39,12 +39,13 @@ struct Flags {
   examples::CheckpointFlags checkpoints;
 };
 
-[[noreturn]] void usage(const char* prog, const std::string& error) {
-  examples::exit_with_usage(prog, error,
-                            std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
-                                        "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
-                                examples::run_flags_usage() + examples::checkpoint_usage());
+std::string usage_line() {
+  return std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
+                     "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+         examples::run_flags_usage() + examples::checkpoint_usage();
 }
+
+[[noreturn]] void usage(const char* prog, const std::string& error) { examples::exit_with_usage(prog, error, usage_line()); }
 
 // Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
 void validate(const Flags& f) {
@@ -65,6 +66,7 @@ Flags parse(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
     if (arg == "--sequence-parallel") { f.sequence_parallel = true; continue; }
     if (arg == "--distributed-optimizer") { f.distributed_optimizer = true; continue; }
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;

@@ -72,4 +72,10 @@ inline StepRank parse_step_rank_flag(const std::string& flag, const std::string&
   std::exit(2);
 }
 
+// Prints the usage line to stdout and exits 0 (--help / -h).
+[[noreturn]] inline void exit_with_help(const char* prog, const std::string& usage) {
+  std::cout << "usage: " << prog << " " << usage << "\n";
+  std::exit(0);
+}
+
 }  // namespace examples

@@ -264,6 +264,16 @@ PYBIND11_MODULE(_C, m) {
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer().layout().buckets.size(); })
       .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer().buckets_launched_by_hooks(); })
       .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer().grads_written_in_place(); })
+      // Around writing new values into the params (load_state_dict): no sync pending, pending param
+      // all-gathers done first (they would overwrite what is loaded); afterwards the distributed
+      // optimizer refreshes its fp32 masters before its next step.
+      .def("before_params_written",
+           [](PythonDdp& d, const std::string& who) {
+             d.grad_buffer().check_no_sync_pending(who.c_str());
+             if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+           },
+           Release())
+      .def("notify_params_changed", [](PythonDdp& d) { d.grad_buffer().notify_params_changed(); })
       .def_property_readonly("config", &PythonDdp::config);
 
   py::class_<DistributedOptimizer>(m, "_DistributedOptimizer")
@@ -273,6 +283,7 @@ PYBIND11_MODULE(_C, m) {
            py::keep_alive<1, 2>())
       .def("step", &DistributedOptimizer::step, Release())
       .def("finish_param_sync", &DistributedOptimizer::finish_param_sync, Release())
+      .def("reload_masters_from_params", &DistributedOptimizer::reload_masters_from_params, Release())
       .def("save_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.save_checkpoint(dir); },
            Release())
       .def("load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },

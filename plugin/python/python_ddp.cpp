@@ -83,7 +83,24 @@ void PythonDdp::set_dtensor_grads(std::vector<at::Tensor> grads) {
   for (size_t i = 0; i < dtensors_.size(); ++i) dtensors_[i].leaf.mutable_grad() = dtensor_grads_[i];
 }
 
+void PythonDdp::check_dtensors_still_trainable(const char* who) const {
+  for (const auto& d : dtensors_) {
+    TORCH_CHECK(d.leaf.requires_grad(), "meshddp.DistributedDataParallel.", who, ": DTensor parameter '", d.name,
+                "' was trainable when the model was wrapped but now has requires_grad=False (frozen after wrapping). ",
+                "Its slot in the gradient buffer would still take part in every step with a zero gradient, which an ",
+                "optimizer with weight decay or momentum still applies to it. Which params train is fixed when ",
+                "DistributedDataParallel is built: set requires_grad before wrapping (re-wrap the model, with a new ",
+                "optimizer, to change it)");
+  }
+}
+
+void PythonDdp::finish_grad_sync() {
+  check_dtensors_still_trainable("finish_grad_sync()");
+  DdpEngine::finish_grad_sync();
+}
+
 void PythonDdp::zero_grad_buffer() {
+  check_dtensors_still_trainable("zero_grad_buffer()");
   DdpEngine::zero_grad_buffer();
   for (size_t i = 0; i < dtensor_grads_.size(); ++i) dtensors_[i].leaf.mutable_grad() = dtensor_grads_[i];
 }

@@ -55,6 +55,9 @@ class PythonDdp : public DdpEngine {
   void set_dtensor_grads(std::vector<at::Tensor> grads);
   // Zeroes the buffers and points every param's .grad (DTensor ones included) back at its slot.
   void zero_grad_buffer();
+  // DdpEngine's, after checking no DTensor param was frozen since construction (the GradBuffer
+  // checks the local tensors it holds; a DTensor leaf's requires_grad is its own).
+  void finish_grad_sync();
 
   // Around the Python module's forward: the check that the previous step's sync has finished, the
   // param all-gather wait scope (distributed optimizer with overlap), and, with
@@ -71,6 +74,8 @@ class PythonDdp : public DdpEngine {
   std::vector<DtensorParam> dtensors_;
   std::vector<at::Tensor> dtensor_grads_;
   std::vector<std::unique_ptr<Relay>> relays_;
+
+  void check_dtensors_still_trainable(const char* who) const;
 };
 
 }  // namespace meshddp

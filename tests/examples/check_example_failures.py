@@ -42,6 +42,15 @@ for binary, args, message in (
            code == 2 and message in err and "usage:" in err, f"exit {code}\nstderr:\n{err}")
 
 
+# --help: the usage on stdout, exit 0 (was "flag --help needs a value", exit 2).
+for binary in (gpt_binary, ddp_binary):
+    for flag in ("--help", "-h"):
+        code, out, err = run([binary, flag], timeout=60)
+        expect(f"{os.path.basename(binary)} {flag}: the usage, exit 0",
+               code == 0 and out.startswith("usage: ") and "--steps N" in out and not err,
+               f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
+
+
 def torchrun_cmd(binary, nproc, *args):
     return [torchrun, "--standalone", f"--nproc-per-node={nproc}", "--no-python", binary, *args]
 

@@ -81,3 +81,37 @@ TEST(CheckForNanInGrad, IsOffByDefault) {
     EXPECT_TRUE(std::isinf(buffer.main_grad(1)[0].item<double>()));
   });
 }
+
+// fp16 compression: what is sent is the fp16 cast, and a finite fp32 gradient beyond fp16's range
+// (1e6 / DP 2 = 5e5 > 65504) becomes Inf there. Counted after the cast, it is reported as any NaN,
+// on every rank, naming the param and rank 1 (counted before it, as before, it went unreported and
+// the reduced gradient came back Inf). A gradient within range (1e4) is not reported.
+TEST(CheckForNanInGrad, CountsWhatFp16CompressionSendsSoAnOverflowOfTheCastIsReported) {
+  std::vector<std::string> errors(2);
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    auto params = three_params();
+    GradBufferConfig config;
+    config.bucket_bytes = 0;
+    config.check_for_nan_in_grad = true;
+    config.comm_hook = kFp16CompressHook;
+    GradBuffer buffer(params, mesh["dp"], config);
+    const int rank = static_cast<int>(mesh.rank());
+    for (int step = 0; step < 2; ++step) {
+      buffer.zero_grad_buffer();
+      backward_with(params, rank, /*bad_rank=*/1, 2, step == 0 ? 1e4 : 1e6);
+      try {
+        buffer.finish_grad_sync();
+      } catch (const c10::Error& e) {
+        errors[rank] += "step " + std::to_string(step) + ": " + e.what_without_backtrace();
+      }
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_THAT(errors[r], Not(HasSubstr("step 0")));
+    EXPECT_THAT(errors[r], HasSubstr("step 1: GradBuffer: non-finite gradients at step 1"));
+    EXPECT_THAT(errors[r], HasSubstr("as sent to their collective (after the comm hook's cast, if any)"));
+    EXPECT_THAT(errors[r], HasSubstr("rank 1 (DP rank 1): parameter 'layer2.weight' has 1 NaN/Inf gradient value(s) of 6"));
+    EXPECT_THAT(errors[r], Not(HasSubstr("rank 0 (DP rank 0)")));
+  }
+}

@@ -87,7 +87,7 @@ TEST(CollectiveProgress, ATimeoutErrorNamesTheRankThatNeverCalled) {
 // The per-launch bookkeeping (registry lookup, atomic increment, ring write) is what every
 // collective pays; measured 0.25 us per launch on the loaded 2-core dev machine; asserted < 2 us to stay robust on
 // a loaded 2-core runner while still catching a store round trip (>= 20 us) on the hot path.
-TEST(CollectiveProgress, LaunchBookkeepingCostsWellUnderAMicrosecondPerCollective) {
+TEST(CollectiveProgress, LaunchBookkeepingCostsUnderTwoMicrosecondsPerCollective) {
   run_mesh_with(1, MeshOptions{}, [](DeviceMesh& mesh) {
     auto work = c10::make_intrusive<c10d::Work>();
     constexpr int kLaunches = 200000;

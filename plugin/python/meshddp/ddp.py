@@ -177,8 +177,20 @@ class DistributedDataParallel(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args, **kwargs):
-        return self.module.load_state_dict(*args, **kwargs)
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """The module's load_state_dict (values copied into the params in place), between steps (not
+        while a gradient sync is pending). With the distributed optimizer, pending param all-gathers
+        finish first and the optimizer's fp32 master weights are refreshed from the loaded params
+        before its next step (else the step would write the old weights back). assign=True is refused:
+        it would replace the params, which are views of meshddp's flat buffers."""
+        if assign:
+            raise _error("load_state_dict(assign=True) would replace the parameters, but each is a view of "
+                         "meshddp's flat buffers; load with assign=False (the default: values copied in place)")
+        self._engine.before_params_written("meshddp.DistributedDataParallel.load_state_dict")
+        try:
+            return self.module.load_state_dict(state_dict, strict=strict)
+        finally:
+            self._engine.notify_params_changed()  # also after a partial load (strict=True that failed midway)
 
     def main_grad(self, name):
         """The synced gradient of trainable param `name` (module path): a view of its slot in the flat

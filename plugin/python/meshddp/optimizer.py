@@ -24,6 +24,7 @@ class DistributedOptimizer:
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
         check, clipping, the sharded update and the param all-gather. Returns a StepResult
         (skipped, grad_norm, clipped, report)."""
+        self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         return self._impl.step()
 
     def zero_grad(self):
@@ -38,6 +39,12 @@ class DistributedOptimizer:
         ordered by it (make that stream wait on torch.cuda.current_stream(), or synchronize it first).
         .item() and .cpu() synchronize the current stream themselves."""
         self._impl.finish_param_sync()
+
+    def reload_masters_from_params(self):
+        """Refreshes this rank's fp32 master weights from the params, after writing new values into the
+        params other than by ddp.load_state_dict() (which makes the next step() do this by itself).
+        A no-op for fp32 params, whose masters are the param buffer itself."""
+        self._impl.reload_masters_from_params()
 
     def set_lr(self, lr):
         """Sets every param group's learning rate to lr x its ratio to the base lr, from the next step()."""
