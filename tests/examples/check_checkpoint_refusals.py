@@ -1,7 +1,7 @@
 """Checkpoints are untrusted input (issue 20), through the tools a user runs: a 2-rank checkpoint of
 examples/02_dp_x_tp_gpt, damaged or edited, is refused with `error: <file>: <what is wrong>` and exit
 1 by scripts/consolidate_checkpoint.py (no traceback, no output file) and by `--resume` (exit 1, the
-value named). The edits a tool could make consistently (a re-signed manifest, a rewritten header)
+value named; torchrun adds its own traceback of the child's exit). The edits a tool could make consistently (a re-signed manifest, a rewritten header)
 are made here with the script's own helpers, which also checks that Python and C++ agree on the
 manifest checksum. Usage: check_checkpoint_refusals.py <gpt_example>."""
 import json
@@ -139,6 +139,8 @@ try:
          "has CRC32C 0x"),
         ("wrong JSON types", manifest_edit(lambda m: m["mesh"].update(world_size="2")), "mesh.world_size is \"2\""),
     ]
+    RESUMED = {"data_position edited by hand", "a piece's file reaching out of the directory",
+               "a duplicated piece at a negative begin", "a header length of 2^64-1", "wrong JSON types"}
     for name, damage, message in cases:
         restore()
         damage()
@@ -146,9 +148,11 @@ try:
         expect(f"consolidate refuses {name}", run.returncode == 1 and run.stderr.startswith("error: ")
                and message in run.stderr and "Traceback" not in run.stderr and not os.path.exists(target),
                f"exit {run.returncode}\n{run.stderr[-3000:]}")
+        if name not in RESUMED:
+            continue  # the C++ tests cover the rest; each torchrun costs seconds
         resume = gpt(3, save, "--resume")
         expect(f"--resume refuses {name}", resume.returncode == 1 and "nothing was loaded" in resume.stderr
-               and "Traceback" not in resume.stderr and "terminate" not in resume.stderr,
+               and "terminate" not in resume.stderr,
                f"exit {resume.returncode}\n{resume.stderr[-3000:]}")
 
     # Values of the wrong type, written consistently by another program: named, exit 1.

@@ -3,6 +3,7 @@
 // named refusal that changes nothing, or a load equal to the original; never a crash, never another
 // state. Deterministic (the seed is logged); one rank, so every file is verified by the loader.
 #include "optimizer/checkpoint_manifest.h"
+#include "optimizer/safetensors.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/zero_training.h"

@@ -399,15 +399,18 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
   };
   // The two ranks' pieces swapped (files), relabelled (ranges), and the two AdamW moments swapped.
   for (const auto& edit : {swap_fields({"file"}), swap_fields({"begin", "end"}), swap_fields({"file", "crc32c"})}) {
+    write_text(path, original);
     write_text(path, edited_manifest(dir, edit, true));
     expect_every_rank_says(load_errors(s, 2, dir), "(written by rank ");
   }
   const std::string param = key.substr(std::string("model/").size());
+  write_text(path, original);
   write_text(path, edited_manifest(dir, [&](JsonValue& m) {
     auto& t = m.object()["tensors"].object();
     std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
   }, true));
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
+  write_text(path, original);
   write_text(path, edited_manifest(dir, [&](JsonValue& m) {
     m.object()["tensors"].object()["optim/exp_avg/" + param].object()["dtype"] = JsonValue("I32");
   }, true));
