@@ -89,7 +89,8 @@ try:
     # The intact checkpoint consolidates; a Python-signed copy of its manifest is still accepted.
     run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
     expect("the intact checkpoint consolidates", run.returncode == 0 and os.path.exists(target), run.stderr)
-    os.remove(target)
+    if os.path.exists(target):
+        os.remove(target)
 
     def manifest_edit(edit, resign=True):
         def damage():
@@ -144,6 +145,8 @@ try:
     for name, damage, message in cases:
         restore()
         damage()
+        if os.path.exists(target):
+            os.remove(target)
         run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
         expect(f"consolidate refuses {name}", run.returncode == 1 and run.stderr.startswith("error: ")
                and message in run.stderr and "Traceback" not in run.stderr and not os.path.exists(target),
