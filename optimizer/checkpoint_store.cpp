@@ -15,8 +15,6 @@
 namespace meshddp {
 namespace {
 
-constexpr const char* kFormat = "meshddp-checkpoint";
-constexpr int64_t kVersion = 2;
 constexpr const char* kManifest = "manifest.json";
 
 std::string message_of(const std::exception& e) {
@@ -25,11 +23,6 @@ std::string message_of(const std::exception& e) {
 }
 
 std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
-std::string file_name(int64_t rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "rank%05lld.safetensors", static_cast<long long>(rank));
-  return buf;
-}
 
 // step-<N> -> N, or -1.
 int64_t step_of(const std::string& name) {
@@ -105,30 +98,86 @@ JsonValue values_to_json(const CheckpointValues& values) {
   return JsonValue(std::move(o));
 }
 
-CheckpointValues values_from_json(const JsonValue& json) {
-  CheckpointValues values;
-  for (const auto& [k, v] : json.as_object("manifest values")) {
-    if (v.is_int()) {
-      values[k] = v.as_int(k);
-    } else if (v.is_number()) {
-      values[k] = v.as_double(k);
-    } else {
-      values[k] = v.as_string("manifest values." + k);
-    }
-  }
-  return values;
-}
-
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
   return s + "]";
 }
 
-std::vector<int64_t> shape_from_json(const JsonValue& json, const std::string& where) {
-  std::vector<int64_t> shape;
-  for (const auto& d : json.as_array(where)) shape.push_back(d.as_int(where));
-  return shape;
+// What is wrong with one file of the checkpoint in `step_dir`, checked in full ("" if nothing):
+// its size; its header (save id, rank, step, rank 0's values and optimizer, and for each piece the
+// manifest puts there: the tensor, its dtype and shape; no tensor the manifest does not list); its
+// CRC32C and each piece's checksum (Note [Manifest and piece checksums]).
+std::string file_problem(const std::string& step_dir, const std::string& name, const Manifest& m) {
+  const ManifestFile& f = m.files.at(name);
+  const std::string path = step_dir + "/" + name;
+  const std::string who = "file '" + path + "' (written by rank " + std::to_string(f.rank) + ")";
+  if (!path_exists(path)) return who + " is missing";
+  const int64_t bytes = file_bytes(path);
+  if (bytes != f.bytes) {
+    return who + " has " + std::to_string(bytes) + " bytes but the manifest says " + std::to_string(f.bytes) +
+           " (truncated, or from another save)";
+  }
+  SafetensorsHeader h;
+  try {
+    h = read_safetensors_header(path, bytes);
+  } catch (const std::exception& e) {
+    return who + ": " + message_of(e);
+  }
+  auto meta = [&](const char* key) {
+    auto it = h.metadata.find(key);
+    return it == h.metadata.end() ? std::string("(none)") : it->second;
+  };
+  if (meta("save_id") != m.save_id) {
+    return who + " is from another save (save id " + meta("save_id") + ", step " + meta("step") +
+           ") than this checkpoint's (save id " + m.save_id + ", step " + std::to_string(m.step) + ")";
+  }
+  if (meta("rank") != std::to_string(f.rank)) return who + " says it was written by rank " + meta("rank") + " (renamed?)";
+  if (meta("step") != std::to_string(m.step)) return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
+  if (f.rank == 0) {  // rank 0's file also records the values and the optimizer's state summary
+    for (const auto& [key, saved] : {std::pair{"values", values_to_json(m.values).dump()}, std::pair{"optimizer", m.optimizer.dump()}}) {
+      if (meta(key) != saved) return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
+    }
+  }
+  struct Expected {
+    int64_t begin, end;  // bytes of the file
+    const std::string* key;
+    const ManifestPiece* piece;
+  };
+  std::vector<Expected> pieces;
+  for (const auto& [key, t] : m.tensors) {
+    for (const ManifestPiece& p : t.pieces) {
+      if (p.file != name) continue;
+      auto it = h.tensors.find(key);
+      if (it == h.tensors.end()) return who + " has no tensor '" + key + "' though the manifest puts a piece of it there";
+      const SafetensorsTensor& st = it->second;
+      if (st.dtype != t.dtype || st.shape != std::vector<int64_t>{p.end - p.begin}) {
+        return who + " holds '" + key + "' as " + st.dtype + " " + shape_str(st.shape) + " but the manifest says " +
+               t.dtype + " [" + std::to_string(p.end - p.begin) + "]";
+      }
+      pieces.push_back({h.data_start + st.begin, h.data_start + st.end, &key, &p});
+    }
+  }
+  if (pieces.size() != h.tensors.size()) {
+    return who + " holds " + std::to_string(h.tensors.size()) + " tensors but the manifest lists " +
+           std::to_string(pieces.size()) + " pieces in it (from another save?)";
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Expected& a, const Expected& b) { return a.begin < b.begin; });
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const Expected& e : pieces) ranges.push_back({e.begin, e.end});
+  const WrittenFile actual = checksum_file(path, ranges);
+  if (actual.crc != f.crc) {
+    return who + " has CRC32C " + crc_hex(actual.crc) + " but the manifest says " + crc_hex(f.crc) + ": its bytes are corrupt";
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const ManifestPiece& p = *pieces[i].piece;
+    if (piece_checksum(actual.tensor_crcs[i], m.save_id, *pieces[i].key, p.tp_rank, p.begin, p.end) != p.crc) {
+      return who + ": its bytes of '" + *pieces[i].key + "' do not have the checksum the manifest gives for elements [" +
+             std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
+             " (a piece relabelled or moved to another range, rank or tensor)";
+    }
+  }
+  return "";
 }
 
 void prune(const std::string& dir, int64_t keep_last, const std::string& latest) {
@@ -204,7 +253,7 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
   const std::string save_id = statuses[0].at("save_id", "rank 0's status").as_string("save_id");
 
   // (2) Every rank writes, fsyncs and verifies its file.
-  const std::string file = file_name(rank);
+  const std::string file = checkpoint_file_name(rank);
   mine = status_ok();
   try {
     std::vector<std::pair<std::string, at::Tensor>> named;
@@ -223,10 +272,19 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
           {"begin", JsonValue(t.begin)},
           {"end", JsonValue(t.end)}}));
     }
-    const std::map<std::string, std::string> metadata = {
-        {"format", kFormat}, {"save_id", save_id}, {"step", std::to_string(meta.step)},
+    std::map<std::string, std::string> metadata = {
+        {"format", kCheckpointFormat}, {"save_id", save_id}, {"step", std::to_string(meta.step)},
         {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}};
+    if (rank == 0) {  // the manifest's too; a load compares them (file_problem): bound by this file's CRC
+      metadata["values"] = values_to_json(meta.values).dump();
+      metadata["optimizer"] = meta.optimizer.dump();
+    }
     const WrittenFile written = write_safetensors_file(step_dir + "/" + file, named, metadata);
+    for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint_manifest.h)
+      const CheckpointTensor& t = tensors[i];
+      pieces[i].object()["crc32c"] = JsonValue(crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key,
+                                                                          t.slice.tp_rank, t.begin, t.end)));
+    }
     if (options.after_file_written) options.after_file_written(step_dir + "/" + file);
     mine.object()["file"] = JsonValue(JsonValue::Object{
         {"name", JsonValue(file)}, {"rank", JsonValue(rank)}, {"dp_rank", JsonValue(mesh.dp_rank)},
@@ -244,8 +302,8 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
     try {
       JsonValue manifest;
       JsonValue::Object& m = manifest.object();
-      m["format"] = JsonValue(kFormat);
-      m["version"] = JsonValue(kVersion);
+      m["format"] = JsonValue(kCheckpointFormat);
+      m["version"] = JsonValue(kCheckpointVersion);
       m["save_id"] = JsonValue(save_id);
       m["step"] = JsonValue(meta.step);
       m["mesh"] = JsonValue(JsonValue::Object{{"world_size", JsonValue(world_size)},
@@ -274,13 +332,15 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
                         it->second.at(field, key).dump(), " on a lower rank");
           }
           it->second.object()["pieces"].array().push_back(JsonValue(JsonValue::Object{
-              {"file", JsonValue(file_name(r))}, {"tp_rank", p.at("tp_rank", key)},
-              {"begin", p.at("begin", key)}, {"end", p.at("end", key)}}));
+              {"file", JsonValue(checkpoint_file_name(r))}, {"tp_rank", p.at("tp_rank", key)},
+              {"begin", p.at("begin", key)}, {"end", p.at("end", key)}, {"crc32c", p.at("crc32c", key)}}));
         }
       }
       m["files"] = JsonValue(std::move(files));
       m["tensors"] = JsonValue(std::move(entries));
-      write_file_atomically(step_dir + "/" + kManifest, manifest.dump(1) + "\n");
+      const std::string text = manifest_text(manifest);
+      parse_manifest(text, step_dir + "/" + kManifest);  // what a load will check, checked before the commit
+      write_file_atomically(step_dir + "/" + kManifest, text);
       write_file_atomically(dir + "/latest", name + "\n");
       if (options.keep_last > 0) prune(dir, options.keep_last, name);
     } catch (const std::exception& e) {
@@ -347,16 +407,13 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   mine = status_ok();
   try {
     const std::string path = path_ + "/" + kManifest;
-    manifest_ = JsonValue::parse(read_file(path), "'" + path + "'");
-    const std::string format = manifest_.at("format", path).as_string("format");
-    const int64_t version = manifest_.at("version", path).as_int("version");
-    TORCH_CHECK(format == kFormat && version == kVersion, "checkpoint: '", path, "' is format '", format, "' version ",
-                version, "; this build reads '", kFormat, "' version ", kVersion);
-    meta_.step = manifest_.at("step", path).as_int("step");
-    meta_.values = values_from_json(manifest_.at("values", path));
-    meta_.optimizer = manifest_.at("optimizer", path);
-    manifest_.at("files", path).as_object("files");
-    manifest_.at("tensors", path).as_object("tensors");
+    const int64_t bytes = file_bytes(path);
+    TORCH_CHECK(bytes <= kMaxManifestBytes, "checkpoint: manifest '", path, "' has ", bytes, " bytes; more than the ",
+                kMaxManifestBytes, " a manifest may have: not a manifest");
+    manifest_ = parse_manifest(read_file(path), path);
+    meta_.step = manifest_.step;
+    meta_.values = manifest_.values;
+    meta_.optimizer = manifest_.optimizer;
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
@@ -371,116 +428,75 @@ std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTenso
   std::vector<at::Tensor> loaded(wanted.size());
   JsonValue mine = status_ok();
   try {
-    const JsonValue::Object& files = manifest_.at("files", "manifest").as_object("files");
-    const JsonValue::Object& tensors = manifest_.at("tensors", "manifest").as_object("tensors");
-    const std::string save_id = manifest_.at("save_id", "manifest").as_string("save_id");
     std::vector<std::string> problems;
     auto problem = [&](const std::string& p) {
       if (problems.size() < 8) problems.push_back(p);
     };
 
     // The model against the manifest.
-    for (const auto& [key, entry] : tensors) {
+    for (const auto& [key, entry] : manifest_.tensors) {
       if (key.rfind("model/", 0) == 0 && model_keys.count(key) == 0) {
-        problem("the checkpoint has '" + key + "' (global shape " + shape_str(shape_from_json(entry.at("shape", key), key)) +
+        problem("the checkpoint has '" + key + "' (global shape " + shape_str(entry.shape) +
                 ") but this model has no such parameter or buffer");
       }
     }
     for (const CheckpointTensor& w : wanted) {
-      auto it = tensors.find(w.key);
-      if (it == tensors.end()) {
+      auto it = manifest_.tensors.find(w.key);
+      if (it == manifest_.tensors.end()) {
         if (!w.optional) problem("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
                                  " here): the model or the optimizer differs from the saved one");
         continue;
       }
-      const std::vector<int64_t> saved_shape = shape_from_json(it->second.at("shape", w.key), w.key);
-      if (saved_shape != w.global_shape) {
-        problem("'" + w.key + "' has global shape " + shape_str(saved_shape) + " in the checkpoint but " +
+      if (it->second.shape != w.global_shape) {
+        problem("'" + w.key + "' has global shape " + shape_str(it->second.shape) + " in the checkpoint but " +
                 shape_str(w.global_shape) + " here");
       }
-      const std::string saved_dtype = it->second.at("dtype", w.key).as_string(w.key);
+      const std::string& saved_dtype = it->second.dtype;
       if (w.key.rfind("model/", 0) == 0 && saved_dtype != safetensors_dtype(w.data.scalar_type())) {
         problem("'" + w.key + "' is " + saved_dtype + " in the checkpoint but " +
                 safetensors_dtype(w.data.scalar_type()) + " here");
       }
     }
 
-    // Every world_size-th file, verified in full: size, save id, CRC32C.
+    // Every world_size-th file, verified in full.
     int64_t index = 0;
-    for (const auto& [name, f] : files) {
+    for (const auto& [name, f] : manifest_.files) {
       if (index++ % world_size != rank) continue;
-      const std::string path = path_ + "/" + name;
-      const int64_t writer = f.at("rank", name).as_int("rank");
-      const std::string who = "file '" + path + "' (written by rank " + std::to_string(writer) + ")";
-      if (!path_exists(path)) {
-        problem(who + " is missing");
-        continue;
-      }
-      const int64_t expected_bytes = f.at("bytes", name).as_int("bytes"), actual_bytes = file_bytes(path);
-      if (actual_bytes != expected_bytes) {
-        problem(who + " has " + std::to_string(actual_bytes) + " bytes but the manifest says " +
-                std::to_string(expected_bytes) + " (truncated, or from another save)");
-        continue;
-      }
-      try {
-        const SafetensorsHeader h = read_safetensors_header(path, actual_bytes);
-        const auto id = h.metadata.find("save_id");
-        const std::string found = id == h.metadata.end() ? "(none)" : id->second;
-        if (found != save_id) {
-          const auto step = h.metadata.find("step");
-          problem(who + " is from another save (save id " + found + ", step " +
-                  (step == h.metadata.end() ? "?" : step->second) + ") than this checkpoint's (save id " + save_id +
-                  ", step " + std::to_string(meta_.step) + ")");
-          continue;
-        }
-      } catch (const std::exception& e) {
-        problem(who + ": " + message_of(e));
-        continue;
-      }
-      const std::string expected_crc = f.at("crc32c", name).as_string("crc32c");
-      const std::string actual_crc = crc_hex(checksum_file(path).crc);
-      if (actual_crc != expected_crc) {
-        problem(who + " has CRC32C " + actual_crc + " but the manifest says " + expected_crc + ": its bytes are corrupt");
-      }
+      const std::string p = file_problem(path_, name, manifest_);
+      if (!p.empty()) problem(p);
     }
 
-    // Read every wanted piece.
+    // Read every wanted piece (any rank's damage shows in the agreement below; reads here stay
+    // within the bounds the header and the manifest were checked against).
     if (problems.empty()) {
       std::map<std::string, SafetensorsHeader> headers;
       for (size_t i = 0; i < wanted.size(); ++i) {
         const CheckpointTensor& w = wanted[i];
-        auto it = tensors.find(w.key);
-        if (it == tensors.end()) continue;
-        const JsonValue& entry = it->second;
-        const c10::ScalarType saved_type = scalar_type_from_safetensors(entry.at("dtype", w.key).as_string(w.key));
+        auto it = manifest_.tensors.find(w.key);
+        if (it == manifest_.tensors.end()) continue;
+        const ManifestTensor& entry = it->second;
+        const c10::ScalarType saved_type = scalar_type_from_safetensors(entry.dtype);
         const int64_t item = static_cast<int64_t>(c10::elementSize(saved_type));
-        const int64_t dim = entry.at("dim", w.key).as_int(w.key), tp = entry.at("tp_size", w.key).as_int(w.key);
         std::vector<Piece> saved;
-        std::vector<std::string> saved_files;
-        for (const JsonValue& p : entry.at("pieces", w.key).as_array(w.key)) {
-          saved.push_back({{dim, tp, p.at("tp_rank", w.key).as_int(w.key)}, p.at("begin", w.key).as_int(w.key),
-                           p.at("end", w.key).as_int(w.key)});
-          saved_files.push_back(p.at("file", w.key).as_string(w.key));
-        }
+        for (const ManifestPiece& p : entry.pieces) saved.push_back({{entry.dim, entry.tp_size, p.tp_rank}, p.begin, p.end});
         const Piece want{w.slice, w.begin, w.end};
         const std::vector<PieceCopy> copies = plan_copies(w.global_shape, saved, want);
-        if (covered_numel(copies) != w.end - w.begin) {
-          problem("elements of '" + w.key + "' are in no file: " + std::to_string(covered_numel(copies)) + " of " +
-                  std::to_string(w.end - w.begin) + " wanted found");
-          continue;
-        }
+        TORCH_INTERNAL_ASSERT(covered_numel(copies) == w.end - w.begin, "'", w.key, "': the manifest's pieces were ",
+                              "checked to cover every element");
         at::Tensor out = at::empty({w.end - w.begin}, at::TensorOptions().dtype(saved_type));
         auto* dest = static_cast<char*>(out.data_ptr());
         for (const PieceCopy& c : copies) {
-          const std::string path = path_ + "/" + saved_files[c.source];
+          const ManifestPiece& piece = entry.pieces[c.source];
+          const std::string path = path_ + "/" + piece.file;
           auto h = headers.find(path);
           if (h == headers.end()) h = headers.emplace(path, read_safetensors_header(path, file_bytes(path))).first;
           auto t = h->second.tensors.find(w.key);
           TORCH_CHECK(t != h->second.tensors.end(), "file '", path, "' has no tensor '", w.key, "' though the manifest ",
                       "says it does (from another save?)");
-          const int64_t piece_numel = saved[c.source].end - saved[c.source].begin;
-          TORCH_CHECK(t->second.end - t->second.begin == piece_numel * item, "file '", path, "' holds ",
-                      t->second.end - t->second.begin, " bytes of '", w.key, "' but the manifest says ", piece_numel * item);
+          const int64_t piece_bytes = (piece.end - piece.begin) * item;
+          TORCH_CHECK(t->second.dtype == entry.dtype && t->second.end - t->second.begin == piece_bytes, "file '", path,
+                      "' holds ", t->second.end - t->second.begin, " bytes of ", t->second.dtype, " for '", w.key,
+                      "' but the manifest says ", piece_bytes, " bytes of ", entry.dtype);
           read_file_range(path, h->second.data_start + t->second.begin + c.source_offset * item, c.numel * item,
                           dest + c.dest_offset * item);
         }

@@ -23,6 +23,7 @@
 #pragma once
 
 #include "mesh/placement.h"
+#include "optimizer/checkpoint_manifest.h"
 #include "optimizer/json_value.h"
 #include "optimizer/reshard.h"
 
@@ -38,11 +39,6 @@
 #include <vector>
 
 namespace meshddp {
-
-// User key-values saved with a checkpoint (data position, LR schedule state, anything): numbers are
-// kept exactly (int64) or as double; strings may hold anything, e.g. a JSON document of one's own.
-using CheckpointValue = std::variant<int64_t, double, std::string>;
-using CheckpointValues = std::map<std::string, CheckpointValue>;
 
 // One rank's piece of one tensor of the checkpoint.
 struct CheckpointTensor {
@@ -88,16 +84,17 @@ std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> st
 
 class CheckpointReader {
  public:
-  // Collective: world rank 0 resolves the step directory (`step` or `latest`), every rank parses its
-  // manifest; throws on every rank if any rank cannot.
+  // Collective: world rank 0 resolves the step directory (`step` or `latest`), every rank parses and
+  // checks its manifest (optimizer/checkpoint_manifest.h); throws on every rank if any rank cannot.
   CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step = std::nullopt);
 
   const std::string& path() const { return path_; }  // <dir>/step-<N>
   const CheckpointMeta& meta() const { return meta_; }
-  const JsonValue& manifest() const { return manifest_; }
-  bool has(const std::string& key) const { return manifest_.at("tensors", "manifest").has(key); }
+  const Manifest& manifest() const { return manifest_; }
+  bool has(const std::string& key) const { return manifest_.tensors.count(key) > 0; }
 
-  // Collective: verifies files, checks `wanted` against the manifest (missing, reshaped, dtype;
+  // Collective: verifies files (size, CRC32C, header: save id, rank, every piece's dtype, shape and
+  // checksum), checks `wanted` against the manifest (missing, reshaped, dtype;
   // and keys under "model/" in the checkpoint that are not in `model_keys`: a model that lost a
   // tensor), reads every wanted piece (any DP x TP) into new CPU tensors of wanted.data's dtype.
   // Throws on every rank, naming file, rank and expected vs actual, if any rank fails.
@@ -106,7 +103,7 @@ class CheckpointReader {
  private:
   CheckpointMesh mesh_;
   std::string path_;
-  JsonValue manifest_;
+  Manifest manifest_;
   CheckpointMeta meta_;
 };
 

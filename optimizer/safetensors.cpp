@@ -9,8 +9,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <csignal>
 #include <dirent.h>
 #include <fcntl.h>
+#include <mutex>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -69,11 +71,40 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t
 
 std::string error_text() { return std::strerror(errno); }
 
+// Ignores SIGXFSZ while checkpoint files are written: over a file-size limit (`ulimit -f`) write()
+// then fails with EFBIG and the error names the file, instead of the signal killing the process
+// without a word. Counted, because ranks run as threads of one process in tests (and the
+// disposition is per process): the first writer in saves the previous handler, the last out
+// restores it.
+class IgnoreFileSizeSignal {
+ public:
+  IgnoreFileSizeSignal() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (writers_++ > 0) return;
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGXFSZ, &ignore, &previous_);
+  }
+  ~IgnoreFileSizeSignal() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--writers_ == 0) ::sigaction(SIGXFSZ, &previous_, nullptr);
+  }
+  IgnoreFileSizeSignal(const IgnoreFileSizeSignal&) = delete;
+  IgnoreFileSizeSignal& operator=(const IgnoreFileSizeSignal&) = delete;
+
+ private:
+  inline static std::mutex mutex_;
+  inline static int writers_ = 0;
+  inline static struct sigaction previous_ {};
+};
+
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
   while (n > 0) {
     const ssize_t w = ::write(fd, data, n);
     if (w < 0 && errno == EINTR) continue;
-    TORCH_CHECK(w > 0, "checkpoint: writing '", path, "' failed: ", error_text(), " (disk full?)");
+    TORCH_CHECK(w > 0, "checkpoint: writing '", path, "' failed: ", error_text(),
+                errno == EFBIG ? " (over the file-size limit: see ulimit -f)" : " (disk full?)");
     data += w;
     n -= static_cast<size_t>(w);
   }
@@ -149,18 +180,20 @@ SafetensorsHeader parse_safetensors_header(const std::string& head, const std::s
     SafetensorsTensor t;
     t.name = name;
     t.dtype = value.at("dtype", where).as_string(where);
-    int64_t numel = 1;
+    const int64_t item = static_cast<int64_t>(c10::elementSize(scalar_type_from_safetensors(t.dtype)));
+    int64_t bytes = item;  // overflow-safe: every step is checked
     for (const auto& d : value.at("shape", where).as_array(where)) {
       t.shape.push_back(d.as_int(where + " shape"));
-      numel *= t.shape.back();
+      TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes),
+                  "safetensors: ", where, " has a negative or too large shape");
     }
     const auto& offsets = value.at("data_offsets", where).as_array(where);
     TORCH_CHECK(offsets.size() == 2, "safetensors: ", where, " has ", offsets.size(), " data_offsets, not 2");
     t.begin = offsets[0].as_int(where);
     t.end = offsets[1].as_int(where);
-    const int64_t item = static_cast<int64_t>(c10::elementSize(scalar_type_from_safetensors(t.dtype)));
-    TORCH_CHECK(t.begin >= 0 && t.end - t.begin == numel * item, "safetensors: ", where, " has data_offsets [", t.begin,
-                ", ", t.end, ") but ", t.dtype, " x ", numel, " elements needs ", numel * item, " bytes");
+    TORCH_CHECK(t.begin >= 0 && t.end >= t.begin && t.end - t.begin == bytes, "safetensors: ", where,
+                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ", value.at("shape", where).dump(),
+                " needs ", bytes, " bytes");
     ranges.push_back({t.begin, t.end});
     h.tensors.emplace(name, std::move(t));
   }
@@ -180,8 +213,8 @@ SafetensorsHeader read_safetensors_header(const std::string& path, int64_t bytes
   std::string head(8 + n, '\0');
   read_file_range(path, 0, static_cast<int64_t>(8 + n), head.data());
   SafetensorsHeader h = parse_safetensors_header(head, path);
-  TORCH_CHECK(h.data_start + h.data_bytes() <= bytes, "safetensors: '", path, "' has ", bytes, " bytes but its header needs ",
-              h.data_start + h.data_bytes(), ": truncated");
+  TORCH_CHECK(h.data_bytes() <= bytes - h.data_start, "safetensors: '", path, "' has ", bytes, " bytes but its header ",
+              "needs ", h.data_bytes(), " bytes of data after its ", h.data_start, " bytes of header: truncated");
   return h;
 }
 
@@ -216,6 +249,7 @@ WrittenFile write_safetensors_file(const std::string& path, const std::vector<st
   std::memcpy(head.data(), &n, 8);
   head += json;
 
+  const IgnoreFileSizeSignal ignore_sigxfsz;
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot create '", path, "': ", error_text());
   WrittenFile expected;
@@ -226,6 +260,7 @@ WrittenFile write_safetensors_file(const std::string& path, const std::vector<st
       const auto* bytes = static_cast<const char*>(t.data_ptr());
       write_all(fd, bytes, t.nbytes(), path);
       expected.crc = crc32c(bytes, t.nbytes(), expected.crc);
+      expected.tensor_crcs.push_back(crc32c(bytes, t.nbytes()));
     }
     TORCH_CHECK(::fsync(fd) == 0, "checkpoint: fsync of '", path, "' failed: ", error_text());
   } catch (...) {
@@ -296,6 +331,7 @@ void fsync_path(const std::string& path) {
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp";
+  const IgnoreFileSizeSignal ignore_sigxfsz;
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot create '", tmp, "': ", error_text());
   try {
@@ -338,11 +374,16 @@ void read_file_range(const std::string& path, int64_t offset, int64_t n, void* o
   ::close(fd);
 }
 
-WrittenFile checksum_file(const std::string& path) {
+WrittenFile checksum_file(const std::string& path, const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(ranges[i].first <= ranges[i].second && (i == 0 || ranges[i - 1].second <= ranges[i].first));
+  }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
   std::vector<char> buf(8 << 20);
   WrittenFile f;
+  f.tensor_crcs.assign(ranges.size(), 0);
+  size_t first = 0;  // the first range not yet complete
   while (true) {
     const ssize_t r = ::read(fd, buf.data(), buf.size());
     if (r < 0 && errno == EINTR) continue;
@@ -353,7 +394,13 @@ WrittenFile checksum_file(const std::string& path) {
     }
     if (r == 0) break;
     f.crc = crc32c(buf.data(), static_cast<size_t>(r), f.crc);
-    f.bytes += r;
+    const int64_t chunk_end = f.bytes + r;
+    for (size_t i = first; i < ranges.size() && ranges[i].first < chunk_end; ++i) {
+      const int64_t b = std::max(ranges[i].first, f.bytes), e = std::min(ranges[i].second, chunk_end);
+      if (b < e) f.tensor_crcs[i] = crc32c(buf.data() + (b - f.bytes), static_cast<size_t>(e - b), f.tensor_crcs[i]);
+      if (ranges[i].second <= chunk_end && i == first) ++first;
+    }
+    f.bytes = chunk_end;
   }
   ::close(fd);
   return f;

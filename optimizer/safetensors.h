@@ -38,15 +38,17 @@ struct SafetensorsHeader {
   int64_t data_bytes() const;  // the largest `end` (the data section's length)
 };
 
-// Parses the header from a file's first bytes (`head` holds at least 8 + N bytes). Throws naming
-// `source` on anything malformed (offsets overlapping, out of order, or not matching dtype x shape).
+// Parses the header from a file's first bytes (`head` holds at least 8 + N bytes; N < 100 MiB).
+// Throws naming `source` on anything malformed (offsets overlapping, out of order, or not matching
+// dtype x shape; negative or overflowing sizes).
 SafetensorsHeader parse_safetensors_header(const std::string& head, const std::string& source);
 // Reads and parses the header of the file at `path`; `file_bytes` is its size.
 SafetensorsHeader read_safetensors_header(const std::string& path, int64_t file_bytes);
 
 struct WrittenFile {
   int64_t bytes = 0;
-  uint32_t crc = 0;  // CRC32C of the whole file
+  uint32_t crc = 0;                  // CRC32C of the whole file
+  std::vector<uint32_t> tensor_crcs;  // CRC32C of each tensor's bytes (write), or of each range (checksum_file)
 };
 
 // Writes `tensors` (name -> tensor, any device and layout; stored contiguous, little-endian, shape
@@ -68,7 +70,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
 // Reads [offset, offset + n) of `path` into `out`; throws if the file is shorter.
 void read_file_range(const std::string& path, int64_t offset, int64_t n, void* out);
-// CRC32C and size of a whole file, read in chunks.
-WrittenFile checksum_file(const std::string& path);
+// CRC32C and size of a whole file, read in chunks, and the CRC32C of each of `ranges` (sorted,
+// non-overlapping [begin, end) byte ranges; a range past the end gets the CRC of what exists) in
+// the same pass.
+WrittenFile checksum_file(const std::string& path, const std::vector<std::pair<int64_t, int64_t>>& ranges = {});
 
 }  // namespace meshddp

@@ -6,9 +6,12 @@ safetensors file that a single-process PyTorch model loads with load_state_dict.
         [--optimizer] [--no-verify] [--torch-save OUT.pt]
 
 CKPT_DIR is a save directory (its `latest` complete step is taken, or step-N with --step) or a
-step-<N> directory. Every file's size, save id and CRC32C are checked against the manifest first
-(--no-verify skips the CRC: pure-Python CRC32C runs at ~10 MB/s unless the `crc32c` or
-`google-crc32c` package is installed). The output holds the model's params and buffers under their
+step-<N> directory. Everything is checked first, as the C++ loader does (docs/checkpoints.md, "What
+is checked"): the manifest's checksum and every field, each file's size, header, save id and CRC32C,
+and each piece's checksum (--no-verify skips the CRCs: pure-Python CRC32C runs at ~10 MB/s unless
+the `google-crc32c` package is installed). A checkpoint that fails a check gives `error: <file>:
+<what is wrong>` and exit 1, and no output is written; outputs are written under a temporary name
+and renamed when complete. The output holds the model's params and buffers under their
 module names ("blocks.0.attn.q.weight"), or with --optimizer every tensor under its checkpoint key
 ("model/...", "optim/exp_avg/..."). Also usable as a module: consolidate(), load_safetensors(),
 save_safetensors() (no dependency beyond torch).
@@ -16,6 +19,7 @@ save_safetensors() (no dependency beyond torch).
 import argparse
 import json
 import os
+import re
 import struct
 import sys
 
@@ -25,6 +29,17 @@ DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 NAMES = {v: k for k, v in DTYPES.items()}
+
+
+MAX_HEADER_BYTES = 100 << 20      # as the C++ reader
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_ELEMENTS = 1 << 60
+VERSION = 3
+CHECKSUM_KEY = b'"manifest_crc32c"'
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be consolidated; the message names the file and what is wrong."""
 
 
 def _crc32c_table():
@@ -37,33 +52,111 @@ def _crc32c_table():
     return table
 
 
-def crc32c(data):
+_TABLE = []
+
+
+def crc32c(data, crc=0):
+    """CRC32C of `data`, continuing from `crc` (as the C++ crc32c(data, n, crc))."""
     try:
         import google_crc32c  # noqa: PLC0415
-        return google_crc32c.value(data)
+        return google_crc32c.extend(crc, bytes(data))
     except ImportError:
         pass
-    try:
-        import crc32c as fast  # noqa: PLC0415
-        return fast.crc32c(data)
-    except ImportError:
-        pass
-    table = _crc32c_table()
-    crc = 0xFFFFFFFF
+    if not _TABLE:
+        _TABLE.extend(_crc32c_table())
+    table = _TABLE
+    crc ^= 0xFFFFFFFF
     for b in data:
         crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
     return crc ^ 0xFFFFFFFF
 
 
-def read_header(path):
-    """(header dict, data start) of a safetensors file."""
+def piece_checksum(data_crc, save_id, key, tp_rank, begin, end):
+    """Note [Manifest and piece checksums] in optimizer/checkpoint_manifest.h."""
+    label = "\0".join([save_id, key, str(tp_rank), str(begin), str(end)]).encode()
+    return crc32c(label, data_crc)
+
+
+def manifest_checksum(text):
+    """(stored, computed) manifest_crc32c of a manifest's bytes, or None when it has none."""
+    count = text.count(CHECKSUM_KEY)
+    if count == 0:
+        return None
+    if count > 1:
+        raise CheckpointError("manifest_crc32c appears more than once")
+    m = re.search(rb'"manifest_crc32c"[ \t\r\n]*:[ \t\r\n]*"0x([0-9a-fA-F]{8})"', text)
+    if not m:
+        raise CheckpointError("manifest_crc32c is not a string of 0x and 8 hex digits")
+    zeroed = text[:m.start(1)] + b"00000000" + text[m.end(1):]
+    return int(m.group(1), 16), crc32c(zeroed)
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise CheckpointError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _parse_json(data, what):
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} is not UTF-8 text ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{what} is not valid JSON ({e})") from None
+
+
+def _is_int(v):
+    return type(v) is int  # noqa: E721 (bool is not an integer here)
+
+
+def _int(v, field, lo, hi, fail):
+    if not _is_int(v) or not lo <= v <= hi:
+        fail(f"{field} is {json.dumps(v)}; expected an integer in [{lo}, {hi}]")
+    return v
+
+
+def read_header(path, size=None):
+    """(header dict, data start) of a safetensors file, checked: bounded length, UTF-8 JSON, each
+    tensor's dtype, shape and data_offsets (inside the file, not overlapping)."""
+    size = os.path.getsize(path) if size is None else size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: shorter than 8 bytes, not safetensors")
+            raise CheckpointError(f"'{path}' is shorter than 8 bytes: not a safetensors file")
         (n,) = struct.unpack("<Q", head)
-        header = json.loads(f.read(n))
-    return header, 8 + n
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"'{path}' declares a {n}-byte header but has {size} bytes: truncated or not safetensors")
+        header = _parse_json(f.read(n), f"the header of '{path}'")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"the header of '{path}' is not a JSON object")
+    start, ranges = 8 + n, []
+
+    def fail(what):
+        raise CheckpointError(f"'{path}': {what}")
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                fail("__metadata__ is not an object of strings")
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPES or not isinstance(info.get("shape"), list) \
+                or not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2:
+            fail(f"tensor {name!r} has no valid dtype, shape and data_offsets")
+        numel = 1
+        for d in info["shape"]:
+            numel *= _int(d, f"tensor {name!r} shape", 0, MAX_ELEMENTS, fail)
+        begin, end = (_int(x, f"tensor {name!r} data_offsets", 0, size - start, fail) for x in info["data_offsets"])
+        if end - begin != numel * DTYPES[info["dtype"]].itemsize:
+            fail(f"tensor {name!r} has data_offsets [{begin}, {end}) but {info['dtype']} of shape {info['shape']} "
+                 f"needs {numel * DTYPES[info['dtype']].itemsize} bytes")
+        ranges.append((begin, end))
+    ranges.sort()
+    if any(ranges[i][0] < ranges[i - 1][1] for i in range(1, len(ranges))):
+        fail("has overlapping tensors")
+    return header, start
 
 
 def load_safetensors(path):
@@ -83,7 +176,8 @@ def load_safetensors(path):
 
 
 def save_safetensors(tensors, path, metadata=None):
-    """Writes name -> tensor as a safetensors file (8-aligned data, like the safetensors package)."""
+    """Writes name -> tensor as a safetensors file (8-aligned data, like the safetensors package),
+    via a temporary file renamed at the end: `path` is either complete or untouched."""
     header, offset, blobs = {}, 0, []
     if metadata:
         header["__metadata__"] = metadata
@@ -95,61 +189,217 @@ def save_safetensors(tensors, path, metadata=None):
         blobs.append(blob)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * ((8 - (8 + len(text)) % 8) % 8)
-    with open(path + ".tmp", "wb") as f:
+
+    def write(f):
         f.write(struct.pack("<Q", len(text)) + text)
         for blob in blobs:
             f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    _write_atomically(path, write)
+
+
+def _write_atomically(path, write):
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def resolve(directory, step=None):
     """The step directory to read: step-N, `latest`, or the highest complete step; never an incomplete one."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"'{directory}' is not a directory")
     if os.path.exists(os.path.join(directory, "manifest.json")):
         return directory
     if step is not None:
         name = f"step-{step}"
     elif os.path.exists(os.path.join(directory, "latest")):
-        name = open(os.path.join(directory, "latest")).read().strip()
+        with open(os.path.join(directory, "latest"), "rb") as f:
+            name = f.read(4096).decode("utf-8", "replace").strip()
+        if not re.fullmatch(r"step-[0-9]+", name):
+            raise CheckpointError(f"'{directory}/latest' holds {name!r}, not step-<N>")
     else:
         complete = [d for d in os.listdir(directory)
-                    if d.startswith("step-") and d[5:].isdigit() and os.path.exists(os.path.join(directory, d, "manifest.json"))]
+                    if re.fullmatch(r"step-[0-9]+", d) and os.path.exists(os.path.join(directory, d, "manifest.json"))]
         if not complete:
-            raise SystemExit(f"error: {directory} holds no complete checkpoint")
+            raise CheckpointError(f"'{directory}' holds no complete checkpoint")
         name = max(complete, key=lambda d: int(d[5:]))
     path = os.path.join(directory, name)
     if not os.path.exists(os.path.join(path, "manifest.json")):
-        raise SystemExit(f"error: {path} is incomplete (no manifest.json: a save that did not finish)")
+        raise CheckpointError(f"'{path}' is incomplete or missing (no manifest.json)")
     return path
 
 
+def load_manifest(step_dir):
+    """The manifest of `step_dir`, with every field checked as optimizer/checkpoint_manifest.cpp does."""
+    path = os.path.join(step_dir, "manifest.json")
+
+    def fail(what):
+        raise CheckpointError(f"manifest '{path}': {what} (the manifest is damaged or was edited)")
+    if os.path.getsize(path) > MAX_MANIFEST_BYTES:
+        fail(f"has more than {MAX_MANIFEST_BYTES} bytes")
+    with open(path, "rb") as f:
+        text = f.read()
+    try:
+        checksum = manifest_checksum(text)
+    except CheckpointError as e:
+        fail(str(e))
+    if checksum is not None and checksum[0] != checksum[1]:
+        fail(f"manifest_crc32c is 0x{checksum[0]:08x} but the manifest's content has CRC32C 0x{checksum[1]:08x}")
+    try:
+        m = _parse_json(text, f"manifest '{path}'")
+    except CheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(m, dict):
+        fail("is not a JSON object")
+    if m.get("format") != "meshddp-checkpoint" or m.get("version") != VERSION:
+        raise CheckpointError(f"'{path}' is format {m.get('format')!r} version {m.get('version')!r}; this script reads "
+                              f"'meshddp-checkpoint' version {VERSION}")
+    if checksum is None:
+        fail("has no manifest_crc32c")
+
+    def get(obj, field, key, kind):
+        if not isinstance(obj, dict) or key not in obj:
+            fail(f"{field} has no member '{key}'")
+        v = obj[key]
+        if kind is not None and not isinstance(v, kind):
+            fail(f"{field}.{key} is {json.dumps(v)}; expected {kind.__name__}")
+        return v
+    if not re.fullmatch(r"[0-9a-fA-F]{16}", str(get(m, "the manifest", "save_id", str))):
+        fail("save_id is not 16 hex digits")
+    _int(get(m, "the manifest", "step", None), "step", 0, 2**63 - 1, fail)
+    mesh = get(m, "the manifest", "mesh", dict)
+    world = _int(get(mesh, "mesh", "world_size", None), "mesh.world_size", 1, 1 << 24, fail)
+    dp = _int(get(mesh, "mesh", "dp_size", None), "mesh.dp_size", 1, world, fail)
+    tp = _int(get(mesh, "mesh", "tp_size", None), "mesh.tp_size", 1, world, fail)
+    if dp * tp != world:
+        fail(f"mesh has dp_size {dp} x tp_size {tp} != world_size {world}")
+    for k, v in get(m, "the manifest", "values", dict).items():
+        if not isinstance(v, (int, float, str)) or isinstance(v, bool):
+            fail(f"values[{k!r}] is {json.dumps(v)}; expected an integer, a number or a string")
+    opt = get(m, "the manifest", "optimizer", None)
+    if opt is not None:
+        if get(opt, "optimizer", "kind", str) not in ("adamw", "sgd"):
+            fail("optimizer.kind is not 'adamw' or 'sgd'")
+        _int(get(opt, "optimizer", "step", None), "optimizer.step", 0, 2**63 - 1, fail)
+    files = get(m, "the manifest", "files", dict)
+    for name, f in files.items():
+        field = f"files[{name!r}]"
+        rank = _int(get(f, field, "rank", None), field + ".rank", 0, world - 1, fail)
+        if name != f"rank{rank:05d}.safetensors":
+            fail(f"{field} is rank {rank}'s file, whose name is rank{rank:05d}.safetensors")
+        _int(get(f, field, "dp_rank", None), field + ".dp_rank", 0, dp - 1, fail)
+        _int(get(f, field, "tp_rank", None), field + ".tp_rank", 0, tp - 1, fail)
+        _int(get(f, field, "bytes", None), field + ".bytes", 8, MAX_ELEMENTS, fail)
+        if not re.fullmatch(r"0x[0-9a-f]{8}", str(get(f, field, "crc32c", str))):
+            fail(f"{field}.crc32c is not 0x and 8 lowercase hex digits")
+    if len(files) != world:
+        fail(f"files lists {len(files)} files; a checkpoint of world_size {world} has one per rank")
+    for key, t in get(m, "the manifest", "tensors", dict).items():
+        field = f"tensors[{key!r}]"
+        if get(t, field, "dtype", str) not in DTYPES:
+            fail(f"{field}.dtype is {t['dtype']!r}, not a dtype this script reads")
+        shape = get(t, field, "shape", list)
+        numel = 1
+        for d in shape:
+            numel *= _int(d, field + ".shape", 0, MAX_ELEMENTS, fail)
+        if numel * DTYPES[t["dtype"]].itemsize > MAX_ELEMENTS:
+            fail(f"{field}.shape has more than 2^60 bytes")
+        dim = _int(get(t, field, "dim", None), field + ".dim", -1, len(shape) - 1, fail)
+        tps = _int(get(t, field, "tp_size", None), field + ".tp_size", 1, tp, fail)
+        if (dim < 0) != (tps == 1) or (dim >= 0 and shape[dim] % tps):
+            fail(f"{field} has dim {dim} and tp_size {tps}, which do not shard its shape {shape}")
+        chunk = numel // tps
+        used, spans = set(), []
+        for i, piece in enumerate(get(t, field, "pieces", list)):
+            pf = f"{field}.pieces[{i}]"
+            if get(piece, pf, "file", str) not in files:
+                fail(f"{pf}.file is {piece['file']!r}, which is not one of the checkpoint's files")
+            if piece["file"] in used:
+                fail(f"{pf}.file names {piece['file']} for a second piece of this tensor")
+            used.add(piece["file"])
+            r = _int(get(piece, pf, "tp_rank", None), pf + ".tp_rank", 0, tps - 1, fail)
+            b = _int(get(piece, pf, "begin", None), pf + ".begin", 0, chunk, fail)
+            e = _int(get(piece, pf, "end", None), pf + ".end", b, chunk, fail)
+            if not re.fullmatch(r"0x[0-9a-f]{8}", str(get(piece, pf, "crc32c", str))):
+                fail(f"{pf}.crc32c is not 0x and 8 lowercase hex digits")
+            spans.append((r, b, e))
+        for r in range(tps):
+            covered = 0
+            for _, b, e in sorted(x for x in spans if x[0] == r):
+                if b != covered:
+                    fail(f"{field}.pieces {'overlap' if b < covered else 'leave a gap'} in TP chunk {r}")
+                covered = e
+            if covered != chunk:
+                fail(f"{field}.pieces cover {covered} of the {chunk} elements of TP chunk {r}")
+    return m
+
+
 def verify(step_dir, manifest, check_crc=True):
+    """Each file against the manifest: size, header (save id, rank, step; every piece's dtype and
+    shape; rank 0's values and optimizer), and with check_crc its CRC32C and every piece's checksum."""
+    pieces_in = {}
+    for key, t in manifest["tensors"].items():
+        for p in t["pieces"]:
+            pieces_in.setdefault(p["file"], []).append((key, t, p))
     for name, f in sorted(manifest["files"].items()):
         path = os.path.join(step_dir, name)
         who = f"file '{path}' (written by rank {f['rank']})"
         if not os.path.exists(path):
-            raise SystemExit(f"error: {who} is missing")
+            raise CheckpointError(f"{who} is missing")
         size = os.path.getsize(path)
         if size != f["bytes"]:
-            raise SystemExit(f"error: {who} has {size} bytes but the manifest says {f['bytes']}")
-        header, _ = read_header(path)
-        save_id = header.get("__metadata__", {}).get("save_id")
-        if save_id != manifest["save_id"]:
-            raise SystemExit(f"error: {who} is from another save (save id {save_id}, not {manifest['save_id']})")
+            raise CheckpointError(f"{who} has {size} bytes but the manifest says {f['bytes']}")
+        header, start = read_header(path, size)
+        meta = header.get("__metadata__", {})
+        if meta.get("save_id") != manifest["save_id"]:
+            raise CheckpointError(f"{who} is from another save (save id {meta.get('save_id')}, not {manifest['save_id']})")
+        if meta.get("rank") != str(f["rank"]) or meta.get("step") != str(manifest["step"]):
+            raise CheckpointError(f"{who} says it is rank {meta.get('rank')}'s file of step {meta.get('step')}")
+        if f["rank"] == 0:
+            for key in ("values", "optimizer"):
+                try:
+                    recorded = json.loads(meta.get(key, "null"))
+                except ValueError:
+                    recorded = None
+                if recorded != manifest[key]:
+                    raise CheckpointError(f"{who} records {key} {meta.get(key)} but the manifest says {json.dumps(manifest[key])}")
+        listed = pieces_in.get(name, [])
+        if len(listed) != len(header) - ("__metadata__" in header):
+            raise CheckpointError(f"{who} holds other tensors than the manifest lists in it")
+        data = None
         if check_crc:
             with open(path, "rb") as fh:
-                crc = f"0x{crc32c(fh.read()):08x}"
+                data = fh.read()
+            crc = f"0x{crc32c(data):08x}"
             if crc != f["crc32c"]:
-                raise SystemExit(f"error: {who} has CRC32C {crc} but the manifest says {f['crc32c']}")
+                raise CheckpointError(f"{who} has CRC32C {crc} but the manifest says {f['crc32c']}")
+        for key, t, p in listed:
+            info = header.get(key)
+            if info is None:
+                raise CheckpointError(f"{who} has no tensor {key!r} though the manifest puts a piece of it there")
+            if info["dtype"] != t["dtype"] or info["shape"] != [p["end"] - p["begin"]]:
+                raise CheckpointError(f"{who} holds {key!r} as {info['dtype']} {info['shape']} but the manifest says "
+                                      f"{t['dtype']} [{p['end'] - p['begin']}]")
+            if data is not None:
+                b, e = info["data_offsets"]
+                got = piece_checksum(crc32c(data[start + b:start + e]), manifest["save_id"], key, p["tp_rank"],
+                                     p["begin"], p["end"])
+                if f"0x{got:08x}" != p["crc32c"]:
+                    raise CheckpointError(f"{who}: its bytes of {key!r} do not have the checksum the manifest gives for "
+                                          f"elements [{p['begin']}, {p['end']}) of TP chunk {p['tp_rank']}")
 
 
 def consolidate(directory, step=None, optimizer=False, check_crc=True):
     """key -> full (TP-unsharded) tensor; keys are module names, or checkpoint keys with optimizer=True."""
     step_dir = resolve(directory, step)
-    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
-    if manifest.get("format") != "meshddp-checkpoint" or manifest.get("version") != 2:
-        raise SystemExit(f"error: {step_dir} is not a meshddp checkpoint of version 2")
+    manifest = load_manifest(step_dir)
     verify(step_dir, manifest, check_crc)
     files = {}
     out = {}
@@ -173,8 +423,7 @@ def consolidate(directory, step=None, optimizer=False, check_crc=True):
                     files[piece["file"]] = load_safetensors(os.path.join(step_dir, piece["file"]))
                 local[piece["begin"]:piece["end"]] = files[piece["file"]][key].reshape(-1)
                 covered += piece["end"] - piece["begin"]
-            if covered != local.numel():
-                raise SystemExit(f"error: {key}: TP rank {t}'s pieces cover {covered} of {local.numel()} elements")
+            assert covered == local.numel(), "load_manifest checked the coverage"
             if sharded:
                 full.view(outer, shape[dim], inner)[:, t * chunk:(t + 1) * chunk, :] = local.view(outer, chunk, inner)
             else:
@@ -192,12 +441,15 @@ def main():
     parser.add_argument("--no-verify", action="store_true", help="skip the CRC32C check (sizes and save ids are still checked)")
     parser.add_argument("--torch-save", help="also write a torch.save() state dict here")
     args = parser.parse_args()
-    tensors, manifest = consolidate(args.checkpoint, args.step, args.optimizer, not args.no_verify)
-    metadata = {"format": "meshddp-consolidated", "step": str(manifest["step"]),
-                "values": json.dumps(manifest["values"]), "optimizer": json.dumps(manifest["optimizer"])}
-    save_safetensors(tensors, args.output, metadata)
-    if args.torch_save:
-        torch.save(tensors, args.torch_save)
+    try:
+        tensors, manifest = consolidate(args.checkpoint, args.step, args.optimizer, not args.no_verify)
+        metadata = {"format": "meshddp-consolidated", "step": str(manifest["step"]),
+                    "values": json.dumps(manifest["values"]), "optimizer": json.dumps(manifest["optimizer"])}
+        save_safetensors(tensors, args.output, metadata)
+        if args.torch_save:
+            _write_atomically(args.torch_save, lambda f: torch.save(tensors, f))
+    except (CheckpointError, OSError) as e:
+        sys.exit(f"error: {e}")
     total = sum(t.numel() for t in tensors.values())
     print(f"{args.output}: {len(tensors)} tensors, {total} elements, step {manifest['step']}", file=sys.stderr)
 

@@ -14,6 +14,7 @@
 #include "optimizer/safetensors.h"
 #include "plugin/checkpoint.h"
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -79,31 +80,40 @@ class ExampleCheckpoints {
     }
     const auto start = std::chrono::steady_clock::now();
     const meshddp::LoadedCheckpoint loaded = meshddp::load_checkpoint(state_, f_.save_dir);
-    const auto value = [&](const char* key) {
-      auto it = loaded.values.find(key);
-      TORCH_CHECK(it != loaded.values.end(), "checkpoint '", loaded.path, "' has no value '", key, "'");
-      return std::get<int64_t>(it->second);
-    };
+    const auto value = [&](const char* key) { return int_value(loaded, key); };
     TORCH_CHECK(value("seed") == seed_ && value("global_batch") == global_batch_, "checkpoint '", loaded.path,
                 "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"), "; this run has --seed ",
                 seed_, " --global-batch ", global_batch_, ": pass the same ones to continue the same run");
     if (schedule_ != nullptr) {
       meshddp::SchedulerState saved;
       for (const auto& [key, v] : loaded.values) {
-        if (key.rfind(kSchedulePrefix, 0) == 0) saved[key.substr(kSchedulePrefix.size())] = std::get<std::string>(v);
+        if (key.rfind(kSchedulePrefix, 0) == 0) {
+          TORCH_CHECK(std::holds_alternative<std::string>(v), "checkpoint '", loaded.path, "': value '", key, "' is ",
+                      type_name(v), "; expected a string (the LR schedule's state)");
+          saved[key.substr(kSchedulePrefix.size())] = std::get<std::string>(v);
+        }
       }
       // The step count carries over; the schedule itself comes from this run's flags (their
       // defaults depend on --steps, which a resumed run may extend), as Megatron's
       // --override-opt_param-scheduler does.
       const auto it = saved.find("lr_scheduler.steps");
       TORCH_CHECK(it != saved.end(), "checkpoint '", loaded.path, "' holds no LR schedule state");
-      schedule_->step(std::stoll(it->second) - schedule_->steps());
+      char* end = nullptr;
+      errno = 0;
+      const long long steps = std::strtoll(it->second.c_str(), &end, 10);
+      TORCH_CHECK(!it->second.empty() && *end == '\0' && errno == 0 && steps >= 0, "checkpoint '", loaded.path,
+                  "': value '", kSchedulePrefix, "lr_scheduler.steps' is '", it->second,
+                  "'; expected a step count (an integer >= 0)");
+      schedule_->step(steps - schedule_->steps());
     }
     if (rank_ == 0) {
       std::fprintf(stderr, "# resumed from '%s' (step %lld) in %.0f ms\n", loaded.path.c_str(),
                    static_cast<long long>(loaded.step), ms_since(start));
     }
-    return static_cast<int>(value("data_position"));
+    const int64_t position = value("data_position");
+    TORCH_CHECK(position == loaded.step && position <= INT32_MAX, "checkpoint '", loaded.path, "' has data_position ",
+                position, " but step ", loaded.step, "; this example saves them equal");
+    return static_cast<int>(position);
   }
 
   // Call after step `step` (0-based) has finished; saves when due.
@@ -125,6 +135,17 @@ class ExampleCheckpoints {
   }
 
  private:
+  static const char* type_name(const meshddp::CheckpointValue& v) {
+    return std::holds_alternative<int64_t>(v) ? "an integer" : std::holds_alternative<double>(v) ? "a number" : "a string";
+  }
+  // The saved value `key`, which this example saved as an integer.
+  static int64_t int_value(const meshddp::LoadedCheckpoint& loaded, const std::string& key) {
+    auto it = loaded.values.find(key);
+    TORCH_CHECK(it != loaded.values.end(), "checkpoint '", loaded.path, "' has no value '", key, "'");
+    TORCH_CHECK(std::holds_alternative<int64_t>(it->second), "checkpoint '", loaded.path, "': value '", key, "' is ",
+                type_name(it->second), "; expected an integer (saved by another program?)");
+    return std::get<int64_t>(it->second);
+  }
   static double ms_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
   }

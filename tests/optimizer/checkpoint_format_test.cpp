@@ -9,7 +9,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 using namespace meshddp;
@@ -86,6 +89,42 @@ TEST(Safetensors, WritesAFileWhoseHeaderAndBytesReadBack) {
   EXPECT_TRUE(torch::equal(back, a));
   ASSERT_EQ(::truncate(path.c_str(), w.bytes - 1), 0);
   EXPECT_THAT(error_of([&] { read_safetensors_header(path, w.bytes - 1); }), HasSubstr("truncated"));
+  std::remove(path.c_str());
+}
+
+// `ulimit -f` once killed a saving worker with SIGXFSZ and no message. In a forked child with a
+// 4 KiB RLIMIT_FSIZE, the write fails with an error naming the file, and the previous SIGXFSZ
+// handler is back afterwards.
+TEST(Safetensors, AFileSizeLimitFailsTheWriteNamingTheFileInsteadOfKillingTheProcess) {
+  const std::string path = temp_path("fsize");
+  const auto big = torch::zeros({10000});  // 40 KB: made before the fork
+  struct sigaction before {};
+  ASSERT_EQ(::sigaction(SIGXFSZ, nullptr, &before), 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    const struct rlimit limit {4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    std::string message = error_of([&] { write_safetensors_file(path, {{"big", big}}, {}); });
+    struct sigaction after {};
+    ::sigaction(SIGXFSZ, nullptr, &after);
+    message += after.sa_handler == before.sa_handler ? " [handler restored]" : " [handler not restored]";
+    (void)!::write(fds[1], message.data(), message.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string message;
+  char buf[4096];
+  for (ssize_t r; (r = ::read(fds[0], buf, sizeof(buf))) > 0;) message.append(buf, static_cast<size_t>(r));
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status) << " (SIGXFSZ is " << SIGXFSZ << ")";
+  EXPECT_THAT(message, HasSubstr("checkpoint: writing '" + path + "' failed: File too large (over the file-size limit"));
+  EXPECT_THAT(message, HasSubstr("[handler restored]"));
   std::remove(path.c_str());
 }
 

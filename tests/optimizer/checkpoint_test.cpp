@@ -1,7 +1,10 @@
 // ZeRO-1 checkpoints (DistributedOptimizer::save_checkpoint / load_checkpoint): round trip at the
 // same DP size (bit-exact), resharding 4 -> 2, 2 -> 4, 4 -> 1 (continued training matches the run
 // that never stopped), the crash-safe layout (a crash between files, keep-last-K, incomplete step
-// directories), and damaged files: each a named error on every rank that changes no rank's state.
+// directories), and damaged files and hostile manifests: each a named error on every rank that
+// changes no rank's state.
+#include "optimizer/checkpoint_manifest.h"
+#include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/zero_training.h"
@@ -13,6 +16,8 @@
 #include <optional>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -265,5 +270,152 @@ TEST(Checkpoint, KeepLastKeepsTheNewestStepsAndNeverOverwritesLatest) {
   EXPECT_TRUE(exists(dir + "/step-6/manifest.json"));
   EXPECT_TRUE(exists(dir + "/step-8/manifest.json"));
   EXPECT_THAT(overwrite_error, HasSubstr("step-8' is the latest complete checkpoint; a save never overwrites it"));
+  remove_dir(dir);
+}
+
+// --- The files are untrusted input (issue 20): the manifest is checked field by field, pieces
+// are tied to their place by checksums, headers are compared with the manifest.
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+void write_text(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+// The manifest of `dir`/step-6 after `edit`: re-signed (a deliberate, consistent edit: a matching
+// manifest_crc32c) or not (damage, or an edit by hand).
+std::string edited_manifest(const std::string& dir, const std::function<void(JsonValue&)>& edit, bool resign) {
+  JsonValue m = JsonValue::parse(read_text(dir + "/step-6/manifest.json"), "test");
+  edit(m);
+  if (!resign) return m.dump(1) + "\n";
+  m.object().erase("manifest_crc32c");
+  return manifest_text(m);
+}
+
+// The first tensor saved in two pieces (its key), for the piece edits.
+std::string two_piece_tensor(const JsonValue& m) {
+  for (const auto& [key, t] : m.at("tensors", "m").as_object("t")) {
+    if (t.at("pieces", key).as_array(key).size() == 2 && key.rfind("model/", 0) == 0) return key;
+  }
+  ADD_FAILURE() << "no tensor in two pieces";
+  return "";
+}
+JsonValue& piece(JsonValue& m, const std::string& key, size_t i) {
+  return m.object()["tensors"].object()[key].object()["pieces"].array()[i];
+}
+
+}  // namespace
+
+TEST(CheckpointManifest, RefusesPieceFilesThatAreNotThisCheckpointsOwn) {
+  ZeroScenario s;
+  auto dir = scratch_dir("names");
+  train_and_save(s, 2, dir);
+  const std::string path = dir + "/step-6/manifest.json";
+  const std::string key = two_piece_tensor(JsonValue::parse(read_text(path), "m"));
+  for (const std::string bad : {"../../other/step-6/rank00000.safetensors", "/etc/passwd", "sub/rank00000.safetensors",
+                                "rank00009.safetensors", ""}) {
+    const std::string text = edited_manifest(dir, [&](JsonValue& m) { piece(m, key, 0).object()["file"] = JsonValue(bad); }, true);
+    EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
+                HasSubstr(".pieces[0].file is " + JsonValue(bad).dump() + ", which is not one of the checkpoint's files"))
+        << bad;
+  }
+  // A file entry renamed to reach outside the directory.
+  const std::string text = edited_manifest(dir, [&](JsonValue& m) {
+    auto& files = m.object()["files"].object();
+    files["../rank00000.safetensors"] = files["rank00000.safetensors"];
+    files.erase("rank00000.safetensors");
+  }, true);
+  EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
+              HasSubstr("files[\"../rank00000.safetensors\"] is rank 0's file, whose name is rank00000.safetensors"));
+  remove_dir(dir);
+}
+
+TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
+  ZeroScenario s;
+  auto dir = scratch_dir("cover");
+  train_and_save(s, 2, dir);
+  const std::string path = dir + "/step-6/manifest.json";
+  const std::string key = two_piece_tensor(JsonValue::parse(read_text(path), "m"));
+  auto error_after = [&](const std::function<void(JsonValue&)>& edit) {
+    const std::string text = edited_manifest(dir, edit, true);
+    return error_of([&] { parse_manifest(text, path); });
+  };
+  // Today's attack: a second copy of piece 0 in the other file, the first moved to a negative begin
+  // (the sizes still sum to the tensor's).
+  EXPECT_THAT(error_after([&](JsonValue& m) {
+    const int64_t n = piece(m, key, 0).at("end", "p").as_int("e") - piece(m, key, 0).at("begin", "p").as_int("b");
+    piece(m, key, 0).object()["begin"] = JsonValue(-n);
+    piece(m, key, 0).object()["end"] = JsonValue(int64_t{0});
+  }), HasSubstr(".pieces[0].begin is -"));
+  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["end"] = JsonValue(piece(m, key, 0).at("end", "p").as_int("e") - 1); }),
+              HasSubstr(".pieces leave a gap in TP chunk 0"));
+  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["end"] = JsonValue(piece(m, key, 0).at("end", "p").as_int("e") + 1); }),
+              HasSubstr(".pieces overlap in TP chunk 0"));
+  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 1).object()["end"] = JsonValue(int64_t{1} << 40); }),
+              HasSubstr(".pieces[1].end is 1099511627776; expected an integer in ["));
+  EXPECT_THAT(error_after([&](JsonValue& m) {
+    auto& pieces = m.object()["tensors"].object()[key].object()["pieces"].array();
+    pieces.push_back(pieces[0]);
+  }), HasSubstr("for a second piece of this tensor"));
+  EXPECT_THAT(error_after([&](JsonValue& m) { m.object()["tensors"].object()[key].object()["pieces"].array().pop_back(); }),
+              HasSubstr(".pieces cover "));
+  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["begin"] = JsonValue(1.5); }),
+              HasSubstr(".pieces[0].begin is number 1.5; expected an integer"));
+  remove_dir(dir);
+}
+
+TEST(CheckpointManifest, RefusesAnyEditThatDoesNotCarryAMatchingChecksum) {
+  ZeroScenario s;
+  auto dir = scratch_dir("crc");
+  train_and_save(s, 2, dir);
+  const std::string path = dir + "/step-6/manifest.json";
+  const std::string original = read_text(path);
+  EXPECT_NO_THROW(parse_manifest(original, path));
+  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object()["step"] = JsonValue(int64_t{5}); }, false));
+  expect_every_rank_says(load_errors(s, 2, dir), "manifest_crc32c is 0x");
+  expect_every_rank_says(load_errors(s, 2, dir), "but the manifest's content has CRC32C 0x");
+  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object()["values"].object()["data_position"] = JsonValue(int64_t{99}); }, false));
+  expect_every_rank_says(load_errors(s, 2, dir), "manifest_crc32c is 0x");
+  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object().erase("manifest_crc32c"); }, false));
+  expect_every_rank_says(load_errors(s, 2, dir), "has no manifest_crc32c");
+  write_text(path, original);
+  expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
+  remove_dir(dir);
+}
+
+// Consistent (re-signed) manifests that move bytes to another place: the piece checksums refuse them.
+TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefused) {
+  ZeroScenario s;
+  auto dir = scratch_dir("swap");
+  train_and_save(s, 2, dir);
+  const std::string path = dir + "/step-6/manifest.json";
+  const std::string original = read_text(path);
+  const std::string key = two_piece_tensor(JsonValue::parse(original, "m"));
+  auto swap_fields = [&](std::vector<const char*> fields) {
+    return [=](JsonValue& m) {
+      for (const char* f : fields) std::swap(piece(m, key, 0).object()[f], piece(m, key, 1).object()[f]);
+    };
+  };
+  // The two ranks' pieces swapped (files), relabelled (ranges), and the two AdamW moments swapped.
+  for (const auto& edit : {swap_fields({"file"}), swap_fields({"begin", "end"}), swap_fields({"file", "crc32c"})}) {
+    write_text(path, original);
+    write_text(path, edited_manifest(dir, edit, true));
+    expect_every_rank_says(load_errors(s, 2, dir), "(written by rank ");
+  }
+  const std::string param = key.substr(std::string("model/").size());
+  write_text(path, original);
+  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
+    auto& t = m.object()["tensors"].object();
+    std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
+  }, true));
+  expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
+  write_text(path, original);
+  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
+    m.object()["tensors"].object()["optim/exp_avg/" + param].object()["dtype"] = JsonValue("I32");
+  }, true));
+  expect_every_rank_says(load_errors(s, 2, dir), "holds 'optim/exp_avg/" + param + "' as F32 [");
+  write_text(path, original);
+  expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
   remove_dir(dir);
 }

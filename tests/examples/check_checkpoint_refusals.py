@@ -1,0 +1,183 @@
+"""Checkpoints are untrusted input (issue 20), through the tools a user runs: a 2-rank checkpoint of
+examples/02_dp_x_tp_gpt, damaged or edited, is refused with `error: <file>: <what is wrong>` and exit
+1 by scripts/consolidate_checkpoint.py (no traceback, no output file) and by `--resume` (exit 1, the
+value named; torchrun adds its own traceback of the child's exit). The edits a tool could make consistently (a re-signed manifest, a rewritten header)
+are made here with the script's own helpers, which also checks that Python and C++ agree on the
+manifest checksum. Usage: check_checkpoint_refusals.py <gpt_example>."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import consolidate_checkpoint as cc  # noqa: E402
+
+binary = sys.argv[1]
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "consolidate_checkpoint.py")
+torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+ARGS = ["--seed", "1", "--global-batch", "8", "--dp", "2", "--tp", "1"]
+failures = []
+
+
+def expect(name, ok, detail=""):
+    print(("ok   " if ok else "FAIL ") + name)
+    if not ok:
+        failures.append(f"{name}\n{detail}")
+
+
+def gpt(steps, save_dir, *extra):
+    cmd = [torchrun, "--standalone", "--nproc-per-node=2", "--no-python", binary, "--steps", str(steps), *ARGS,
+           "--save-dir", save_dir, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+
+def sign(manifest):
+    """The manifest's text with a matching manifest_crc32c (what a consistent tool would write)."""
+    m = dict(manifest)
+    m["manifest_crc32c"] = "0x00000000"
+    text = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
+    stored, computed = cc.manifest_checksum(text)
+    return text.replace(b'"0x00000000"', f'"0x{computed:08x}"'.encode(), 1)
+
+
+def load(step_dir):
+    with open(os.path.join(step_dir, "manifest.json"), "rb") as f:
+        return json.loads(f.read())
+
+
+def rewrite_rank0_metadata(step_dir, manifest, **meta):
+    """Rewrites rank 0's header metadata (data unchanged) and its size and CRC in `manifest`."""
+    path = os.path.join(step_dir, "rank00000.safetensors")
+    header, start = cc.read_header(path)
+    with open(path, "rb") as f:
+        data = f.read()[start:]
+    header["__metadata__"].update(meta)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    blob = struct.pack("<Q", len(text)) + text + data
+    with open(path, "wb") as f:
+        f.write(blob)
+    manifest["files"]["rank00000.safetensors"].update(bytes=len(blob), crc32c=f"0x{cc.crc32c(blob):08x}")
+
+
+def with_values(step_dir, **values):
+    """A checkpoint another program wrote consistently, with these user values."""
+    m = load(step_dir)
+    m["values"].update(values)
+    rewrite_rank0_metadata(step_dir, m, values=json.dumps(m["values"], sort_keys=True, separators=(",", ":")))
+    with open(os.path.join(step_dir, "manifest.json"), "wb") as f:
+        f.write(sign(m))
+
+
+root = tempfile.mkdtemp(prefix="meshddp-refusals-")
+try:
+    save = os.path.join(root, "ckpt")
+    out = gpt(2, save)
+    assert out.returncode == 0, out.stderr
+    step_dir = os.path.join(save, "step-2")
+    pristine = os.path.join(root, "pristine")
+    shutil.copytree(step_dir, pristine)
+    target = os.path.join(root, "out.safetensors")
+
+    def restore():
+        shutil.rmtree(step_dir)
+        shutil.copytree(pristine, step_dir)
+
+    # The intact checkpoint consolidates; a Python-signed copy of its manifest is still accepted.
+    run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
+    expect("the intact checkpoint consolidates", run.returncode == 0 and os.path.exists(target), run.stderr)
+    if os.path.exists(target):
+        os.remove(target)
+
+    def manifest_edit(edit, resign=True):
+        def damage():
+            m = load(step_dir)
+            edit(m)
+            text = sign(m) if resign else json.dumps(m, indent=1).encode()
+            with open(os.path.join(step_dir, "manifest.json"), "wb") as f:
+                f.write(text)
+        return damage
+
+    def raw(name, change):
+        def damage():
+            path = os.path.join(step_dir, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path, "wb") as f:
+                f.write(change(data))
+        return damage
+
+    def first_two_piece_tensor(m):
+        return next(k for k, t in sorted(m["tensors"].items()) if len(t["pieces"]) == 2)
+
+    def negative_duplicate(m):
+        t = m["tensors"][first_two_piece_tensor(m)]
+        n = t["pieces"][0]["end"] - t["pieces"][0]["begin"]
+        t["pieces"][0].update(begin=-n, end=0)
+
+    def relabel_dtype(m):
+        m["tensors"][first_two_piece_tensor(m)]["dtype"] = "F16"
+
+    cases = [
+        ("the step edited by hand", manifest_edit(lambda m: m.update(step=1), resign=False), "manifest_crc32c is 0x"),
+        ("data_position edited by hand", manifest_edit(lambda m: m["values"].update(data_position=99), resign=False),
+         "manifest_crc32c is 0x"),
+        ("a piece's file reaching out of the directory", manifest_edit(
+            lambda m: m["tensors"][first_two_piece_tensor(m)]["pieces"][0].update(file="../../x/rank00000.safetensors")),
+         "which is not one of the checkpoint's files"),
+        ("a duplicated piece at a negative begin", manifest_edit(negative_duplicate), ".begin is -"),
+        ("the manifest's dtype not the header's", manifest_edit(relabel_dtype), "but the manifest says F16"),
+        ("a manifest that is not JSON", raw("manifest.json", lambda d: b"\x00" + d[1:]), "manifest"),
+        ("a manifest that is not UTF-8", raw("manifest.json", lambda d: d.replace(b'"format"', b'"form\xff\xfe"')),
+         "manifest"),
+        ("a header length of 2^64-1", raw("rank00001.safetensors", lambda d: b"\xff" * 8 + d[8:]),
+         "declares a 18446744073709551615-byte header"),
+        ("a truncated file", raw("rank00001.safetensors", lambda d: d[:-5]), "bytes but the manifest says"),
+        ("a flipped data byte", raw("rank00001.safetensors", lambda d: d[:-3] + bytes([d[-3] ^ 4]) + d[-2:]),
+         "has CRC32C 0x"),
+        ("wrong JSON types", manifest_edit(lambda m: m["mesh"].update(world_size="2")), "mesh.world_size is \"2\""),
+    ]
+    RESUMED = {"data_position edited by hand", "a piece's file reaching out of the directory",
+               "a duplicated piece at a negative begin", "a header length of 2^64-1", "wrong JSON types"}
+    for name, damage, message in cases:
+        restore()
+        damage()
+        if os.path.exists(target):
+            os.remove(target)
+        run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
+        expect(f"consolidate refuses {name}", run.returncode == 1 and run.stderr.startswith("error: ")
+               and message in run.stderr and "Traceback" not in run.stderr and not os.path.exists(target),
+               f"exit {run.returncode}\n{run.stderr[-3000:]}")
+        if name not in RESUMED:
+            continue  # the C++ tests cover the rest; each torchrun costs seconds
+        resume = gpt(3, save, "--resume")
+        expect(f"--resume refuses {name}", resume.returncode == 1 and "nothing was loaded" in resume.stderr
+               and "terminate" not in resume.stderr,
+               f"exit {resume.returncode}\n{resume.stderr[-3000:]}")
+
+    # Values of the wrong type, written consistently by another program: named, exit 1.
+    for values, message in (
+        ({"seed": "0"}, "value 'seed' is a string; expected an integer"),
+        ({"data_position": 2.5}, "value 'data_position' is a number; expected an integer"),
+        ({"lr_schedule/lr_scheduler.steps": "two"}, "value 'lr_schedule/lr_scheduler.steps' is 'two'; expected a step count"),
+        ({"lr_schedule/lr_scheduler.steps": 2}, "value 'lr_schedule/lr_scheduler.steps' is an integer; expected a string"),
+    ):
+        restore()
+        with_values(step_dir, **values)
+        resume = gpt(3, save, "--resume")
+        expect(f"--resume names {values}", resume.returncode == 1 and message in resume.stderr
+               and "terminate" not in resume.stderr, f"exit {resume.returncode}\n{resume.stderr[-3000:]}")
+    # The same rewrite with the right types loads (the rewrite itself is sound).
+    restore()
+    with_values(step_dir, seed=1)
+    resume = gpt(3, save, "--resume")
+    expect("--resume loads a consistent rewrite", resume.returncode == 0, resume.stderr[-3000:])
+finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+if failures:
+    sys.exit("FAILED:\n" + "\n".join(failures))
+print("all passed")
