@@ -273,8 +273,13 @@ PYBIND11_MODULE(_C, m) {
            py::keep_alive<1, 2>())
       .def("step", &DistributedOptimizer::step, Release())
       .def("finish_param_sync", &DistributedOptimizer::finish_param_sync, Release())
-      .def("save_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.save_checkpoint(dir); },
-           Release())
+      .def("save_checkpoint",
+           [](DistributedOptimizer& o, const std::string& dir, int64_t keep_last) {
+             meshddp::CheckpointSaveOptions options;
+             options.keep_last = keep_last;
+             return o.save_checkpoint(dir, options);
+           },
+           py::arg("dir"), py::arg("keep_last") = 0, Release())
       .def("load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },
            Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
