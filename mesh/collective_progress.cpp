@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <condition_variable>
 #include <iomanip>
 #include <map>
@@ -335,6 +336,19 @@ std::optional<WaitRecord> decode(const std::string& text) {
   return w;
 }
 
+// A label as compared across ranks: device indices dropped ("... elements on cuda:1" is the same
+// bucket as "... on cuda:0" on the next rank).
+std::string comparable(const std::string& label) {
+  std::string out;
+  for (size_t i = 0; i < label.size(); ++i) {
+    out += label[i];
+    if (label[i] == ':' && i > 0 && std::isalpha(static_cast<unsigned char>(label[i - 1]))) {
+      while (i + 1 < label.size() && std::isdigit(static_cast<unsigned char>(label[i + 1]))) ++i;
+    }
+  }
+  return out;
+}
+
 std::string wait_key(const GroupProgress& r) { return std::to_string(r.rank) + "/wait"; }
 constexpr const char* kDivergenceKey = "divergence";
 
@@ -355,6 +369,18 @@ struct DivergenceWatch::State {
   std::vector<std::shared_ptr<GroupProgress>> my_groups;  // filled at the first check
   std::string suspected;                                  // a cycle seen at the previous check
 };
+
+std::string published_divergence(const c10d::ProcessGroup& group) {
+  auto record = Board::get().find(group);
+  if (!record) return "";
+  try {
+    if (!record->store->check({kDivergenceKey})) return "";
+    const auto bytes = record->store->get(kDivergenceKey);
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception&) {
+    return "";  // the store is gone with the rank that hosted it
+  }
+}
 
 DivergenceWatch::DivergenceWatch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work)
     : state_(std::make_unique<State>()) {
@@ -429,12 +455,12 @@ std::string DivergenceWatch::check() {
     const std::string theirs = "the collective for " + w->label + " (launch #" + std::to_string(w->launch) +
                                " on group '" + w->group + "')";
     if (w->group == r.name) {  // (a)
-      if (w->launch == s.mine.launch && w->label != s.mine.label) {
+      if (w->launch == s.mine.launch && comparable(w->label) != comparable(s.mine.label)) {
         found = "rank " + std::to_string(me) + " waits in " + ours + " while rank " + std::to_string(peer) +
                 " waits in " + theirs + ": the same launch on the same group is a different collective on each";
       } else if (w->launch < s.mine.launch) {
         const std::string mine_then = label_of(r, w->launch);
-        if (!mine_then.empty() && mine_then != w->label) {
+        if (!mine_then.empty() && comparable(mine_then) != comparable(w->label)) {
           found = "rank " + std::to_string(peer) + " waits in " + theirs + ", but rank " + std::to_string(me) +
                   " launched #" + std::to_string(w->launch) + " on that group as the collective for " + mine_then +
                   " (and now waits in " + ours + ")";

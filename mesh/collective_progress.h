@@ -34,8 +34,9 @@
 //         row, so that counts a fraction of an interval old cannot fake it).
 //   A peer that moved past (waits at a higher launch number) finds it from its side by (a). The
 //   rank that finds it writes the error under "divergence" in each of its groups' stores, where the
-//   other waiting ranks read it at their next check, and throws: every rank fails within a few
-//   check intervals, naming both collectives and ranks. A slow or stopped peer has no wait record
+//   other waiting ranks read it at their next check (or when their collective fails because the
+//   finder left), and throws: every rank fails within a few check intervals, naming both
+//   collectives and ranks. Labels are compared without device indices (cuda:0 vs cuda:1). A slow or stopped peer has no wait record
 //   (or one this rank can still satisfy): the plain stuck report, and the timeout.
 #pragma once
 
@@ -75,6 +76,10 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
 
 // Publishes this rank's launch counts on every group it belongs to now (with their time).
 void publish_collective_progress_now(const c10d::ProcessGroup& group);
+
+// The divergence error another rank of `group` published (Note [Divergent collectives]), or "": a
+// collective that fails because that rank gave up and left reports this instead.
+std::string published_divergence(const c10d::ProcessGroup& group);
 
 // Watches one wait on `group` for a divergence (Note [Divergent collectives]). Construct it when
 // the wait starts; call check() every check_every() while it lasts. The destructor withdraws the

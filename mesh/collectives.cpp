@@ -233,6 +233,10 @@ namespace {
 
 [[noreturn]] void fail_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what,
                                   const std::string& error) {
+  // A peer that found a divergence gave up and left, which failed this collective: say why.
+  const std::string divergence = published_divergence(group);
+  TORCH_CHECK(divergence.empty(), divergence, "\n(On ", describe_group(group), " the collective for ", what,
+              " then failed: ", error, ")");
   const std::string progress = describe_collective_progress(group, work);
   TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group), " failed or timed out: ", error,
               progress.empty() ? "" : "\nProgress: " + progress,
