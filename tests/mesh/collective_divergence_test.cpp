@@ -102,3 +102,60 @@ TEST(CollectiveDivergence, ASlowPeerIsReportedWithTheAgeOfItsCountAndNotFailed) 
   EXPECT_THAT(err, HasSubstr(" s ago) (each count as of the time given; counts are republished every 0.1 s"));
   EXPECT_THAT(err, ::testing::Not(HasSubstr("different collectives")));
 }
+
+namespace {
+
+// Rank 1 of a 2-rank "dp" mesh publishes a wait record in the format of Note [Divergent
+// collectives] (as a rank blocked in `peer_label` at launch #2 would), without launching anything;
+// rank 0 then all-reduces `label` (its launch #2) with 50 ms checks. Rank 1 joins rank 0's
+// all-reduce once rank 0's wait has ended (or after `join_after`). Returns rank 0's error, or "".
+std::string wait_beside_a_peer_record(const std::string& label, const std::string& peer_label,
+                                      std::chrono::milliseconds join_after) {
+  MeshOptions options;
+  options.timeout = kTestTimeout;
+  options.stuck_report_after = std::chrono::milliseconds(400);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::string error;
+  std::atomic<bool> published{false}, done{false};
+  run_ranks(2, [&](int rank) {
+    DeviceMesh mesh = DeviceMesh::from_store(store, rank, 2, {2}, {"dp"}, options);
+    const std::string group = "meshddp/dp/ranks=0,1";
+    if (rank == 1) {
+      const std::string record = "7\n" + group + "\n2\nall-reduce of " + peer_label + "\n1 " + group + "\n";
+      store->set(group + "/progress/1/wait", std::vector<uint8_t>(record.begin(), record.end()));
+      published = true;
+      const auto start = Clock::now();
+      while (!done && Clock::now() - start < join_after) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      store->deleteKey(group + "/progress/1/wait");
+      all_reduce_sum(*mesh["dp"], at::ones({4}), peer_label)->wait();  // rank 0's launch #2
+      return;
+    }
+    while (!published) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    try {
+      all_reduce_sum_now(*mesh["dp"], at::ones({4}), label);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    done = true;
+  });
+  return error;
+}
+
+}  // namespace
+
+// Rule (a): a peer waiting at the same launch number of the same group in another collective is a
+// divergence at the first check. The same collective whose label differs only by the device index
+// (each rank's own GPU) is not: rank 0 waits until rank 1 joins.
+TEST(CollectiveDivergence, APeerWaitingInAnotherCollectiveAtTheSameLaunchFailsAtOnce) {
+  const auto start = Clock::now();
+  const std::string error = wait_beside_a_peer_record("the loss report", "gradient bucket 0 of 1",
+                                                      std::chrono::seconds(20));
+  EXPECT_THAT(error, HasSubstr("rank 0 waits in the collective for all-reduce of the loss report (launch #2 on group "
+                               "'meshddp/dp/ranks=0,1') while rank 1 waits in the collective for all-reduce of "
+                               "gradient bucket 0 of 1 (launch #2 on group 'meshddp/dp/ranks=0,1'): the same launch "
+                               "on the same group is a different collective on each"));
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 10.0);
+  EXPECT_EQ(wait_beside_a_peer_record("bucket 0 (4 elements on cuda:0)", "bucket 0 (4 elements on cuda:1)",
+                                      std::chrono::milliseconds(600)),
+            "");
+}
