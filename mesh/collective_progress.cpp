@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <condition_variable>
+#include <iomanip>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -16,29 +19,44 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+struct Launch {
+  const c10d::Work* work = nullptr;
+  uint64_t number = 0;
+  std::string label;
+};
+
 struct GroupProgress {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Store> store;
+  std::string name;  // the group's name, the same on every rank
   std::vector<int64_t> global_ranks;
   int rank = 0;
+  int64_t global_rank() const { return global_ranks[rank]; }
   std::chrono::milliseconds report_after{0};
   std::chrono::milliseconds publish_interval{1000};
   std::chrono::milliseconds timeout{0};
   std::atomic<uint64_t> launches{0};
   // Publisher thread only.
-  uint64_t published = 0;
   Clock::time_point last_publish{};
-  // The last launches' Work (by address) and number, newest at next - 1.
+  // The last launches' Work (by address), number and label, newest at next - 1.
   std::mutex ring_mutex;
-  std::array<std::pair<const c10d::Work*, uint64_t>, 64> ring{};
+  std::array<Launch, 64> ring{};
   size_t next = 0;
 
   GroupProgress(c10::weak_intrusive_ptr<c10d::ProcessGroup> g) : group(std::move(g)) {}
 };
 
-std::vector<uint8_t> to_bytes(uint64_t v) {
-  const std::string text = std::to_string(v);
-  return {text.begin(), text.end()};
+std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
+
+int64_t epoch_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A published count: "<count> <unix time in ms>".
+void publish_count(GroupProgress& r) {
+  r.store->set(std::to_string(r.rank),
+               to_bytes(std::to_string(r.launches.load(std::memory_order_relaxed)) + " " + std::to_string(epoch_ms())));
 }
 
 // The process-wide registry and its publisher thread (joined at exit).
@@ -66,6 +84,18 @@ class Board {
     return alive.get() == &group ? it->second : nullptr;
   }
 
+  // Live records of the groups global rank `global_rank` belongs to (ranks may be threads of one
+  // process, each with its own groups).
+  std::vector<std::shared_ptr<GroupProgress>> records_of(int64_t global_rank) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::shared_ptr<GroupProgress>> out;
+    for (const auto& [key, r] : records_) {
+      auto alive = r->group.lock();
+      if (alive.get() == key && r->global_rank() == global_rank) out.push_back(r);
+    }
+    return out;
+  }
+
   ~Board() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -90,17 +120,13 @@ class Board {
         }
         GroupProgress& r = *it->second;
         interval = std::min(interval, r.publish_interval);
-        if (r.launches.load(std::memory_order_relaxed) != r.published && now - r.last_publish >= r.publish_interval) {
-          due.push_back(it->second);
-        }
+        if (now - r.last_publish >= r.publish_interval) due.push_back(it->second);  // changed or not: its age
         ++it;
       }
       lock.unlock();
       for (auto& r : due) {
-        const uint64_t count = r->launches.load(std::memory_order_relaxed);
         try {
-          r->store->set(std::to_string(r->rank), to_bytes(count));
-          r->published = count;
+          publish_count(*r);
         } catch (const std::exception&) {
           // The store is gone (e.g. rank 0 exited): nothing to publish to; the next wait reports it.
         }
@@ -120,13 +146,24 @@ class Board {
   std::thread thread_;
 };
 
-uint64_t launch_number(GroupProgress& r, const c10d::Work* work) {
+// The ring's entry for `work` (number 0 when it is no longer there).
+Launch find_launch(GroupProgress& r, const c10d::Work* work) {
   std::lock_guard<std::mutex> lock(r.ring_mutex);
   for (size_t i = 0; i < r.ring.size(); ++i) {
-    const auto& entry = r.ring[(r.next + r.ring.size() - 1 - i) % r.ring.size()];
-    if (entry.first == work) return entry.second;
+    const Launch& entry = r.ring[(r.next + r.ring.size() - 1 - i) % r.ring.size()];
+    if (entry.work == work) return entry;
   }
-  return 0;
+  return {};
+}
+uint64_t launch_number(GroupProgress& r, const c10d::Work* work) { return find_launch(r, work).number; }
+
+// The label of launch `number` ("" when it is no longer in the ring).
+std::string label_of(GroupProgress& r, uint64_t number) {
+  std::lock_guard<std::mutex> lock(r.ring_mutex);
+  for (const Launch& entry : r.ring) {
+    if (entry.number == number) return entry.label;
+  }
+  return "";
 }
 
 std::string seconds(std::chrono::milliseconds ms) {
@@ -145,6 +182,7 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
               global_ranks.size(), " global ranks for a group of ", group->getSize());
   auto record = std::make_shared<GroupProgress>(c10::weak_intrusive_ptr<c10d::ProcessGroup>(group));
   record->store = std::move(store);
+  record->name = group->getGroupName();
   record->global_ranks = std::move(global_ranks);
   record->rank = group->getRank();
   record->report_after = report_after;
@@ -152,17 +190,34 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
   // Fresh enough for the first report (or, with reports off, for the timeout's error).
   const auto horizon = report_after.count() > 0 ? report_after : timeout;
   record->publish_interval = std::clamp(horizon / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(5000));
-  record->store->set(std::to_string(record->rank), to_bytes(0));
+  publish_count(*record);
+  record->last_publish = Clock::now();
   Board::get().add(group.get(), std::move(record));
 }
 
-void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work) {
+void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+                            const std::string& label) {
   auto record = Board::get().find(group);
   if (!record) return;
   const uint64_t n = record->launches.fetch_add(1, std::memory_order_relaxed) + 1;
   std::lock_guard<std::mutex> lock(record->ring_mutex);
-  record->ring[record->next] = {work.get(), n};
+  Launch& entry = record->ring[record->next];
+  entry.work = work.get();
+  entry.number = n;
+  entry.label.assign(label);  // reuses the entry's buffer: no allocation once warm
   record->next = (record->next + 1) % record->ring.size();
+}
+
+void publish_collective_progress_now(const c10d::ProcessGroup& group) {
+  auto record = Board::get().find(group);
+  if (!record) return;
+  for (const auto& r : Board::get().records_of(record->global_rank())) {
+    try {
+      publish_count(*r);
+    } catch (const std::exception&) {
+      // The store is gone: the report says what it can.
+    }
+  }
 }
 
 std::optional<std::chrono::milliseconds> collective_report_after(const c10d::ProcessGroup& group) {
@@ -205,11 +260,16 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
       unknown.push_back(std::to_string(record->global_ranks[r]) + " (store unreadable: " + e.what() + ")");
       continue;
     }
-    const uint64_t count = std::strtoull(value.c_str(), nullptr, 10);
+    char* rest = nullptr;
+    const uint64_t count = std::strtoull(value.c_str(), &rest, 10);
+    const int64_t published_at = std::strtoll(rest, nullptr, 10);
+    std::ostringstream age;
+    age << std::fixed << std::setprecision(1) << static_cast<double>(epoch_ms() - published_at) / 1000.0 << " s ago";
     if (n == 0) {
-      if (listed++ < 16) counts << " " << record->global_ranks[r] << ":" << count;
+      if (listed++ < 16) counts << " " << record->global_ranks[r] << ":" << count << " (" << age.str() << ")";
     } else if (count < n) {
-      missing.push_back(std::to_string(record->global_ranks[r]) + " (at launch #" + std::to_string(count) + ")");
+      missing.push_back(std::to_string(record->global_ranks[r]) + " (at launch #" + std::to_string(count) + ", as of " +
+                        age.str() + ")");
     }
   }
   if (n == 0) {
@@ -226,9 +286,215 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
       }
     }
     if (shown > 16) out << " and " << (shown - 16) << " more";
-    out << " (counts are published every " << seconds(record->publish_interval) << ")";
+    out << " (each count as of the time given; counts are republished every " << seconds(record->publish_interval)
+        << ": one much older is a stopped or dead process)";
   }
   return out.str();
+}
+
+// ---- Divergent collectives (Note [Divergent collectives]) ----
+
+namespace {
+
+std::atomic<uint64_t> next_wait_id{1};
+
+// What a waiting rank publishes: "<id>\n<group>\n<launch>\n<label>\n" then "<count> <group>\n" per group.
+struct WaitRecord {
+  uint64_t id = 0;
+  std::string group;
+  uint64_t launch = 0;
+  std::string label;
+  std::map<std::string, uint64_t> counts;  // this rank's launch count on each of its groups, by name
+};
+
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
+}
+
+std::string encode(const WaitRecord& w) {
+  std::ostringstream out;
+  out << w.id << "\n" << one_line(w.group) << "\n" << w.launch << "\n" << one_line(w.label) << "\n";
+  for (const auto& [name, count] : w.counts) out << count << " " << one_line(name) << "\n";
+  return out.str();
+}
+
+std::optional<WaitRecord> decode(const std::string& text) {
+  std::istringstream in(text);
+  WaitRecord w;
+  std::string id, launch, line;
+  if (!std::getline(in, id) || !std::getline(in, w.group) || !std::getline(in, launch) || !std::getline(in, w.label)) {
+    return std::nullopt;
+  }
+  w.id = std::strtoull(id.c_str(), nullptr, 10);
+  w.launch = std::strtoull(launch.c_str(), nullptr, 10);
+  while (std::getline(in, line)) {
+    const size_t space = line.find(' ');
+    if (space != std::string::npos) w.counts[line.substr(space + 1)] = std::strtoull(line.c_str(), nullptr, 10);
+  }
+  if (w.id == 0 || w.launch == 0) return std::nullopt;
+  return w;
+}
+
+// A label as compared across ranks: device indices dropped ("... elements on cuda:1" is the same
+// bucket as "... on cuda:0" on the next rank).
+std::string comparable(const std::string& label) {
+  std::string out;
+  for (size_t i = 0; i < label.size(); ++i) {
+    out += label[i];
+    if (label[i] == ':' && i > 0 && std::isalpha(static_cast<unsigned char>(label[i - 1]))) {
+      while (i + 1 < label.size() && std::isdigit(static_cast<unsigned char>(label[i + 1]))) ++i;
+    }
+  }
+  return out;
+}
+
+std::string wait_key(const GroupProgress& r) { return std::to_string(r.rank) + "/wait"; }
+constexpr const char* kDivergenceKey = "divergence";
+
+std::string divergence_error(const std::string& what) {
+  return "meshddp: ranks are in different collectives, so none of them can finish (a divergence, not a slow rank: "
+         "failing now instead of at the timeout): " +
+         what +
+         ". Every rank must issue the same collectives in the same order: look for a rank-dependent branch (a "
+         "checkpoint saved on some ranks only, different step counts or save intervals, a directory present on "
+         "one node only)";
+}
+
+}  // namespace
+
+struct DivergenceWatch::State {
+  std::shared_ptr<GroupProgress> record;
+  WaitRecord mine;
+  std::vector<std::shared_ptr<GroupProgress>> my_groups;  // filled at the first check
+  std::string suspected;                                  // a cycle seen at the previous check
+};
+
+std::string published_divergence(const c10d::ProcessGroup& group) {
+  auto record = Board::get().find(group);
+  if (!record) return "";
+  try {
+    if (!record->store->check({kDivergenceKey})) return "";
+    const auto bytes = record->store->get(kDivergenceKey);
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception&) {
+    return "";  // the store is gone with the rank that hosted it
+  }
+}
+
+DivergenceWatch::DivergenceWatch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work)
+    : state_(std::make_unique<State>()) {
+  state_->record = Board::get().find(group);
+  if (!state_->record) return;
+  const Launch launch = find_launch(*state_->record, work.get());
+  state_->mine.id = next_wait_id.fetch_add(1);
+  state_->mine.group = state_->record->name;
+  state_->mine.launch = launch.number;
+  state_->mine.label = launch.label;
+}
+
+DivergenceWatch::~DivergenceWatch() {
+  for (const auto& g : state_->my_groups) {
+    try {
+      g->store->deleteKey(wait_key(*g));
+    } catch (const std::exception&) {
+      // The store is gone; so are the peers that would read it.
+    }
+  }
+}
+
+std::optional<std::chrono::milliseconds> DivergenceWatch::check_every() const {
+  if (!state_->record) return std::nullopt;
+  const GroupProgress& r = *state_->record;
+  const auto horizon = r.report_after.count() > 0 ? r.report_after : r.timeout;
+  return std::clamp(horizon / 8, std::chrono::milliseconds(50), std::chrono::milliseconds(2000));
+}
+
+std::string DivergenceWatch::check() {
+  State& s = *state_;
+  if (!s.record || s.mine.launch == 0) return "";
+  GroupProgress& r = *s.record;
+  try {
+    if (r.store->check({kDivergenceKey})) {  // another rank found it
+      const auto bytes = r.store->get(kDivergenceKey);
+      return std::string(bytes.begin(), bytes.end());
+    }
+  } catch (const std::exception&) {
+    return "";  // the store is gone: the collective's own error will say so
+  }
+  // Publish this wait (and fresh counts) on every group of this rank.
+  if (s.my_groups.empty()) s.my_groups = Board::get().records_of(r.global_rank());
+  s.mine.counts.clear();
+  for (const auto& g : s.my_groups) s.mine.counts[g->name] = g->launches.load(std::memory_order_relaxed);
+  for (const auto& g : s.my_groups) {
+    try {
+      g->store->set(wait_key(*g), to_bytes(encode(s.mine)));
+      publish_count(*g);
+    } catch (const std::exception&) {
+    }
+  }
+  // Read the peers' waits.
+  const int64_t me = r.global_rank();
+  const std::string ours = "the collective for " + s.mine.label + " (launch #" + std::to_string(s.mine.launch) +
+                           " on group '" + r.name + "')";
+  std::string found, cycle;
+  for (int q = 0; q < static_cast<int>(r.global_ranks.size()) && found.empty(); ++q) {
+    if (q == r.rank) continue;
+    std::string text;
+    try {
+      const std::string key = std::to_string(q) + "/wait";
+      if (!r.store->check({key})) continue;
+      const auto bytes = r.store->get(key);
+      text.assign(bytes.begin(), bytes.end());
+    } catch (const std::exception&) {
+      continue;
+    }
+    const std::optional<WaitRecord> w = decode(text);
+    if (!w) continue;
+    const int64_t peer = r.global_ranks[q];
+    const std::string theirs = "the collective for " + w->label + " (launch #" + std::to_string(w->launch) +
+                               " on group '" + w->group + "')";
+    if (w->group == r.name) {  // (a)
+      if (w->launch == s.mine.launch && comparable(w->label) != comparable(s.mine.label)) {
+        found = "rank " + std::to_string(me) + " waits in " + ours + " while rank " + std::to_string(peer) +
+                " waits in " + theirs + ": the same launch on the same group is a different collective on each";
+      } else if (w->launch < s.mine.launch) {
+        const std::string mine_then = label_of(r, w->launch);
+        if (!mine_then.empty() && comparable(mine_then) != comparable(w->label)) {
+          found = "rank " + std::to_string(peer) + " waits in " + theirs + ", but rank " + std::to_string(me) +
+                  " launched #" + std::to_string(w->launch) + " on that group as the collective for " + mine_then +
+                  " (and now waits in " + ours + ")";
+        }
+      }
+      continue;
+    }
+    // (b) The peer waits elsewhere. Has it not reached ours, while waiting in one we have not reached?
+    const auto reached = w->counts.find(r.name);
+    if (reached == w->counts.end() || reached->second >= s.mine.launch) continue;
+    for (const auto& g : s.my_groups) {
+      const uint64_t my_count = g->launches.load(std::memory_order_relaxed);
+      if (g->name != w->group || my_count >= w->launch) continue;
+      cycle = "rank " + std::to_string(me) + " waits in " + ours + ", which rank " + std::to_string(peer) +
+              " has not reached (it has launched " + std::to_string(reached->second) + " there); rank " +
+              std::to_string(peer) + " waits in " + theirs + ", which rank " + std::to_string(me) +
+              " has not reached (it has launched " + std::to_string(my_count) + " there): each waits for the other";
+    }
+  }
+  if (found.empty() && !cycle.empty()) {
+    if (cycle == s.suspected) found = cycle;  // seen at two checks in a row
+    s.suspected = cycle;
+  } else if (cycle.empty()) {
+    s.suspected.clear();
+  }
+  if (found.empty()) return "";
+  const std::string error = divergence_error(found);
+  for (const auto& g : s.my_groups) {
+    try {
+      g->store->set(kDivergenceKey, to_bytes(error));
+    } catch (const std::exception&) {
+    }
+  }
+  return error;
 }
 
 }  // namespace meshddp

@@ -13,9 +13,31 @@
 //              [10 ms, 5 s]).
 //   wait       waits report_after; only then (a rank that is already late) reads the peers' keys:
 //              2 store reads per peer, once per report; reports at report_after, then 2x, 4x, ...
-//   A peer "has not reached" launch n when its published count is < n. A count is at most one
-//   publish interval old, so a peer that arrived within that interval may still be listed (the
-//   report says so); a stopped peer never is missed.
+//   A peer "has not reached" launch n when its published count is < n. Each count is published
+//   with its time (republished every interval even when unchanged, and by a waiting rank right
+//   before it reports), and the report gives each count's age: a count seconds old is a peer whose
+//   process is stopped or gone, not one that is slow; a peer that arrived within the last
+//   interval may still be listed.
+//
+// Note [Divergent collectives]
+//   Ranks in different collectives wait for each other forever: rank 0 in a checkpoint save's
+//   all-gather on the world group, rank 1 in the next step's gradient all-reduce on the DP group.
+//   So a wait that lasts longer than the check interval (report_after / 8, or timeout / 8 with
+//   reports off; clamped to [50 ms, 2 s]) publishes a wait record, "<group rank>/wait" in the store
+//   of each of the rank's groups (which collective: group, launch number, label; and the rank's
+//   launch count on each of its groups), withdrawn when the wait ends, and reads the records of its
+//   group's peers at each interval. It is a divergence, certain, when
+//     (a) a peer waits on the same group at the same launch number in another collective (label),
+//         or at a lower number in another collective than this rank launched under that number;
+//     (b) a peer that has not reached this collective waits on another group, in a collective this
+//         rank belongs to and has not reached: each waits for the other (seen at two checks in a
+//         row, so that counts a fraction of an interval old cannot fake it).
+//   A peer that moved past (waits at a higher launch number) finds it from its side by (a). The
+//   rank that finds it writes the error under "divergence" in each of its groups' stores, where the
+//   other waiting ranks read it at their next check (or when their collective fails because the
+//   finder left), and throws: every rank fails within a few check intervals, naming both
+//   collectives and ranks. Labels are compared without device indices (cuda:0 vs cuda:1). A slow or stopped peer has no wait record
+//   (or one this rank can still satisfy): the plain stuck report, and the timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -23,6 +45,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,8 +59,10 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
                                   c10::intrusive_ptr<c10d::Store> store, std::vector<int64_t> global_ranks,
                                   std::chrono::milliseconds report_after, std::chrono::milliseconds timeout);
 
-// Called for every collective launched on `group`: counts it and remembers `work`'s launch number.
-void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work);
+// Called for every collective launched on `group`: counts it and remembers `work`'s launch number
+// and `label` (the operation and what it is for, e.g. "all-reduce of gradient bucket 0 of 2 (...)").
+void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+                            const std::string& label = "");
 
 // The report threshold of `group`'s record; nullopt when the group has none (or it is 0 = off).
 std::optional<std::chrono::milliseconds> collective_report_after(const c10d::ProcessGroup& group);
@@ -48,5 +73,32 @@ std::optional<std::chrono::milliseconds> collective_timeout(const c10d::ProcessG
 // "launch #7 on this group; ranks that have not reached it: 1 (at launch #6); ..." for a wait on
 // `work` that has lasted `waited`; empty if the group has no record. Reads the store.
 std::string describe_collective_progress(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work);
+
+// Publishes this rank's launch counts on every group it belongs to now (with their time).
+void publish_collective_progress_now(const c10d::ProcessGroup& group);
+
+// The divergence error another rank of `group` published (Note [Divergent collectives]), or "": a
+// collective that fails because that rank gave up and left reports this instead.
+std::string published_divergence(const c10d::ProcessGroup& group);
+
+// Watches one wait on `group` for a divergence (Note [Divergent collectives]). Construct it when
+// the wait starts; call check() every check_every() while it lasts. The destructor withdraws the
+// wait record. Inert (every() is nullopt) for a group without a progress record.
+class DivergenceWatch {
+ public:
+  DivergenceWatch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work);
+  ~DivergenceWatch();
+  DivergenceWatch(const DivergenceWatch&) = delete;
+  DivergenceWatch& operator=(const DivergenceWatch&) = delete;
+
+  std::optional<std::chrono::milliseconds> check_every() const;
+  // Publishes this rank's wait record and reads the peers'. Returns the error to fail with on every
+  // rank ("meshddp: ranks are in different collectives ..."), or "" while none is certain.
+  std::string check();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace meshddp

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string_view>
 #include <thread>
 
@@ -50,9 +51,10 @@ bool is_gloo(const c10d::ProcessGroup& group) {
   return group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO;
 }
 
-// Every launch passes through here: counted for the hang report (mesh/collective_progress.h).
-Work launched(const c10d::ProcessGroup& group, Work work) {
-  note_collective_launch(group, work);
+// Every launch passes through here: counted and labelled for the hang report and the divergence
+// check (mesh/collective_progress.h).
+Work launched(const c10d::ProcessGroup& group, Work work, const char* op, const std::string& what) {
+  note_collective_launch(group, work, std::string(op) + " of " + what);
   return work;
 }
 
@@ -75,7 +77,7 @@ Work all_reduce(c10d::ProcessGroup& group, const at::Tensor& tensor, c10d::Reduc
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  return launched(group, group.allreduce(tensors, options));
+  return launched(group, group.allreduce(tensors, options), "all-reduce", what);
 }
 
 }  // namespace
@@ -110,7 +112,7 @@ Work reduce_scatter_sum(c10d::ProcessGroup& group, const at::Tensor& output, con
   at::Tensor in = input;
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return launched(group, group._reduce_scatter_base(out, in, options));
+  return launched(group, group._reduce_scatter_base(out, in, options), "reduce-scatter", what);
 }
 
 Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
@@ -136,11 +138,11 @@ Work all_gather_into(c10d::ProcessGroup& group, const at::Tensor& output, const 
       options.rootRank = root;
       parts.push_back(group.broadcast(slice, options));
     }
-    return launched(group, c10::make_intrusive<AllOfWork>(std::move(parts)));
+    return launched(group, c10::make_intrusive<AllOfWork>(std::move(parts)), "all-gather", what);
   }
   at::Tensor out = output;
   at::Tensor in = input;
-  return launched(group, group._allgather_base(out, in));
+  return launched(group, group._allgather_base(out, in), "all-gather", what);
 }
 
 Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, const std::string& what) {
@@ -150,35 +152,51 @@ Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int roo
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  return launched(group, group.broadcast(tensors, options));
+  return launched(group, group.broadcast(tensors, options), "broadcast", what);
 }
 
 namespace {
 
-// Waits in steps: after report_after, then 2x, 4x, ... a line on stderr names the ranks that have
-// not reached the collective. Returns when the work finishes; rethrows its failure.
-void wait_reporting(const Work& work, c10d::ProcessGroup& group, const std::string& what,
-                    std::chrono::milliseconds report_after) {
-  auto slice = report_after;
-  auto waited = std::chrono::milliseconds(0);
+// Waits in slices: at each check interval the divergence watch (Note [Divergent collectives] in
+// collective_progress.h); after report_after (when set), then 2x, 4x, ... a line on stderr naming
+// the ranks that have not reached the collective. Returns "" when the work finishes (rethrowing its
+// failure), or the divergence error to fail with.
+std::string wait_watching(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                          std::optional<std::chrono::milliseconds> report_after) {
+  using Clock = std::chrono::steady_clock;
+  DivergenceWatch watch(group, work);
+  const auto check_every = watch.check_every().value_or(report_after.value_or(std::chrono::seconds(1)));
+  const auto start = Clock::now();
+  auto next_report = report_after ? start + *report_after : Clock::time_point::max();
+  auto next_check = start + check_every;
   while (true) {
+    const auto slice = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                   std::min(next_report, next_check) - Clock::now()));
     try {
       work->wait(slice);
-      return;
+      return "";
     } catch (const std::exception&) {
       // Either this slice ran out, or the work failed: a completed work says which.
       if (work->isCompleted()) {
         work->wait();
-        return;
+        return "";
       }
     }
-    waited += slice;
-    std::fprintf(stderr, "meshddp: [rank %d of %s] still waiting after %.1f s for the collective for %s; %s\n",
-                 group.getRank(), ("group '" + group.getGroupName() + "'").c_str(),
-                 static_cast<double>(waited.count()) / 1000.0, what.c_str(),
-                 describe_collective_progress(group, work).c_str());
-    std::fflush(stderr);
-    slice = waited;  // report again when the wait has doubled
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      const std::string divergence = watch.check();
+      if (!divergence.empty()) return divergence;
+      next_check = now + check_every;
+    }
+    if (now >= next_report) {
+      publish_collective_progress_now(group);  // peers read this rank's counts fresh
+      std::fprintf(stderr, "meshddp: [rank %d of %s] still waiting after %.1f s for the collective for %s; %s\n",
+                   group.getRank(), ("group '" + group.getGroupName() + "'").c_str(),
+                   std::chrono::duration<double>(now - start).count(), what.c_str(),
+                   describe_collective_progress(group, work).c_str());
+      std::fflush(stderr);
+      next_report = start + 2 * (now - start);  // report again when the wait has doubled
+    }
   }
 }
 
@@ -206,6 +224,10 @@ namespace {
 
 [[noreturn]] void fail_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what,
                                   const std::string& error) {
+  // A peer that found a divergence gave up and left, which failed this collective: say why.
+  const std::string divergence = published_divergence(group);
+  TORCH_CHECK(divergence.empty(), divergence, "\n(On ", describe_group(group), " the collective for ", what,
+              " then failed: ", error, ")");
   const std::string progress = describe_collective_progress(group, work);
   TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group), " failed or timed out: ", error,
               progress.empty() ? "" : "\nProgress: " + progress,
@@ -222,8 +244,16 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
   const auto start = Clock::now();
   const auto report_after = collective_report_after(group);
   auto next_report = report_after ? start + *report_after : Clock::time_point::max();
+  DivergenceWatch watch(group, work);
+  const auto check_every = watch.check_every();
+  auto next_check = check_every ? start + *check_every : Clock::time_point::max();
   while (!work->isCompleted()) {
     const auto now = Clock::now();
+    if (now >= next_check) {
+      const std::string divergence = watch.check();
+      TORCH_CHECK(divergence.empty(), divergence);
+      next_check = now + *check_every;
+    }
     if (now - start >= timeout) {
       std::string error = "no completion after " + std::to_string(timeout.count()) + " ms (host polling)";
       try {
@@ -234,6 +264,7 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
       fail_collective(work, group, what, error);
     }
     if (now >= next_report) {
+      publish_collective_progress_now(group);
       const double waited = std::chrono::duration<double>(now - start).count();
       std::fprintf(stderr, "meshddp: [rank %d of %s] still waiting after %.1f s for the collective for %s; %s\n",
                    group.getRank(), ("group '" + group.getGroupName() + "'").c_str(), waited, what.c_str(),
@@ -250,28 +281,34 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
   }
 }
 
-WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool has_stuck_report) {
+// `has_stuck_report` (the header's name) means: the group has a progress record, which brings the
+// stuck report when stuck_report_after > 0 and the divergence checks always (Note [Divergent
+// collectives] in collective_progress.h); kReporting then waits in slices with both between them.
+WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool watched) {
   if (backend == c10d::ProcessGroup::BackendType::NCCL) return nccl_blocking_wait ? WaitMode::kPolling : WaitMode::kWait;
-  return has_stuck_report ? WaitMode::kReporting : WaitMode::kWait;
+  return watched ? WaitMode::kReporting : WaitMode::kWait;
 }
 
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
   const auto report_after = collective_report_after(group);
-  const WaitMode mode = choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), report_after.has_value());
+  const bool watched = collective_timeout(group).has_value();  // a progress record: reports and divergence checks
+  const WaitMode mode = choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), watched);
   if (mode == WaitMode::kPolling) {
     wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
     return;
   }
+  std::string divergence;
   try {
     if (mode == WaitMode::kReporting) {
-      wait_reporting(work, group, what, *report_after);
+      divergence = wait_watching(work, group, what, report_after);
     } else {
       work->wait();
     }
   } catch (const std::exception& e) {
     fail_collective(work, group, what, e.what());
   }
+  TORCH_CHECK(divergence.empty(), divergence);
 }
 
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,

@@ -103,10 +103,15 @@ std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const 
 int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optional<int64_t> step) {
   finish_param_sync();
   CheckpointReader reader(checkpoint_mesh(), dir, step);
-  check_checkpoint_info(reader.meta().optimizer, reader.path());
-  std::vector<CheckpointTensor> wanted = checkpoint_tensors(/*for_save=*/false);
+  std::vector<CheckpointTensor> wanted;
   std::set<std::string> model_keys;
-  for (const NamedParam& p : buffer_.params()) model_keys.insert("model/" + p.name);
+  try {  // a rank that fails here tells the others, which are in read()
+    check_checkpoint_info(reader.meta().optimizer, reader.path());
+    wanted = checkpoint_tensors(/*for_save=*/false);
+    for (const NamedParam& p : buffer_.params()) model_keys.insert("model/" + p.name);
+  } catch (const std::exception& e) {
+    reader.fail(e);
+  }
   const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
   commit_loaded(wanted, loaded);
   finish_checkpoint_load(wanted, loaded, reader.meta().optimizer.at("step", reader.path()).as_int("optimizer.step"));

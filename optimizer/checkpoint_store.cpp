@@ -24,25 +24,6 @@ std::string message_of(const std::exception& e) {
 
 std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
 
-// step-<N> -> N, or -1.
-int64_t step_of(const std::string& name) {
-  if (name.rfind("step-", 0) != 0 || name.size() == 5) return -1;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-  }
-  return std::stoll(name.substr(5));
-}
-
-bool is_complete(const std::string& step_dir) { return path_exists(step_dir + "/" + kManifest); }
-
-std::string read_latest(const std::string& dir) {
-  const std::string path = dir + "/latest";
-  if (!path_exists(path)) return "";
-  std::string text = read_file(path);
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return text;
-}
-
 // Every rank's status (a JSON object; "error" set on failure), on every rank.
 std::vector<JsonValue> agree(c10d::ProcessGroup& world, const JsonValue& mine, const std::string& what) {
   std::vector<JsonValue> all;
@@ -180,27 +161,6 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   return "";
 }
 
-void prune(const std::string& dir, int64_t keep_last, const std::string& latest) {
-  std::vector<std::pair<int64_t, std::string>> complete;
-  for (const std::string& name : list_directory(dir)) {
-    if (step_of(name) < 0) continue;
-    if (is_complete(dir + "/" + name)) {
-      complete.push_back({step_of(name), name});
-    } else {
-      remove_tree(dir + "/" + name);  // a save that did not finish
-    }
-  }
-  std::sort(complete.begin(), complete.end());
-  int64_t kept = 0;
-  for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
-    if (it->second == latest || kept < keep_last - 1) {
-      if (it->second != latest) ++kept;
-      continue;
-    }
-    remove_tree(dir + "/" + it->second);
-  }
-}
-
 }  // namespace
 
 TpSlice tp_slice_of(const Placement& p) {
@@ -233,7 +193,14 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
   if (rank == 0) {
     try {
       make_directories(dir);
-      TORCH_CHECK(read_latest(dir) != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
+      // A rollback saving over the abandoned timeline's newest (resumed from step-4, saving step-8
+      // while `latest` names the old step-8): `latest` first moves back to the live run.
+      const std::string live = live_checkpoint(dir);
+      if (read_latest_pointer(dir) == name && !live.empty() && live != name &&
+          path_exists(dir + "/" + live + "/" + kManifest)) {
+        write_file_atomically(dir + "/latest", live + "\n");
+      }
+      TORCH_CHECK(read_latest_pointer(dir) != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
                   "overwrites it (save under another step, or delete it first)");
       remove_tree(step_dir);
       make_directories(step_dir);
@@ -338,73 +305,82 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
       }
       m["files"] = JsonValue(std::move(files));
       m["tensors"] = JsonValue(std::move(entries));
+      const std::string parent = live_checkpoint(dir);  // Note [The live run]
+      m["parent"] = parent.empty() || parent == name ? JsonValue() : JsonValue(parent);
       const std::string text = manifest_text(manifest);
       parse_manifest(text, step_dir + "/" + kManifest);  // what a load will check, checked before the commit
       write_file_atomically(step_dir + "/" + kManifest, text);
       write_file_atomically(dir + "/latest", name + "\n");
-      if (options.keep_last > 0) prune(dir, options.keep_last, name);
     } catch (const std::exception& e) {
       mine = status_error(message_of(e));
+    }
+    // Committed from here on: a pruning failure is reported as what it is, and the save succeeds.
+    if (!mine.has("error") && options.keep_last > 0) {
+      try {
+        prune_checkpoints(dir, name, options.keep_last);
+      } catch (const std::exception& e) {
+        mine.object()["prune_error"] = JsonValue(message_of(e));
+      }
     }
   }
   statuses = agree(world, mine, "checkpoint save: commit");
   fail_if_any(statuses, "writing the manifest");
+  note_live_checkpoint(dir, name);
+  if (rank == 0 && statuses[0].has("prune_error")) {
+    std::fprintf(stderr,
+                 "meshddp: warning: checkpoint '%s' is saved and committed (`latest` names it), but pruning the older "
+                 "checkpoints (keep_last %lld) failed: %s. They stay on disk; the next save with keep_last prunes "
+                 "again\n",
+                 step_dir.c_str(), static_cast<long long>(options.keep_last),
+                 statuses[0].at("prune_error", "status").as_string("prune_error").c_str());
+    std::fflush(stderr);
+  }
   return step_dir;
 }
 
-std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> step) {
-  TORCH_CHECK(path_exists(dir), "checkpoint: directory '", dir, "' does not exist");
-  std::vector<std::string> complete, incomplete;
-  for (const std::string& name : list_directory(dir)) {
-    if (step_of(name) < 0) continue;
-    (is_complete(dir + "/" + name) ? complete : incomplete).push_back(name);
-  }
-  auto by_step = [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); };
-  std::sort(complete.begin(), complete.end(), by_step);
-  auto listing = [&] {
-    std::string s = " (complete:";
-    for (const auto& c : complete) s += " " + c;
-    if (complete.empty()) s += " none";
-    s += "; incomplete:";
-    for (const auto& c : incomplete) s += " " + c;
-    if (incomplete.empty()) s += " none";
-    return s + ")";
-  };
-  std::string name;
-  if (step) {
-    name = step_name(*step);
-    TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "' has no ", name, listing());
-  } else {
-    name = read_latest(dir);
-    if (name.empty()) {
-      TORCH_CHECK(!complete.empty(), "checkpoint: '", dir, "' holds no complete checkpoint", listing());
-      name = complete.back();  // `latest` is written after the manifest: a crash in between leaves none
+std::optional<std::string> agree_on_checkpoint(const CheckpointMesh& mesh, const std::string& dir,
+                                               std::optional<int64_t> step, bool allow_none) {
+  TORCH_CHECK(mesh.world, "checkpoint load: no world group");
+  c10d::ProcessGroup& world = *mesh.world;
+  JsonValue mine = status_ok();
+  try {
+    if (allow_none && !step && holds_no_checkpoint(dir)) {
+      mine.object()["none"] = JsonValue(dir);  // nothing to resume from: a fresh start
+    } else {
+      mine.object()["found"] = JsonValue(resolve_checkpoint(dir, step));
     }
-    TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "/latest' names '", name, "', which does not exist",
-                listing());
+  } catch (const std::exception& e) {
+    mine = status_error(message_of(e));
   }
-  TORCH_CHECK(is_complete(dir + "/" + name), "checkpoint: '", dir, "/", name, "' is incomplete (no ", kManifest,
-              ": a save that did not finish); it is never loaded", listing());
-  return dir + "/" + name;
+  const std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: resolve");
+  const std::string errors = errors_of(statuses);
+  auto finding = [](const JsonValue& s) { return s.has("none") ? std::string("none") : s.dump(); };
+  bool same = true;
+  for (const JsonValue& s : statuses) same = same && finding(s) == finding(statuses[0]);
+  if (!same) {
+    std::string found;
+    for (size_t r = 0; r < statuses.size(); ++r) {
+      found += "\n  rank " + std::to_string(r) + ": " +
+               (statuses[r].has("error")  ? "error: " + statuses[r].at("error", "status").as_string("error")
+                : statuses[r].has("none") ? "no checkpoint (" + statuses[r].at("none", "status").as_string("none") +
+                                                " is missing or holds no complete step)"
+                                          : statuses[r].at("found", "status").as_string("found"));
+    }
+    TORCH_CHECK(false, "checkpoint load from '", dir, "': the ranks found different checkpoints; nothing was loaded on ",
+                "any rank. Every rank must see the same checkpoint directory (a filesystem shared by every node, the ",
+                "same path on every rank). What each rank found:", found);
+  }
+  TORCH_CHECK(errors.empty(), "checkpoint load from '", dir, "' failed; nothing was loaded on any rank:", errors);
+  if (statuses[0].has("none")) return std::nullopt;
+  return statuses[0].at("found", "status").as_string("found");
 }
 
 CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step)
     : mesh_(mesh) {
   TORCH_CHECK(mesh_.world, "checkpoint load: no world group");
   c10d::ProcessGroup& world = *mesh_.world;
+  path_ = *agree_on_checkpoint(mesh_, dir, step, /*allow_none=*/false);
   JsonValue mine = status_ok();
-  if (world.getRank() == 0) {
-    try {
-      mine.object()["path"] = JsonValue(resolve_checkpoint(dir, step));
-    } catch (const std::exception& e) {
-      mine = status_error(message_of(e));
-    }
-  }
-  std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: resolve");
-  std::string errors = errors_of(statuses);
-  TORCH_CHECK(errors.empty(), "checkpoint load from '", dir, "' failed; nothing was loaded on any rank:", errors);
-  path_ = statuses[0].at("path", "rank 0's status").as_string("path");
-  mine = status_ok();
   try {
     const std::string path = path_ + "/" + kManifest;
     const int64_t bytes = file_bytes(path);
@@ -417,8 +393,23 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
-  errors = errors_of(agree(world, mine, "checkpoint load: manifest"));
+  if (manifest_.has("save_id")) mine.object()["save_id"] = manifest_.at("save_id", path_);
+  const std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: manifest");
+  const std::string errors = errors_of(statuses);
   TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
+  std::string ids;
+  for (size_t r = 0; r < statuses.size(); ++r) ids += "\n  rank " + std::to_string(r) + ": " + statuses[r].dump();
+  for (const JsonValue& s : statuses) {
+    TORCH_CHECK(s.dump() == statuses[0].dump(), "checkpoint load from '", path_, "': the ranks read manifests of ",
+                "different saves (a directory that differs between nodes); nothing was loaded on any rank. Every ",
+                "rank must see the same checkpoint directory. Each rank's manifest:", ids);
+  }
+  note_live_checkpoint(dir, path_.substr(path_.rfind('/') + 1));
+}
+
+void CheckpointReader::fail(const std::exception& error) {
+  const std::string errors = errors_of(agree(*mesh_.world, status_error(message_of(error)), "checkpoint load: read"));
+  TORCH_CHECK(false, "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
 }
 
 std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTensor>& wanted,

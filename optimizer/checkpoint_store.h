@@ -11,18 +11,20 @@
 // Save: (1) rank 0 creates step-<N>/ (refusing to touch the step `latest` names) and picks a save id;
 // all ranks agree. (2) every rank writes its file, fsyncs it, reads it back and checks its CRC; all
 // ranks agree and send rank 0 their file's size, CRC and pieces. (3) rank 0 writes manifest.json
-// (temp file, fsync, rename, directory fsync), then `latest` the same way, then prunes old steps;
-// all ranks agree. Any failure anywhere makes every rank throw the same error, before `latest`
-// moves: the previous checkpoint stays untouched and `latest` keeps naming it. A step directory
-// without manifest.json is incomplete and never loaded.
-// Load: rank 0 picks the step directory (`latest`, or the step asked for) and every rank reads the
-// manifest; then each rank verifies every W-th file in full (size, save id, CRC32C), reads what it
+// (temp file, fsync, rename, directory fsync; with "parent": Note [The live run]), then `latest`
+// the same way, then prunes (keep_last); all ranks agree. Any failure up to `latest` makes every rank
+// throw the same error, before `latest` moves: the previous checkpoint stays untouched and `latest`
+// keeps naming it. A pruning failure after that is a warning (the save is committed). A step
+// directory without manifest.json is incomplete and never loaded.
+// Load: every rank resolves the step directory (`latest`, or the step asked for) and all agree
+// (agree_on_checkpoint); every rank reads the manifest and all compare its save id; then each rank verifies every W-th file in full (size, save id, CRC32C), reads what it
 // needs into temporaries and checks the model against the manifest; all ranks agree; only then do
 // callers copy the temporaries into their state (commit_loaded). Nothing changes on any rank unless
 // every rank succeeded.
 #pragma once
 
 #include "mesh/placement.h"
+#include "optimizer/checkpoint_lineage.h"
 #include "optimizer/checkpoint_manifest.h"
 #include "optimizer/json_value.h"
 #include "optimizer/reshard.h"
@@ -60,8 +62,9 @@ struct CheckpointMesh {
 };
 
 struct CheckpointSaveOptions {
-  int64_t keep_last = 0;  // > 0: after a save, delete all but the newest K complete step directories
-                          // (and incomplete ones); 0 = keep everything
+  int64_t keep_last = 0;  // > 0: after a save, keep the newest K checkpoints of the live run (this one,
+                          // the one it continues, ...: Note [The live run]) and delete every other
+                          // step directory; 0 = keep everything
   // Tests: called on each rank after its file is written and verified; throwing from it is a crash
   // between files (the save fails everywhere and nothing is committed).
   std::function<void(const std::string& path)> after_file_written;
@@ -78,14 +81,19 @@ struct CheckpointMeta {
 std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
                                   const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options = {});
 
-// The newest complete step directory in `dir` (`latest`'s, else the highest complete step-<N>);
-// throws saying what is there when there is none. Local, no communication.
-std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> step);
+// Collective over mesh.world: every rank resolves `dir` itself (resolve_checkpoint: `step`, or the
+// live run's newest) and all compare. Returns the step directory, the same on every rank; nullopt
+// when `allow_none` and no rank finds any checkpoint (holds_no_checkpoint). Throws on every rank when
+// any rank cannot resolve it, and when ranks found different things (a directory on some ranks only,
+// node-local disks that differ), naming what each rank found.
+std::optional<std::string> agree_on_checkpoint(const CheckpointMesh& mesh, const std::string& dir,
+                                               std::optional<int64_t> step, bool allow_none);
 
 class CheckpointReader {
  public:
-  // Collective: world rank 0 resolves the step directory (`step` or `latest`), every rank parses and
-  // checks its manifest (optimizer/checkpoint_manifest.h); throws on every rank if any rank cannot.
+  // Collective: the ranks agree on the step directory (agree_on_checkpoint), every rank parses and
+  // checks its manifest (optimizer/checkpoint_manifest.h) and all compare its save id; throws on
+  // every rank if any rank cannot, or they differ.
   CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step = std::nullopt);
 
   const std::string& path() const { return path_; }  // <dir>/step-<N>
@@ -99,6 +107,10 @@ class CheckpointReader {
   // tensor), reads every wanted piece (any DP x TP) into new CPU tensors of wanted.data's dtype.
   // Throws on every rank, naming file, rank and expected vs actual, if any rank fails.
   std::vector<at::Tensor> read(const std::vector<CheckpointTensor>& wanted, const std::set<std::string>& model_keys);
+
+  // Collective, instead of read() on a rank that failed between the constructor and read() (the
+  // others are in read()): reports `error` in read()'s agreement, so every rank throws it, none hangs.
+  [[noreturn]] void fail(const std::exception& error);
 
  private:
   CheckpointMesh mesh_;

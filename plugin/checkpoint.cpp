@@ -120,8 +120,8 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
   if (state.distributed_optimizer) state.distributed_optimizer->finish_param_sync();
   CheckpointReader reader(parts.mesh, dir, step);
   std::set<std::string> model_keys;
-  std::vector<CheckpointTensor> wanted = module_tensors(state, parts, /*for_save=*/false, model_keys);
-  const size_t module_count = wanted.size();
+  std::vector<CheckpointTensor> wanted;
+  size_t module_count = 0;
   const JsonValue& saved_optimizer = reader.meta().optimizer;
   // Torch optimizer: fresh tensors, installed as its state after the commit.
   struct TorchSlot {
@@ -130,32 +130,39 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
   };
   std::vector<TorchSlot> torch_slots;
   int64_t optimizer_step = 0;
-  if (state.distributed_optimizer) {
-    state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
-    for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
-    optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
-  } else if (state.optimizer) {
-    const TorchOptimizerState kind = torch_kind(*state.optimizer);
-    TORCH_CHECK(!saved_optimizer.is_null(), "checkpoint '", reader.path(), "' holds no optimizer state; load it ",
-                "without an optimizer in the TrainingState, or start the optimizer afresh");
-    const std::string saved_kind = saved_optimizer.at("kind", reader.path()).as_string("optimizer.kind");
-    TORCH_CHECK(saved_kind == kind.kind, "checkpoint '", reader.path(), "' holds ", saved_kind,
-                " state but this optimizer is ", kind.kind);
-    optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
-    for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
-      if (!item.value().requires_grad()) continue;
-      TorchSlot slot{item.value(), {}};
-      for (const std::string& name : kind.names) {
-        const std::string key = "optim/" + name + "/" + item.key();
-        at::Tensor t = at::zeros_like(item.value().detach(), at::MemoryFormat::Contiguous);
-        // Absent before the first step (AdamW) or without momentum (SGD): then the state stays empty.
-        const bool expected = kind.kind == "adamw" ? optimizer_step > 0 : reader.has(key);
-        add_module_tensor(wanted, key, t, get_placement(item.value()), parts, /*for_save=*/false);
-        wanted.back().optional = !expected;
-        slot.tensors.push_back(t);
+  // A rank that fails here (its optimizer or model differs) tells the others, which are in read().
+  try {
+    wanted = module_tensors(state, parts, /*for_save=*/false, model_keys);
+    module_count = wanted.size();
+    if (state.distributed_optimizer) {
+      state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
+      for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
+      optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+    } else if (state.optimizer) {
+      const TorchOptimizerState kind = torch_kind(*state.optimizer);
+      TORCH_CHECK(!saved_optimizer.is_null(), "checkpoint '", reader.path(), "' holds no optimizer state; load it ",
+                  "without an optimizer in the TrainingState, or start the optimizer afresh");
+      const std::string saved_kind = saved_optimizer.at("kind", reader.path()).as_string("optimizer.kind");
+      TORCH_CHECK(saved_kind == kind.kind, "checkpoint '", reader.path(), "' holds ", saved_kind,
+                  " state but this optimizer is ", kind.kind);
+      optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+      for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
+        if (!item.value().requires_grad()) continue;
+        TorchSlot slot{item.value(), {}};
+        for (const std::string& name : kind.names) {
+          const std::string key = "optim/" + name + "/" + item.key();
+          at::Tensor t = at::zeros_like(item.value().detach(), at::MemoryFormat::Contiguous);
+          // Absent before the first step (AdamW) or without momentum (SGD): then the state stays empty.
+          const bool expected = kind.kind == "adamw" ? optimizer_step > 0 : reader.has(key);
+          add_module_tensor(wanted, key, t, get_placement(item.value()), parts, /*for_save=*/false);
+          wanted.back().optional = !expected;
+          slot.tensors.push_back(t);
+        }
+        torch_slots.push_back(slot);
       }
-      torch_slots.push_back(slot);
     }
+  } catch (const std::exception& e) {
+    reader.fail(e);
   }
   const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
 
@@ -189,6 +196,13 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
     }
   }
   return {reader.path(), reader.meta().step, reader.meta().values};
+}
+
+std::optional<LoadedCheckpoint> resume_checkpoint(const TrainingState& state, const std::string& dir,
+                                                  std::optional<int64_t> step) {
+  const std::optional<std::string> found = agree_on_checkpoint(parts_of(state).mesh, dir, step, /*allow_none=*/true);
+  if (!found) return std::nullopt;
+  return load_checkpoint(state, dir, checkpoint_step_of(found->substr(found->rfind('/') + 1)));
 }
 
 }  // namespace meshddp

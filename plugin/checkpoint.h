@@ -48,4 +48,11 @@ struct LoadedCheckpoint {
 LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& dir,
                                  std::optional<int64_t> step = std::nullopt);
 
+// Collective, for resuming a run: as load_checkpoint (of the live run's newest, or step-<step>), but
+// returns nullopt, changing nothing, when every rank finds no checkpoint at all in `dir` (missing, or
+// no complete step and no `latest`): a fresh start. Checkpoints that exist but cannot be loaded (a
+// damaged `latest`, corrupt files) and ranks that see different directories throw on every rank.
+std::optional<LoadedCheckpoint> resume_checkpoint(const TrainingState& state, const std::string& dir,
+                                                  std::optional<int64_t> step = std::nullopt);
+
 }  // namespace meshddp

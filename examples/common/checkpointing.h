@@ -1,11 +1,17 @@
-// The examples' checkpoint flags: --save-dir DIR, --save-every N, --resume. Header-only, so each
-// example keeps its own main.cpp and calls three things: parse_checkpoint_flag() in its flag loop,
-// ExampleCheckpoints::resume() for the first step, after_step() at the end of each step.
+// The examples' checkpoint flags: --save-dir DIR, --save-every N, --keep-last K, --resume,
+// --resume-step N. Header-only, so each example keeps its own main.cpp and calls three things:
+// parse_checkpoint_flag() in its flag loop, ExampleCheckpoints::resume() for the first step,
+// after_step() at the end of each step.
 //
-//   --save-dir DIR   where checkpoints go: DIR/step-<N>/ (N = steps completed), DIR/latest
-//   --save-every N   save every N steps (and always after the last step); 0 = only after the last
-//   --resume         start from DIR's latest complete checkpoint (at any --dp/--tp), continue up to
-//                    --steps; with no checkpoint in DIR yet, start from step 0
+//   --save-dir DIR     where checkpoints go: DIR/step-<N>/ (N = steps completed), DIR/latest
+//   --save-every N     save every N steps (and always after the last step); 0 = only after the last
+//   --keep-last K      after each save keep the K newest checkpoints of this run (the one it resumed
+//                      from and those saved since), delete the rest; 0 = keep all
+//   --resume           start from DIR's latest checkpoint (at any --dp/--tp), continue up to --steps;
+//                      with no checkpoint in DIR (missing, or no complete step), start from step 0 and
+//                      say so. Checkpoints that exist but cannot be loaded stop the run (exit 1).
+//   --resume-step N    start from DIR/step-<N> (a rollback: later saves continue from it, and
+//                      --keep-last counts from it, not the abandoned newer steps); implies --resume
 // The data position (the next step; batches are a function of (seed, step)), the seed and the
 // global batch are saved as user values; resuming with another seed or global batch is refused.
 #pragma once
@@ -16,8 +22,11 @@
 
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace examples {
@@ -25,7 +34,9 @@ namespace examples {
 struct CheckpointFlags {
   std::string save_dir;
   int save_every = 0;
+  int keep_last = 0;
   bool resume = false;
+  std::optional<int64_t> resume_step;
   bool any() const { return !save_dir.empty(); }
 };
 
@@ -37,7 +48,7 @@ inline bool parse_checkpoint_flag(int argc, char** argv, int& i, CheckpointFlags
     f.resume = true;
     return true;
   }
-  if (arg != "--save-dir" && arg != "--save-every") return false;
+  if (arg != "--save-dir" && arg != "--save-every" && arg != "--keep-last" && arg != "--resume-step") return false;
   const auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "error: %s %s\n", arg.c_str(), why.c_str());
     std::exit(2);
@@ -50,11 +61,18 @@ inline bool parse_checkpoint_flag(int argc, char** argv, int& i, CheckpointFlags
   }
   char* end = nullptr;
   const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < 0) fail("needs a count >= 0, got '" + v + "'");
-  f.save_every = static_cast<int>(n);
+  if (v.empty() || *end != '\0' || n < 0 || n > INT32_MAX) fail("needs a count >= 0, got '" + v + "'");
+  if (arg == "--resume-step") {
+    f.resume = true;
+    f.resume_step = n;
+  } else {
+    (arg == "--keep-last" ? f.keep_last : f.save_every) = static_cast<int>(n);
+  }
   return true;
 }
-inline const char* checkpoint_usage() { return " [--save-dir DIR [--save-every N] [--resume]]"; }
+inline const char* checkpoint_usage() {
+  return " [--save-dir DIR [--save-every N] [--keep-last K] [--resume | --resume-step N]]";
+}
 
 class ExampleCheckpoints {
  public:
@@ -72,14 +90,23 @@ class ExampleCheckpoints {
   // The first step to run: 0, or the step after the checkpoint loaded.
   int resume() {
     if (!f_.resume) return 0;
+    const auto start = std::chrono::steady_clock::now();
+    std::optional<meshddp::LoadedCheckpoint> found;
     try {
-      meshddp::resolve_checkpoint(f_.save_dir, std::nullopt);
-    } catch (const c10::Error&) {
-      if (rank_ == 0) std::fprintf(stderr, "# no complete checkpoint in '%s' yet: starting at step 0\n", f_.save_dir.c_str());
+      found = meshddp::resume_checkpoint(state_, f_.save_dir, f_.resume_step);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, f_.resume_step ? "--resume-step " + std::to_string(*f_.resume_step) : std::string("--resume"),
+                  ": ", e.what_without_backtrace(),
+                  f_.resume_step ? "" : "\nTo resume from a given complete step, pass --resume-step N");
+    }
+    if (!found) {
+      if (rank_ == 0) {
+        std::fprintf(stderr, "# --resume: no checkpoint in '%s' (missing, or no complete step): starting at step 0\n",
+                     f_.save_dir.c_str());
+      }
       return 0;
     }
-    const auto start = std::chrono::steady_clock::now();
-    const meshddp::LoadedCheckpoint loaded = meshddp::load_checkpoint(state_, f_.save_dir);
+    const meshddp::LoadedCheckpoint& loaded = *found;
     const auto value = [&](const char* key) { return int_value(loaded, key); };
     TORCH_CHECK(value("seed") == seed_ && value("global_batch") == global_batch_, "checkpoint '", loaded.path,
                 "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"), "; this run has --seed ",
@@ -125,7 +152,9 @@ class ExampleCheckpoints {
     if (schedule_ != nullptr) {
       for (const auto& [key, v] : schedule_->state()) values[kSchedulePrefix + key] = v;
     }
-    const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values);
+    meshddp::CheckpointSaveOptions options;
+    options.keep_last = f_.keep_last;
+    const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values, options);
     if (rank_ == 0) {
       int64_t bytes = 0;
       for (const std::string& name : meshddp::list_directory(path)) bytes += meshddp::file_bytes(path + "/" + name);

@@ -284,8 +284,13 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &DistributedOptimizer::step, Release())
       .def("finish_param_sync", &DistributedOptimizer::finish_param_sync, Release())
       .def("reload_masters_from_params", &DistributedOptimizer::reload_masters_from_params, Release())
-      .def("save_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.save_checkpoint(dir); },
-           Release())
+      .def("save_checkpoint",
+           [](DistributedOptimizer& o, const std::string& dir, int64_t keep_last) {
+             meshddp::CheckpointSaveOptions options;
+             options.keep_last = keep_last;
+             return o.save_checkpoint(dir, options);
+           },
+           py::arg("dir"), py::arg("keep_last") = 0, Release())
       .def("load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },
            Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))

@@ -50,7 +50,7 @@ TEST(CollectiveProgress, AWaitingRankNamesThePeerThatHasNotArrived) {
   // The warm-up all-reduce at mesh construction is launch #1 on the group; the test's is #2.
   EXPECT_THAT(err, HasSubstr("[rank 0 of group 'meshddp/dp/ranks=0,1,2'] still waiting after 0.3 s for the "
                              "collective for the test's all-reduce; it is launch #2 on this group; rank(s) that "
-                             "have not reached it (global ranks): 1 (at launch #1)"));
+                             "have not reached it (global ranks): 1 (at launch #1, as of "));
   EXPECT_THAT(err, HasSubstr("[rank 2 of group"));
   EXPECT_THAT(err, Not(HasSubstr("2 (at launch")));
   EXPECT_THAT(err, Not(HasSubstr("[rank 1 of group")));
@@ -81,7 +81,7 @@ TEST(CollectiveProgress, ATimeoutErrorNamesTheRankThatNeverCalled) {
                                "failed or timed out"));
   EXPECT_THAT(error, HasSubstr("Timed out"));
   EXPECT_THAT(error, HasSubstr("it is launch #2 on this group; rank(s) that have not reached it (global ranks): 1 "
-                               "(at launch #1)"));
+                               "(at launch #1, as of "));
 }
 
 // The per-launch bookkeeping (registry lookup, atomic increment, ring write) is what every
@@ -136,21 +136,21 @@ TEST(CollectiveProgress, PollingWaitReportsTheLateRankAndTimesOutNamingTheBucket
   std::cout << err << error << std::endl;
   EXPECT_THAT(err, HasSubstr("[rank 0 of group 'meshddp/dp/ranks=0,1'] still waiting after 0.3 s for the collective "
                              "for bucket 1 of the test; it is launch #2 on this group; rank(s) that have not reached "
-                             "it (global ranks): 1 (at launch #1)"));
+                             "it (global ranks): 1 (at launch #1, as of "));
   EXPECT_THAT(error, HasSubstr("the collective for bucket 0 of the test on group 'meshddp/dp/ranks=0,1' (rank 0 of 2) "
                                "failed or timed out: no completion after 800 ms (host polling)"));
   EXPECT_THAT(error, HasSubstr("it is launch #3 on this group; rank(s) that have not reached it (global ranks): 1 "
-                               "(at launch #2)"));
+                               "(at launch #2, as of "));
 }
 
 // Note [Waiting on NCCL]: on NCCL, wait(timeout) aborts the communicator when the timeout passes, so
 // wait_collective must never wait there in slices, even on a mesh with a stuck report (every mesh
 // from a store has one): a stream wait by default, polling with MESHDDP_NCCL_BLOCKING_WAIT=1. Gloo
-// waits in slices when there is a report, plainly otherwise. (Before this test, an NCCL group with a
-// stuck report took the slices: a collective 30 s late would have been aborted.)
+// waits in slices when the group has a progress record, plainly otherwise. (Before this test, an
+// NCCL group with a stuck report took the slices: a collective 30 s late would have been aborted.)
 TEST(CollectiveProgress, NcclGroupsAreNeverWaitedOnInSlices) {
   using Backend = c10d::ProcessGroup::BackendType;
-  EXPECT_EQ(choose_wait_mode(Backend::NCCL, /*nccl_blocking_wait=*/false, /*has_stuck_report=*/true), WaitMode::kWait);
+  EXPECT_EQ(choose_wait_mode(Backend::NCCL, /*nccl_blocking_wait=*/false, /*watched=*/true), WaitMode::kWait);
   EXPECT_EQ(choose_wait_mode(Backend::NCCL, false, false), WaitMode::kWait);
   EXPECT_EQ(choose_wait_mode(Backend::NCCL, true, true), WaitMode::kPolling);
   EXPECT_EQ(choose_wait_mode(Backend::NCCL, true, false), WaitMode::kPolling);

@@ -65,3 +65,4 @@ def test_zero1_matches_single_process_adamw(world_size):
         assert r["skipped"] == [False] * 10 and r["steps_taken"] == 10
         assert all(n > 0 for n in r["grad_norms"])
         assert r["reloaded_diff"] == 0.0, f"rank {rank}: a reloaded checkpoint differs by {r['reloaded_diff']}"
+        assert r["step_dirs"] == ["step-10", "step-7"], f"keep_last=2 keeps the two newest: {r['step_dirs']}"

@@ -3,6 +3,7 @@ Each returns plain numbers/tensors that the test asserts on in the parent."""
 
 import contextlib
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -135,8 +136,11 @@ def zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cpu"):
         opt_golden.zero_grad()
         F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
         opt_golden.step()
+        if step in (3, 6):
+            opt.save_checkpoint(checkpoint_dir)  # step-4, step-7: pruned by the last save's keep_last=2
     opt.finish_param_sync()
-    opt.save_checkpoint(checkpoint_dir)
+    opt.save_checkpoint(checkpoint_dir, keep_last=2)
+    step_dirs = sorted(n for n in os.listdir(checkpoint_dir) if n.startswith("step-"))
     torch.manual_seed(1)  # other initial values, which the load must overwrite
     fresh = meshddp.DistributedDataParallel(Net().to(device), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                                  use_distributed_optimizer=True))
@@ -148,6 +152,7 @@ def zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cpu"):
         "skipped": [r.skipped for r in results],
         "grad_norms": [r.grad_norm for r in results],
         "steps_taken": opt.steps_taken,
+        "step_dirs": step_dirs,
     }
 
 

@@ -54,9 +54,14 @@ class DistributedOptimizer:
         """Sets param group `group`'s learning rate (0: the default group, then one per rule)."""
         self._impl.set_group_lr(group, lr)
 
-    def save_checkpoint(self, directory):
-        """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md)."""
-        self._impl.save_checkpoint(os.fspath(directory))
+    def save_checkpoint(self, directory, keep_last=0):
+        """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md).
+
+        keep_last=K (> 0) then keeps the K newest checkpoints of this run (the one it loaded and those
+        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"meshddp.DistributedOptimizer.save_checkpoint: keep_last must be an int >= 0, got {keep_last!r}")
+        self._impl.save_checkpoint(os.fspath(directory), keep_last)
 
     def load_checkpoint(self, directory):
         """Loads a checkpoint saved at this or another DP size, then all-gathers params."""
