@@ -23,6 +23,7 @@ struct Launch {
   const c10d::Work* work = nullptr;
   uint64_t number = 0;
   std::string label;
+  Clock::time_point launched_at{};
 };
 
 struct GroupProgress {
@@ -205,7 +206,17 @@ void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusiv
   entry.work = work.get();
   entry.number = n;
   entry.label.assign(label);  // reuses the entry's buffer: no allocation once warm
+  entry.launched_at = Clock::now();
   record->next = (record->next + 1) % record->ring.size();
+}
+
+std::optional<std::chrono::steady_clock::time_point> collective_launch_time(const c10d::ProcessGroup& group,
+                                                                          const c10::intrusive_ptr<c10d::Work>& work) {
+  auto record = Board::get().find(group);
+  if (!record) return std::nullopt;
+  const Launch launch = find_launch(*record, work.get());
+  if (launch.number == 0) return std::nullopt;
+  return launch.launched_at;
 }
 
 void publish_collective_progress_now(const c10d::ProcessGroup& group) {

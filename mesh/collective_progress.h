@@ -6,7 +6,7 @@
 //
 // Note [Progress records]
 //   launch     (every collective, collectives.cpp) one registry lookup, one atomic increment and a
-//              (Work*, launch number) write into a 64-entry ring: ~0.1 us, no store traffic.
+//              (Work*, launch number, label, launch time) write into a 64-entry ring: no store traffic.
 //   publish    one background thread per process writes each group's count to the store key
 //              <mesh prefix>/<group>/progress/<group rank> when it changed, at most once per
 //              publish interval (report_after / 4, or timeout / 4 with reports off; clamped to
@@ -73,6 +73,11 @@ std::optional<std::chrono::milliseconds> collective_timeout(const c10d::ProcessG
 // "launch #7 on this group; ranks that have not reached it: 1 (at launch #6); ..." for a wait on
 // `work` that has lasted `waited`; empty if the group has no record. Reads the store.
 std::string describe_collective_progress(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work);
+
+// When `work` was launched on `group` (steady clock); nullopt when the group has no record or the
+// launch is no longer among its last 64.
+std::optional<std::chrono::steady_clock::time_point> collective_launch_time(const c10d::ProcessGroup& group,
+                                                                          const c10::intrusive_ptr<c10d::Work>& work);
 
 // Publishes this rank's launch counts on every group it belongs to now (with their time).
 void publish_collective_progress_now(const c10d::ProcessGroup& group);

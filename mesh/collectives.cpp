@@ -216,8 +216,9 @@ std::string wait_watching(const Work& work, c10d::ProcessGroup& group, const std
 //     <n> counts the collectives on that group, the same count as the "launch #" of meshddp's
 //     stuck reports.
 //   - with MESHDDP_NCCL_BLOCKING_WAIT=1 (debug; it costs a host sync per wait) it polls on the host
-//     (wait_collective_polling): the stuck report every doubling as on Gloo, and at the timeout an
-//     error naming the bucket, the group and the ranks that have not arrived.
+//     (wait_collective_polling): the stuck report every doubling as on Gloo, and, a margin before the
+//     group's timeout counted from the launch (polling_deadline), an error naming the bucket, the
+//     group and the ranks that have not arrived: before the watchdog's abort, so that it prints.
 bool nccl_blocking_wait() { return switch_on(Switch::kNcclBlockingWait); }
 
 namespace {
@@ -237,11 +238,19 @@ namespace {
 
 }  // namespace
 
+std::chrono::milliseconds polling_deadline(std::chrono::milliseconds backend_timeout) {
+  return backend_timeout - std::min<std::chrono::milliseconds>(backend_timeout / 10, std::chrono::seconds(30));
+}
+
 void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
-                             std::chrono::milliseconds timeout) {
+                             std::chrono::milliseconds backend_timeout) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective_polling on a null Work for ", what);
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  // The backend's clock runs from the launch (a bucket launched in backward and waited in
+  // finish_grad_sync() has waited since then), so meshddp's does too.
+  const auto launched = collective_launch_time(group, work).value_or(start);
+  const auto deadline = launched + polling_deadline(backend_timeout);
   const auto report_after = collective_report_after(group);
   auto next_report = report_after ? start + *report_after : Clock::time_point::max();
   DivergenceWatch watch(group, work);
@@ -254,8 +263,12 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
       TORCH_CHECK(divergence.empty(), divergence);
       next_check = now + *check_every;
     }
-    if (now - start >= timeout) {
-      std::string error = "no completion after " + std::to_string(timeout.count()) + " ms (host polling)";
+    if (now >= deadline) {
+      const auto since_launch = std::chrono::duration_cast<std::chrono::milliseconds>(now - launched);
+      std::string error = "no completion " + std::to_string(since_launch.count()) +
+                          " ms after its launch (host polling; meshddp's deadline, " +
+                          std::to_string(polling_deadline(backend_timeout).count()) +
+                          " ms, comes before the group's timeout of " + std::to_string(backend_timeout.count()) + " ms)";
       try {
         work->wait(std::chrono::milliseconds(1));  // NCCL: c10d aborts the communicator and throws
       } catch (const std::exception& e) {

@@ -39,15 +39,24 @@ Work broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int roo
 // threshold and each time the wait doubles, a line naming the group, `what` (e.g. the bucket) and
 // the ranks that have not launched this collective yet (mesh/collective_progress.h).
 // On NCCL groups see Note [Waiting on NCCL] in collectives.cpp: a stream wait (the host goes on),
-// or with MESHDDP_NCCL_BLOCKING_WAIT=1 wait_collective_polling with the group's timeout.
+// or with MESHDDP_NCCL_BLOCKING_WAIT=1 wait_collective_polling, which fails before the group's timeout.
 void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what);
 
 // Blocks the host until `work` completes by polling isCompleted() (never wait(slice): on NCCL a
 // wait with a timeout aborts the communicator when the slice runs out), printing the stuck report
-// like wait_collective; once `timeout` has passed, fails with an error naming `what`, the group and
-// the ranks that have not arrived (on NCCL, after c10d aborts the communicator). Any backend.
+// like wait_collective. `backend_timeout` is the group's own collective timeout, after which c10d
+// gives up on the work by itself (NCCL's watchdog aborts the communicator and takes the process
+// down; Gloo fails the work), counted from the launch. meshddp's deadline comes first, at
+// polling_deadline(backend_timeout) after the launch (after the start of the wait when the launch is
+// not on record): it fails with an error naming `what`, the group and the ranks that have not
+// arrived, then lets the backend abort. Any backend.
 void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
-                             std::chrono::milliseconds timeout);
+                             std::chrono::milliseconds backend_timeout);
+
+// meshddp's polling deadline for a group whose collectives time out after `backend_timeout`: a
+// margin earlier, 1/10 of the timeout and at most 30 s (9.5 min of c10d's 10-minute default), so the
+// named error prints before c10d's watchdog (which checks every few hundred ms) aborts. Pure.
+std::chrono::milliseconds polling_deadline(std::chrono::milliseconds backend_timeout);
 
 // MESHDDP_NCCL_BLOCKING_WAIT=1 (debug switch, mesh/switches.h): wait_collective polls on
 // NCCL groups, so a hang is reported naming the bucket instead of by c10d's watchdog alone.
@@ -57,7 +66,7 @@ bool nccl_blocking_wait();
 enum class WaitMode {
   kWait,       // work->wait(): on NCCL a stream wait (the host goes on), elsewhere a blocking wait
   kReporting,  // wait(slice) in doubling slices with the stuck report between them (never on NCCL)
-  kPolling,    // wait_collective_polling with the group's timeout
+  kPolling,    // wait_collective_polling, failing before the group's timeout
 };
 WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool has_stuck_report);
 

@@ -393,7 +393,7 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
-  if (manifest_.has("save_id")) mine.object()["save_id"] = manifest_.at("save_id", path_);
+  if (!manifest_.save_id.empty()) mine.object()["save_id"] = JsonValue(manifest_.save_id);
   const std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: manifest");
   const std::string errors = errors_of(statuses);
   TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);

@@ -138,9 +138,49 @@ TEST(CollectiveProgress, PollingWaitReportsTheLateRankAndTimesOutNamingTheBucket
                              "for bucket 1 of the test; it is launch #2 on this group; rank(s) that have not reached "
                              "it (global ranks): 1 (at launch #1, as of "));
   EXPECT_THAT(error, HasSubstr("the collective for bucket 0 of the test on group 'meshddp/dp/ranks=0,1' (rank 0 of 2) "
-                               "failed or timed out: no completion after 800 ms (host polling)"));
+                               "failed or timed out: no completion "));
+  EXPECT_THAT(error, HasSubstr(" ms after its launch (host polling; meshddp's deadline, 720 ms, comes before the "
+                               "group's timeout of 800 ms)"));
   EXPECT_THAT(error, HasSubstr("it is launch #3 on this group; rank(s) that have not reached it (global ranks): 1 "
                                "(at launch #2, as of "));
+}
+
+// Issue 24: with MESHDDP_NCCL_BLOCKING_WAIT=1 meshddp's polling deadline must come before the
+// backend's own timeout, which counts from the launch (NCCL's watchdog aborts then, and meshddp's
+// named error would never print). On Gloo, which shares the code and fails the work at its own
+// timeout: a group timing out after 2 s; rank 0 launches an all-reduce rank 1 never joins and
+// starts waiting 0.6 s later (a bucket launched in backward, waited in finish_grad_sync). The error
+// must be meshddp's, before 2 s after the launch; it was Gloo's timeout when meshddp counted its
+// 2 s from the start of the wait.
+TEST(CollectiveProgress, PollingDeadlineComesBeforeTheBackendsTimeoutCountedFromTheLaunch) {
+  EXPECT_EQ(polling_deadline(std::chrono::minutes(10)), std::chrono::milliseconds(570000));  // 30 s margin at most
+  EXPECT_EQ(polling_deadline(std::chrono::milliseconds(2000)), std::chrono::milliseconds(1800));
+  MeshOptions options;
+  options.timeout = std::chrono::milliseconds(2000);
+  options.stuck_report_after = std::chrono::milliseconds(0);
+  std::string error;
+  double seconds_after_launch = 0;
+  std::atomic<bool> done{false};
+  run_mesh_with(2, options, [&](DeviceMesh& mesh) {
+    if (mesh.rank() == 1) {  // never joins; stays until rank 0's Gloo work has timed out by itself
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      return;
+    }
+    const auto launched = std::chrono::steady_clock::now();
+    Work work = all_reduce_sum(*mesh["dp"], at::ones({4}), "bucket 0 of the test");
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    try {
+      wait_collective_polling(work, *mesh["dp"], "bucket 0 of the test", options.timeout);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    seconds_after_launch = std::chrono::duration<double>(std::chrono::steady_clock::now() - launched).count();
+    done = true;
+  });
+  std::cout << "[ failed " << seconds_after_launch << " s after the launch: " << error << " ]" << std::endl;
+  EXPECT_THAT(error, HasSubstr("(host polling; meshddp's deadline, 1800 ms, comes before the group's timeout of 2000 ms)"));
+  EXPECT_LT(seconds_after_launch, 2.0);
 }
 
 // Note [Waiting on NCCL]: on NCCL, wait(timeout) aborts the communicator when the timeout passes, so
