@@ -34,11 +34,12 @@ using Release = py::call_guard<py::gil_scoped_release>;
 
 // The holder of an engine object: its destructor may wait for collectives still in flight (bucket
 // reductions, param all-gathers), which may need another thread to take the GIL (a Gloo worker
-// dropping a tensor's last Python reference): so it runs with the GIL released.
+// dropping a tensor's last Python reference): so it runs with the GIL released. Not while the
+// interpreter finalizes: a thread that takes the GIL then is ended by Python, so keep it.
 template <typename T>
 struct DeleteWithoutGil {
   void operator()(T* p) const {
-    if (PyGILState_Check()) {
+    if (PyGILState_Check() && !_Py_IsFinalizing()) {
       py::gil_scoped_release release;
       delete p;
     } else {
