@@ -37,9 +37,27 @@ py::object to_python(const T& v) {
   }
 }
 
-// `value` as the field's type; a wrong type or a negative size is an error naming the field.
+// What a field of type T takes from Python, for messages.
+template <typename T>
+const char* python_type_text() {
+  if constexpr (std::is_same_v<T, bool>) return "True or False";
+  else if constexpr (std::is_integral_v<T>) return "an int";
+  else if constexpr (std::is_floating_point_v<T>) return "a float";
+  else if constexpr (std::is_same_v<T, std::string>) return "a str";
+  else if constexpr (std::is_enum_v<T>) return "a str naming a value";
+  else return "a list of (pattern, lr or None, weight_decay or None)";
+}
+
+// `value` as the field's type; a wrong type (a bool for a number included) or a negative size is an
+// error naming the field.
 template <typename T>
 T from_python(py::handle value, const char* type, const char* name) {
+  auto wrong_type = [&] {
+    return py::type_error(std::string(type) + ": " + name + " must be " + python_type_text<T>() + ", got " +
+                          py::cast<std::string>(py::repr(value)));
+  };
+  const bool is_bool = py::isinstance<py::bool_>(value);
+  if (std::is_same_v<T, bool> != is_bool) throw wrong_type();
   try {
     if constexpr (std::is_enum_v<T>) {
       return enum_from_text<T>(py::cast<std::string>(value), type, name);
@@ -51,16 +69,11 @@ T from_python(py::handle value, const char* type, const char* name) {
       const auto v = py::cast<int64_t>(value);
       TORCH_CHECK(v >= 0, type, ": ", name, " = ", v, " is negative; it must be >= 0");
       return static_cast<size_t>(v);
-    } else if constexpr (std::is_same_v<T, bool>) {
-      TORCH_CHECK(py::isinstance<py::bool_>(value), type, ": ", name, " must be True or False, got ",
-                  py::cast<std::string>(py::repr(value)));
-      return value.cast<bool>();
     } else {
       return py::cast<T>(value);
     }
   } catch (const py::cast_error&) {
-    throw py::type_error(std::string(type) + ": " + name + " cannot take " + py::cast<std::string>(py::repr(value)) +
-                         " (" + py::cast<std::string>(py::repr(to_python(T{}))) + " is a value of its type)");
+    throw wrong_type();
   }
 }
 

@@ -110,8 +110,15 @@ def test_config_properties_are_validated_and_typed():
     with pytest.raises(RuntimeError, match=r"DdpConfig: tp_replica_check_interval must be >= 0, got -1"):
         c.tp_replica_check_interval = -1
     assert c.tp_replica_check_interval == 100  # unchanged by the rejected value
-    with pytest.raises(RuntimeError, match=r"DdpConfig: check_for_nan_in_grad must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match=r"DdpConfig: check_for_nan_in_grad must be True or False, got 'yes'"):
         meshddp.DdpConfig(check_for_nan_in_grad="yes")
+    with pytest.raises(TypeError, match=r"DdpConfig: tp_replica_check_interval must be an int, got True"):
+        meshddp.DdpConfig(tp_replica_check_interval=True)
+    with pytest.raises(TypeError, match=r"DdpConfig: comm_hook must be a str, got 3"):
+        meshddp.DdpConfig(comm_hook=3)
+    with pytest.raises(TypeError, match=r"OptimizerConfig: groups must be a list of \(pattern, lr or None, "
+                                        r"weight_decay or None\), got \[\('\*.bias',\)\]"):
+        meshddp.OptimizerConfig(groups=[("*.bias",)])
     with pytest.raises(RuntimeError, match=r"OptimizerConfig: fused_step must be one of 'auto', 'always', 'never', "
                                            r"got 'sometimes'"):
         meshddp.OptimizerConfig(fused_step="sometimes")
