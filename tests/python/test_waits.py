@@ -28,3 +28,9 @@ def test_the_optimizer_finishes_pending_param_gathers_at_teardown():
         assert r["pending_before"] > 0 and r["pending_after"] == 0, (rank, r["pending_before"], r["pending_after"])
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_python_threads_run_while_the_engine_destructor_waits_for_collectives():
+    rank1 = multiprocess.run(2, "python_runs_while_the_engine_is_destroyed")[1]
+    assert rank1["waited"] >= 0.5, rank1  # the destructor did wait for the in-flight buckets
+    assert rank1["ticks"] >= 0.25 * rank1["waited"] / 0.005, rank1

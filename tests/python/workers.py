@@ -363,3 +363,41 @@ def zero1_exit_without_finish_param_sync(rank, world_size):
     gc.collect()
     return {"pending_before": pending_before, "pending_after": ddp._engine.pending_param_gathers(),
             "params": [p.detach().clone() for p in params]}
+
+
+def python_runs_while_the_engine_is_destroyed(rank, world_size):
+    """Rank 1 drops its DDP while its bucket all-reduces are in flight (rank 0 starts its backward
+    1 s later): the engine's destructor waits for them. Meanwhile a Python thread on rank 1 counts:
+    with the destructor run without the GIL it keeps counting; with the GIL held, it stalls."""
+    import gc
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=0))
+    ddp.zero_grad_buffer()
+    x, y = batch(0, rank, 0)
+    if rank == 0:
+        time.sleep(1.0)
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_grad_sync()
+        return None
+    F.mse_loss(ddp(x), y).backward()  # launches every bucket; they wait for rank 0
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    start = time.monotonic()
+    del ddp
+    gc.collect()
+    waited = time.monotonic() - start
+    stop.set()
+    thread.join()
+    return {"waited": waited, "ticks": ticks[0]}
