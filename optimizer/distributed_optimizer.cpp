@@ -1,6 +1,7 @@
 #include "optimizer/distributed_optimizer.h"
 
 #include "optimizer/fused_step.h"
+#include "optimizer/optimizer_config_fields.h"
 
 #include "mesh/collectives.h"
 #include "mesh/glob_match.h"
@@ -17,15 +18,18 @@ namespace {
 
 }  // namespace
 
+std::string field_text(const std::vector<ParamGroupRule>& rules) {
+  std::string out = "[";
+  auto optional_text = [](const std::optional<double>& v) { return v ? field_text(*v) : std::string("default"); };
+  for (size_t r = 0; r < rules.size(); ++r) {
+    out += (r ? "; " : "") + rules[r].pattern + ": lr=" + optional_text(rules[r].lr) +
+           " weight_decay=" + optional_text(rules[r].weight_decay);
+  }
+  return out + "]";
+}
+
 void DistributedOptimizerConfig::validate() const {
-  TORCH_CHECK(lr > 0 && std::isfinite(lr), "DistributedOptimizerConfig: lr must be > 0, got ", lr);
-  TORCH_CHECK(weight_decay >= 0, "DistributedOptimizerConfig: weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1, "DistributedOptimizerConfig: beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0 && beta2 < 1, "DistributedOptimizerConfig: beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps > 0, "DistributedOptimizerConfig: eps must be > 0, got ", eps);
-  TORCH_CHECK(momentum >= 0, "DistributedOptimizerConfig: momentum must be >= 0, got ", momentum);
-  TORCH_CHECK(clip_grad_norm >= 0, "DistributedOptimizerConfig: clip_grad_norm must be >= 0 (0 = off), got ",
-              clip_grad_norm);
+  validate_field_ranges(*this, kOptimizerConfigFields, "DistributedOptimizerConfig");
   for (const auto& rule : groups) {
     TORCH_CHECK(!rule.pattern.empty(), "DistributedOptimizerConfig: a group rule has an empty pattern");
     TORCH_CHECK(!rule.lr || *rule.lr > 0, "DistributedOptimizerConfig: group '", rule.pattern, "' has lr ", *rule.lr);
@@ -40,6 +44,9 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
   TORCH_CHECK(buffer_.config().use_distributed_optimizer,
               "DistributedOptimizer: the gradient buffer was built without use_distributed_optimizer; set it in the "
               "DdpConfig so buckets are padded and reduce-scattered and params live in the param buffer");
+  // Every field, over the whole mesh (TP replicas of a param must take the same update too).
+  verify_same_settings_across_ranks(buffer_.stats_group(), field_settings(config_, kOptimizerConfigFields),
+                                    "DistributedOptimizer", "the DistributedOptimizerConfig settings");
   shards_ = shard_buckets(buffer_.layout(), buffer_.dp_rank(), buffer_.dp_size());
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.

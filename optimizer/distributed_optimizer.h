@@ -63,6 +63,8 @@ struct DistributedOptimizerConfig {
   bool overlap_param_gather = false;   // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
 
+  // Every field is listed once in optimizer/optimizer_config_fields.h (ranges, cross-rank agreement,
+  // Python): a new field goes there too, or the build stops.
   void validate() const;  // throws naming the field
 };
 

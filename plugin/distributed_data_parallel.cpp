@@ -1,50 +1,28 @@
 #include "plugin/distributed_data_parallel.h"
 
 #include "mesh/collectives.h"
+#include "plugin/ddp_config_fields.h"
+#include "plugin/tp_dim.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
 
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 #include <unordered_map>
 
 namespace meshddp {
 namespace {
 
-// Which mesh dim is TP: the one dim besides `dp_dim` with more than one rank (none: no TP). The TP
-// layers record the group they were parallelized over in each param's Placement, and GradBuffer
-// checks that it is this dim's group, so a plan over another dim is an error, not a silent skip.
-std::string tp_dim_of(const DeviceMesh& mesh, const std::string& dp_dim) {
-  (void)mesh[dp_dim];  // throws naming the dims if dp_dim is unknown
-  std::vector<std::string> others;
-  for (size_t d = 0; d < mesh.names().size(); ++d) {
-    if (mesh.names()[d] != dp_dim && mesh.sizes()[d] > 1) others.push_back(mesh.names()[d]);
-  }
-  TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh ", mesh.describe(), " has ", others.size(),
-              " dims besides the DP dim '", dp_dim, "' with more than one rank; meshddp syncs over a DP x TP mesh, ",
-              "so give it one with a single model-parallel dim (or sub-groups built for DP x TP)");
-  return others.empty() ? "" : others.front();
-}
-
-std::string yes_no(bool b) { return b ? "true" : "false"; }
-
-// Every setting the gradient sync depends on, which must be the same on every rank.
+// Every setting the gradient sync depends on, which must be the same on every rank: every config
+// field (kDdpConfigFields), then the group sizes.
 std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g) {
-  return {{"bucket_bytes", std::to_string(c.bucket_bytes)},
-          {"overlap_grad_reduce", yes_no(c.overlap_grad_reduce)},
-          {"grad_reduce_in_fp32", yes_no(c.grad_reduce_in_fp32)},
-          {"pad_for_reduce_scatter", yes_no(c.pad_for_reduce_scatter)},
-          {"find_unused_parameters", yes_no(c.find_unused_parameters)},
-          {"use_distributed_optimizer", yes_no(c.use_distributed_optimizer)},
-          {"comm_hook", c.comm_hook},
-          {"broadcast_from_rank0", yes_no(c.broadcast_from_rank0)},
-          {"verify_model_across_ranks", yes_no(c.verify_model_across_ranks)},
-          {"broadcast_buffers", yes_no(c.broadcast_buffers)},
-          {"tp_replica_check_interval", std::to_string(c.tp_replica_check_interval)},
-          {"DP size", std::to_string(g.dp ? g.dp->getSize() : 0)},
-          {"TP size", std::to_string(g.tp_size)}};
+  std::vector<Setting> out = field_settings(c, kDdpConfigFields);
+  out.push_back({"DP size", std::to_string(g.dp ? g.dp->getSize() : 0)});
+  out.push_back({"TP size", std::to_string(g.tp_size)});
+  return out;
 }
 
 // The bucket layout as settings: bucket count, then per bucket (launch order) its size, dtype,
@@ -72,10 +50,26 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only
 
 }  // namespace
 
+std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
+                      const std::string& dp_dim) {
+  TORCH_INTERNAL_ASSERT(dim_names.size() == dim_sizes.size());
+  std::string all;
+  for (size_t d = 0; d < dim_names.size(); ++d) all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
+  TORCH_CHECK(std::find(dim_names.begin(), dim_names.end(), dp_dim) != dim_names.end(),
+              "DistributedDataParallel: the mesh (", all, ") has no dim named '", dp_dim, "' (the DP dim)");
+  std::vector<std::string> others;
+  for (size_t d = 0; d < dim_names.size(); ++d) {
+    if (dim_names[d] != dp_dim && dim_sizes[d] > 1) others.push_back(dim_names[d]);
+  }
+  TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh (", all, ") has ", others.size(),
+              " dims besides the DP dim '", dp_dim, "' with more than one rank; meshddp syncs over a DP x TP mesh, ",
+              "so give it one with a single model-parallel dim (or sub-groups built for DP x TP)");
+  return others.empty() ? "" : others.front();
+}
+
 void DdpConfig::validate() const {
   GradBufferConfig::validate();
-  TORCH_CHECK(tp_replica_check_interval >= 0, "DdpConfig: tp_replica_check_interval must be >= 0 (0 = off), got ",
-              tp_replica_check_interval);
+  validate_field_ranges(*this, kDdpConfigFields, "DdpConfig");
 }
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
@@ -83,7 +77,7 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
     : dp_group_(mesh[dp_dim]), config_(config) {
   groups_.dp = dp_group_;
   groups_.world = mesh.world();
-  if (const std::string tp_dim = tp_dim_of(mesh, dp_dim); !tp_dim.empty()) {
+  if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dim); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];
     groups_.tp_rank = mesh.coordinate(tp_dim);
     groups_.tp_size = mesh.size(tp_dim);

@@ -47,6 +47,8 @@ struct DdpConfig : GradBufferConfig {
                                             // all-gather per check. 0 = off
 
   void validate() const;  // throws naming the field
+  // Every field (GradBufferConfig's too) is listed once in plugin/ddp_config_fields.h, which drives
+  // validation, the cross-rank agreement and Python: a new field goes there too, or the build stops.
 };
 
 // The module-type-independent part. Use DistributedDataParallel<ModuleT>.

@@ -85,42 +85,6 @@ void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<Nam
   }
 }
 
-void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vector<Setting>& settings,
-                                       const std::string& who, const std::string& what) {
-  if (group.getSize() == 1) return;
-  std::string mine;
-  for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
-  const auto all = all_gather_strings(group, mine, what + " check");
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
-  auto parse = [](const std::string& text) {
-    std::map<std::string, std::string> out;
-    std::istringstream lines(text);
-    for (std::string line; std::getline(lines, line);) {
-      const auto eq = line.find('=');
-      out[line.substr(0, eq)] = eq == std::string::npos ? "" : line.substr(eq + 1);
-    }
-    return out;
-  };
-  std::vector<std::map<std::string, std::string>> per_rank;
-  for (const auto& text : all) per_rank.push_back(parse(text));
-  for (const auto& setting : settings) {
-    const std::string& name = setting.first;
-    std::ostringstream values;
-    bool differs = false;
-    for (size_t r = 0; r < per_rank.size(); ++r) {
-      const auto it = per_rank[r].find(name);
-      const std::string value = it == per_rank[r].end() ? "(missing)" : it->second;
-      differs = differs || value != per_rank[0][name];
-      values << (r ? ", " : "") << "rank " << r << ": " << value;
-    }
-    TORCH_CHECK(!differs, who, ": ", what, " differ across the ranks of ", describe_group(group), ": '", name,
-                "' is ", values.str(), ". Every rank must use the same settings (and the same model); a mismatch ",
-                "would hang or corrupt the collectives");
-  }
-  TORCH_CHECK(false, who, ": ", what, " differ across the ranks of ", describe_group(group),
-              " (in a setting this rank does not have; this rank's: ", mine, ")");
-}
-
 namespace {
 
 // Sum of the elements' bit patterns, as int64 (wrapping): equal tensors give equal sums, and any

@@ -5,6 +5,8 @@
 // in the same order.
 #pragma once
 
+#include "mesh/config_fields.h"  // Setting, verify_same_settings_across_ranks
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -28,13 +30,6 @@ void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::v
 // flattened into one buffer), not one per tensor. `what` names them in errors.
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
                                 const std::string& what);
-
-// A setting every rank of a group must agree on, as (name, value as text).
-using Setting = std::pair<std::string, std::string>;
-// Compares every rank's settings with group rank 0's; on a difference every rank throws the same
-// error naming the first differing setting and each rank's value (`who`: e.g. "DistributedDataParallel").
-void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vector<Setting>& settings,
-                                       const std::string& who, const std::string& what);
 
 // Bit-exact checksum (sum of each element's bits as an integer) of every tensor, compared across
 // `tp_group`; every rank throws the same error naming the first tensor whose TP replicas differ,

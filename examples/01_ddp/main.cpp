@@ -6,6 +6,7 @@
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/ddp_example --steps 30
 #include "examples/common/checkpointing.h"
+#include "examples/common/flag_agreement.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
@@ -108,6 +109,7 @@ int main(int argc, char** argv) {
 
     const int64_t world = std::getenv("WORLD_SIZE") ? std::atoll(std::getenv("WORLD_SIZE")) : 1;
     meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}, examples::mesh_options(flags.run));
+    examples::verify_same_flags_across_ranks(mesh, argc, argv, "ddp_example");  // before the flags shape anything
     const int64_t dp = mesh.size("dp"), dp_rank = mesh.coordinate("dp");
     TORCH_CHECK(flags.global_batch % dp == 0, "--global-batch ", flags.global_batch, " must divide by the DP size ", dp);
     const int64_t local_batch = flags.global_batch / dp;

@@ -10,6 +10,7 @@
 // tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
 #include "examples/common/checkpointing.h"
+#include "examples/common/flag_agreement.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
                                                         std::max(1, local_world ? std::atoi(local_world) : 1))));
     meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
+    examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
     torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
     gpt::Gpt model(f.model);

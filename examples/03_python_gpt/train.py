@@ -100,6 +100,21 @@ def make_batch(vocab, seq_len, seed, step, batch):
     return seq[:, :-1], seq[:, 1:]
 
 
+def verify_same_flags_across_ranks(args):
+    """Every rank must run with the same flags (a rank with another --lr would train on silently):
+    one all_gather_object of the parsed flags, then every rank exits naming the first that differs
+    and each rank's value. As examples/common/flag_agreement.h does for the C++ examples."""
+    mine = vars(args)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for name in sorted(mine):
+        values = [ranks_flags.get(name) for ranks_flags in every]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            sys.exit(f"train.py (rank {dist.get_rank()}): the command-line flags differ across the ranks: "
+                     f"'--{name.replace('_', '-')}' is {each}. Start every rank with the same flags (torchrun does)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, required=True)
@@ -113,6 +128,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
+    verify_same_flags_across_ranks(args)
     if args.dp * args.tp != dist.get_world_size() or args.global_batch % args.dp:
         sys.exit(f"--dp {args.dp} x --tp {args.tp} must equal WORLD_SIZE ({dist.get_world_size()}) and "
                  f"--global-batch {args.global_batch} divide by --dp")

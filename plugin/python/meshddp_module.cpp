@@ -2,8 +2,12 @@
 // argument conversion, GIL release around anything that may wait on a collective, and C++ errors
 // turned into Python RuntimeErrors with the same text. The Python-facing API (DeviceMesh handling,
 // DTensor params, no_sync()) is in meshddp/*.py.
+#include "mesh/collective_progress.h"
 #include "optimizer/distributed_optimizer.h"
+#include "plugin/ddp_config_fields.h"
 #include "plugin/linear_with_grad_in_buffer.h"
+#include "plugin/python/config_bindings.h"
+#include "plugin/tp_dim.h"
 #include "plugin/python/python_ddp.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -11,6 +15,7 @@
 #include <execinfo.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <exception>
 #include <optional>
 #include <string>
@@ -27,102 +32,23 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
-// Config fields settable by keyword, each by its C++ name.
-template <typename Config>
-struct Field {
-  const char* name;
-  bool Config::*flag = nullptr;
-  double Config::*number = nullptr;
-};
-
-template <typename Config>
-std::string field_names(const std::vector<Field<Config>>& fields, const char* extra) {
-  std::string out;
-  for (const auto& f : fields) out += std::string(out.empty() ? "" : ", ") + f.name;
-  return out + extra;
-}
-
-// Sets `config`'s fields from keyword arguments; an unknown keyword is a TypeError naming it.
-template <typename Config, typename Special>
-void set_fields(Config& config, const py::kwargs& kwargs, const std::vector<Field<Config>>& fields, const char* type,
-                const char* extra_names, Special special) {
-  for (const auto& item : kwargs) {
-    const auto key = py::cast<std::string>(item.first);
-    bool done = special(key, item.second);
-    for (const auto& f : fields) {
-      if (done || key != f.name) continue;
-      if (f.flag) config.*(f.flag) = py::cast<bool>(item.second);
-      if (f.number) config.*(f.number) = py::cast<double>(item.second);
-      done = true;
-    }
-    if (!done) {
-      throw py::type_error(std::string(type) + ": no field '" + key + "'; the fields are " +
-                           field_names(fields, extra_names));
+// The holder of an engine object: its destructor may wait for collectives still in flight (bucket
+// reductions, param all-gathers), which may need another thread to take the GIL (a Gloo worker
+// dropping a tensor's last Python reference): so it runs with the GIL released. Not while the
+// interpreter finalizes: a thread that takes the GIL then is ended by Python, so keep it.
+template <typename T>
+struct DeleteWithoutGil {
+  void operator()(T* p) const {
+    if (PyGILState_Check() && !_Py_IsFinalizing()) {
+      py::gil_scoped_release release;
+      delete p;
+    } else {
+      delete p;
     }
   }
-}
-
-DdpConfig make_ddp_config(const py::kwargs& kwargs) {
-  static const std::vector<Field<DdpConfig>> fields = {
-      {"overlap_grad_reduce", &DdpConfig::overlap_grad_reduce},
-      {"grad_reduce_in_fp32", &DdpConfig::grad_reduce_in_fp32},
-      {"pad_for_reduce_scatter", &DdpConfig::pad_for_reduce_scatter},
-      {"find_unused_parameters", &DdpConfig::find_unused_parameters},
-      {"gradient_accumulation_fusion", &DdpConfig::gradient_accumulation_fusion},
-      {"use_distributed_optimizer", &DdpConfig::use_distributed_optimizer},
-      {"broadcast_from_rank0", &DdpConfig::broadcast_from_rank0},
-      {"verify_model_across_ranks", &DdpConfig::verify_model_across_ranks},
-  };
-  DdpConfig config;
-  set_fields(config, kwargs, fields, "DdpConfig", ", bucket_bytes, comm_hook", [&](const std::string& key, py::handle value) {
-    if (key == "comm_hook") {
-      config.comm_hook = py::cast<std::string>(value);
-      return true;
-    }
-    if (key != "bucket_bytes") return false;
-    const auto bytes = py::cast<int64_t>(value);
-    TORCH_CHECK(bytes >= 0, "DdpConfig: bucket_bytes = ", bytes, " is negative; give bytes (0 = one bucket per parameter)");
-    config.bucket_bytes = static_cast<size_t>(bytes);
-    return true;
-  });
-  config.validate();
-  return config;
-}
-
-meshddp::OptimizerKind parse_kind(const std::string& kind) {
-  if (kind == "adamw") return meshddp::OptimizerKind::kAdamW;
-  if (kind == "sgd") return meshddp::OptimizerKind::kSgd;
-  TORCH_CHECK(false, "OptimizerConfig: kind must be 'adamw' or 'sgd', got '", kind, "'");
-}
-
-DistributedOptimizerConfig make_optimizer_config(const py::kwargs& kwargs) {
-  static const std::vector<Field<DistributedOptimizerConfig>> fields = {
-      {"lr", nullptr, &DistributedOptimizerConfig::lr},
-      {"weight_decay", nullptr, &DistributedOptimizerConfig::weight_decay},
-      {"beta1", nullptr, &DistributedOptimizerConfig::beta1},
-      {"beta2", nullptr, &DistributedOptimizerConfig::beta2},
-      {"eps", nullptr, &DistributedOptimizerConfig::eps},
-      {"momentum", nullptr, &DistributedOptimizerConfig::momentum},
-      {"clip_grad_norm", nullptr, &DistributedOptimizerConfig::clip_grad_norm},
-      {"overlap_param_gather", &DistributedOptimizerConfig::overlap_param_gather},
-  };
-  DistributedOptimizerConfig config;
-  set_fields(config, kwargs, fields, "OptimizerConfig", ", kind, groups", [&](const std::string& key, py::handle value) {
-    if (key == "kind") {
-      config.kind = parse_kind(py::cast<std::string>(value));
-    } else if (key == "groups") {
-      // [(pattern, lr or None, weight_decay or None), ...]
-      using Rule = std::tuple<std::string, std::optional<double>, std::optional<double>>;
-      config.groups.clear();
-      for (const auto& [pattern, lr, wd] : py::cast<std::vector<Rule>>(value)) config.groups.push_back({pattern, lr, wd});
-    } else {
-      return false;
-    }
-    return true;
-  });
-  config.validate();
-  return config;
-}
+};
+template <typename T>
+using EngineHolder = std::unique_ptr<T, DeleteWithoutGil<T>>;
 
 std::vector<meshddp::NamedTensor> named_tensors(const std::vector<std::pair<std::string, at::Tensor>>& items) {
   std::vector<meshddp::NamedTensor> out;
@@ -166,6 +92,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
       "torch.nn.functional.linear whose backward writes the weight and bias gradients straight into "
       "their slots of a meshddp DistributedDataParallel's flat gradient buffer (docs/python.md)");
+  m.def(
+      "_register_collective_progress",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::intrusive_ptr<c10d::Store>& store,
+         std::vector<int64_t> global_ranks, double report_after_s, double timeout_s) {
+        TORCH_CHECK(report_after_s >= 0 && timeout_s > 0, "meshddp.DistributedDataParallel: stuck_report_after must be ",
+                    ">= 0 (0 = off) and timeout > 0 (seconds), got ", report_after_s, " and ", timeout_s);
+        auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)); };
+        meshddp::register_collective_progress(group, store, std::move(global_ranks), ms(report_after_s), ms(timeout_s));
+      },
+      py::arg("group"), py::arg("store"), py::arg("global_ranks"), py::arg("report_after_s"), py::arg("timeout_s"),
+      "registers a c10d group for meshddp's stuck report and timeout (mesh/collective_progress.h); the store must be "
+      "private to the group and the same on all its ranks");
+  m.def("tp_dim_of", &meshddp::tp_dim_of, py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
+        "the C++ rule for which mesh dim is TP: the one dim besides dp_dim with more than one rank ('' if none)");
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).
@@ -177,42 +117,17 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  py::class_<DdpConfig>(m, "DdpConfig",
-                        "meshddp's DdpConfig: the C++ fields by the same names, validated on construction")
-      .def(py::init(&make_ddp_config))
-      .def_property_readonly("bucket_bytes", [](const DdpConfig& c) { return static_cast<int64_t>(c.bucket_bytes); })
-      .def_readonly("overlap_grad_reduce", &DdpConfig::overlap_grad_reduce)
-      .def_readonly("grad_reduce_in_fp32", &DdpConfig::grad_reduce_in_fp32)
-      .def_readonly("pad_for_reduce_scatter", &DdpConfig::pad_for_reduce_scatter)
-      .def_readonly("find_unused_parameters", &DdpConfig::find_unused_parameters)
-      .def_readonly("use_distributed_optimizer", &DdpConfig::use_distributed_optimizer)
-      .def_readonly("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0)
-      .def_readonly("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks)
-      .def_readonly("comm_hook", &DdpConfig::comm_hook)
-      .def("__repr__", [](const DdpConfig& c) {
-        return "DdpConfig(bucket_bytes=" + std::to_string(c.bucket_bytes) +
-               ", overlap_grad_reduce=" + (c.overlap_grad_reduce ? "True" : "False") +
-               ", grad_reduce_in_fp32=" + (c.grad_reduce_in_fp32 ? "True" : "False") +
-               ", find_unused_parameters=" + (c.find_unused_parameters ? "True" : "False") +
-               ", use_distributed_optimizer=" + (c.use_distributed_optimizer ? "True" : "False") +
-               ", comm_hook='" + c.comm_hook + "')";
-      });
+  py::class_<DdpConfig> ddp_config(m, "DdpConfig",
+                                   "meshddp's DdpConfig: the C++ fields by the same names (DdpConfig.field_names()), "
+                                   "as keywords or properties, validated on every change");
+  meshddp::python::bind_config_fields(ddp_config, meshddp::kDdpConfigFields, "DdpConfig");
 
-  py::class_<DistributedOptimizerConfig>(m, "OptimizerConfig",
-                                         "meshddp's DistributedOptimizerConfig: the C++ fields by the same names "
-                                         "(kind = 'adamw' | 'sgd'; groups = [(pattern, lr, weight_decay)])")
-      .def(py::init(&make_optimizer_config))
-      .def_property_readonly("kind", [](const DistributedOptimizerConfig& c) {
-        return c.kind == meshddp::OptimizerKind::kAdamW ? "adamw" : "sgd";
-      })
-      .def_readonly("lr", &DistributedOptimizerConfig::lr)
-      .def_readonly("weight_decay", &DistributedOptimizerConfig::weight_decay)
-      .def_readonly("beta1", &DistributedOptimizerConfig::beta1)
-      .def_readonly("beta2", &DistributedOptimizerConfig::beta2)
-      .def_readonly("eps", &DistributedOptimizerConfig::eps)
-      .def_readonly("momentum", &DistributedOptimizerConfig::momentum)
-      .def_readonly("clip_grad_norm", &DistributedOptimizerConfig::clip_grad_norm)
-      .def_readonly("overlap_param_gather", &DistributedOptimizerConfig::overlap_param_gather);
+  py::class_<DistributedOptimizerConfig> optimizer_config(
+      m, "OptimizerConfig",
+      "meshddp's DistributedOptimizerConfig: the C++ fields by the same names (OptimizerConfig.field_names()), as "
+      "keywords or properties, validated on every change; kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
+      "'never', groups = [(pattern, lr or None, weight_decay or None)]");
+  meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "OptimizerConfig");
 
   py::class_<meshddp::StepResult>(m, "StepResult")
       .def_readonly("skipped", &meshddp::StepResult::skipped)
@@ -227,30 +142,33 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<meshddp::ParamGather::ForwardScope>(m, "_ForwardScope");
 
-  py::class_<PythonDdp>(m, "_Ddp")
+  py::class_<PythonDdp, EngineHolder<PythonDdp>>(m, "_Ddp")
       .def(py::init([](const std::vector<std::pair<std::string, at::Tensor>>& params,
                        const std::vector<std::pair<std::string, at::Tensor>>& buffers,
                        const std::vector<std::tuple<std::string, at::Tensor, at::Tensor, int64_t>>& dtensors,
                        c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
-                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> world_group, int64_t tp_rank,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> world_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> tp_group, int64_t tp_rank,
                        int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
-             meshddp::SyncGroups groups{std::move(dp_group), world_group.value_or(nullptr), tp_rank, tp_size};
+             // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
+             meshddp::SyncGroups groups{std::move(dp_group), world_group.value_or(nullptr), tp_rank, tp_size,
+                                        tp_group.value_or(nullptr)};
              py::gil_scoped_release release;  // the checks and broadcast are collectives
-             return std::make_unique<PythonDdp>(named_tensors(params), named_tensors(buffers), std::move(dts),
-                                                std::move(groups), dp_global_ranks, config);
+             return EngineHolder<PythonDdp>(new PythonDdp(named_tensors(params), named_tensors(buffers), std::move(dts),
+                                                          std::move(groups), dp_global_ranks, config));
            }),
            py::arg("params"), py::arg("buffers"), py::arg("dtensors"), py::arg("dp_group"), py::arg("world_group"),
-           py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"))
+           py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"))
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)
       .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer().is_last_microbatch(); })
-      .def("check_before_forward", &PythonDdp::check_before_forward)
+      .def("check_before_forward", &PythonDdp::check_before_forward, Release())  // TP check, buffer broadcast
       .def("open_forward_scope", &PythonDdp::open_forward_scope, Release())
-      .def("mark_unused", &PythonDdp::mark_unused)
+      .def("mark_unused", &PythonDdp::mark_unused, Release())
       .def("main_grad", &PythonDdp::main_grad)
       .def("param_names", &PythonDdp::param_names)
       .def("grad_buffer_bytes",
@@ -274,11 +192,17 @@ PYBIND11_MODULE(_C, m) {
            },
            Release())
       .def("notify_params_changed", [](PythonDdp& d) { d.grad_buffer().notify_params_changed(); })
-      .def_property_readonly("config", &PythonDdp::config);
+      .def("pending_param_gathers",
+           [](PythonDdp& d) {
+             const meshddp::ParamGather* gather = d.grad_buffer().param_gather();
+             return gather ? gather->pending() : 0;
+           })
+      .def_property_readonly("config", [](const PythonDdp& d) { return d.config(); });  // a copy: read-only
 
-  py::class_<DistributedOptimizer>(m, "_DistributedOptimizer")
+  py::class_<DistributedOptimizer, EngineHolder<DistributedOptimizer>>(m, "_DistributedOptimizer")
       .def(py::init([](PythonDdp& ddp, const DistributedOptimizerConfig& config) {
-             return std::make_unique<DistributedOptimizer>(ddp.grad_buffer(), config);
+             py::gil_scoped_release release;  // the settings agreement is a collective
+             return EngineHolder<DistributedOptimizer>(new DistributedOptimizer(ddp.grad_buffer(), config));
            }),
            py::keep_alive<1, 2>())
       .def("step", &DistributedOptimizer::step, Release())
@@ -305,5 +229,5 @@ PYBIND11_MODULE(_C, m) {
                         py::arg("optimizer_state_bytes") = m.optimizer_state_bytes,
                         py::arg("grad_scratch_bytes") = m.grad_scratch_bytes, py::arg("total") = m.total());
       })
-      .def_property_readonly("config", &DistributedOptimizer::config);
+      .def_property_readonly("config", [](const DistributedOptimizer& o) { return o.config(); });  // a copy
 }

@@ -13,6 +13,7 @@
 // is ~lr whatever the gradient's size, a rounding flip of a near-zero gradient can move an element
 // by up to lr (1e-2) the other way: measured 6.9e-3 (2 ranks, clipping), allowed 1e-2 (one step's
 // update). So SGD is the sharp bf16 check; the fp32 tests are the sharp check of the arithmetic.
+#include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
 
@@ -256,6 +257,29 @@ TEST(DistributedOptimizerConfig, RejectsBadValuesNamingTheField) {
   c = {};
   c.groups = {{"*.bias", -1.0, std::nullopt}};
   EXPECT_THROW(c.validate(), c10::Error);
+}
+
+// Ranks whose optimizer settings differ would update the same replica differently (or, for
+// overlap_param_gather, pair different collectives): construction compares every field of
+// kOptimizerConfigFields over the mesh and names the first that differs with each rank's value.
+TEST(DistributedOptimizer, RejectsSettingsThatDifferAcrossRanksNamingTheSettingAndEachRanksValue) {
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    DistributedOptimizerConfig oc;
+    oc.lr = mesh.rank() == 0 ? 0.1 : 0.2;
+    EXPECT_THAT(error_of([&] { DistributedOptimizer opt(ddp.grad_buffer(), oc); }),
+                HasSubstr("DistributedOptimizer: the DistributedOptimizerConfig settings differ across the ranks of "));
+    EXPECT_THAT(error_of([&] { DistributedOptimizer opt(ddp.grad_buffer(), oc); }),
+                HasSubstr("'lr' is rank 0: 0.1, rank 1: 0.2"));
+    oc.lr = 0.1;
+    oc.groups = {{"*.bias", std::nullopt, mesh.rank() == 0 ? 0.0 : 0.5}};
+    EXPECT_THAT(error_of([&] { DistributedOptimizer opt(ddp.grad_buffer(), oc); }),
+                HasSubstr("'groups' is rank 0: [*.bias: lr=default weight_decay=0], rank 1: [*.bias: lr=default "
+                          "weight_decay=0.5]"));
+  });
 }
 
 TEST(DistributedOptimizer, RefusesAGradBufferWithoutDistributedOptimizerMode) {

@@ -2,6 +2,7 @@
 // bf16 params with fp32 main grads against the golden.
 #include "tests/support/error_of.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/tp_dim.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
 
@@ -163,6 +164,26 @@ TEST(DistributedDataParallel, RejectsSettingsThatDifferAcrossRanksNamingTheSetti
     EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
                 HasSubstr("'bucket_bytes' is rank 0: 1024, rank 1: 2048"));
   });
+  // check_for_nan_in_grad adds an all-reduce to finish_grad_sync(): ranks that differ in it would
+  // hang there, so it is compared with the rest (every field of kDdpConfigFields is).
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(1, 4, 8, 2);
+    DdpConfig config;
+    config.check_for_nan_in_grad = mesh.rank() == 1;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                HasSubstr("'check_for_nan_in_grad' is rank 0: false, rank 1: true"));
+  });
+}
+
+// One rule for which mesh dim is TP (the Python package calls the same function).
+TEST(DistributedDataParallel, TheTpDimIsTheOneOtherDimWithMoreThanOneRank) {
+  EXPECT_EQ(tp_dim_of({"dp", "tp"}, {2, 2}, "dp"), "tp");
+  EXPECT_EQ(tp_dim_of({"dp", "tp"}, {2, 1}, "dp"), "");
+  EXPECT_EQ(tp_dim_of({"dp", "pp", "tp"}, {2, 1, 2}, "dp"), "tp");
+  EXPECT_THAT(error_of([] { tp_dim_of({"dp", "pp", "tp"}, {2, 2, 2}, "dp"); }),
+              HasSubstr("the mesh (dp=2, pp=2, tp=2) has 2 dims besides the DP dim 'dp' with more than one rank"));
+  EXPECT_THAT(error_of([] { tp_dim_of({"dp", "tp"}, {2, 2}, "data"); }),
+              HasSubstr("the mesh (dp=2, tp=2) has no dim named 'data'"));
 }
 
 // broadcast_buffers (PyTorch's default): each training forward uses DP rank 0's buffers; an

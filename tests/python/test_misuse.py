@@ -62,7 +62,7 @@ def test_config_errors_carry_the_cpp_text():
         meshddp.DdpConfig(bucket_size=1)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
         meshddp.OptimizerConfig(lr=-1.0)
-    with pytest.raises(RuntimeError, match=r"kind must be 'adamw' or 'sgd', got 'adam'"):
+    with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', got 'adam'"):
         meshddp.OptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
     assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
@@ -70,6 +70,70 @@ def test_config_errors_carry_the_cpp_text():
     assert meshddp.DdpConfig(comm_hook="bf16_compress").comm_hook == "bf16_compress"
     with pytest.raises(RuntimeError, match=r"comm_hook = 'bf16' is not a built-in communication hook"):
         meshddp.DdpConfig(comm_hook="bf16")
+
+
+# A non-default value for every config field, keyed by name. The key set must equal the C++ field list
+# (field_names() reads kDdpConfigFields / kOptimizerConfigFields), so a new C++ field fails this test
+# until it is given a value here, and is then checked to be settable, readable and in repr().
+_FIELD_VALUES = {
+    meshddp.DdpConfig: dict(
+        bucket_bytes=1 << 20, overlap_grad_reduce=False, grad_reduce_in_fp32=True, pad_for_reduce_scatter=True,
+        find_unused_parameters=True, use_distributed_optimizer=True, gradient_accumulation_fusion=False,
+        check_for_nan_in_grad=True, comm_hook="bf16_compress", broadcast_from_rank0=False,
+        verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7),
+    meshddp.OptimizerConfig: dict(
+        kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
+        groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
+        fused_step="never"),
+}
+
+
+@pytest.mark.parametrize("cls", [meshddp.DdpConfig, meshddp.OptimizerConfig], ids=lambda c: c.__name__)
+def test_every_config_field_is_settable_readable_and_in_repr(cls):
+    values = _FIELD_VALUES[cls]
+    assert sorted(cls.field_names()) == sorted(values), "give every C++ field a non-default value in _FIELD_VALUES"
+    default = cls()
+    by_keyword = cls(**values)
+    text = repr(by_keyword)
+    for name, value in values.items():
+        assert getattr(default, name) != value, name  # a non-default value, so setting it is visible
+        assert getattr(by_keyword, name) == value, name
+        assert f"{name}={value!r}" in text, (name, text)
+        by_property = cls()
+        setattr(by_property, name, value)
+        assert getattr(by_property, name) == value, name
+    assert text.startswith(cls.__name__ + "(") and text.count("=") == len(values), text
+
+
+def test_config_properties_are_validated_and_typed():
+    c = meshddp.DdpConfig()
+    with pytest.raises(RuntimeError, match=r"DdpConfig: tp_replica_check_interval must be >= 0, got -1"):
+        c.tp_replica_check_interval = -1
+    assert c.tp_replica_check_interval == 100  # unchanged by the rejected value
+    with pytest.raises(TypeError, match=r"DdpConfig: check_for_nan_in_grad must be True or False, got 'yes'"):
+        meshddp.DdpConfig(check_for_nan_in_grad="yes")
+    with pytest.raises(TypeError, match=r"DdpConfig: tp_replica_check_interval must be an int, got True"):
+        meshddp.DdpConfig(tp_replica_check_interval=True)
+    with pytest.raises(TypeError, match=r"DdpConfig: comm_hook must be a str, got 3"):
+        meshddp.DdpConfig(comm_hook=3)
+    with pytest.raises(TypeError, match=r"OptimizerConfig: groups must be a list of \(pattern, lr or None, "
+                                        r"weight_decay or None\), got \[\('\*.bias',\)\]"):
+        meshddp.OptimizerConfig(groups=[("*.bias",)])
+    with pytest.raises(RuntimeError, match=r"OptimizerConfig: fused_step must be one of 'auto', 'always', 'never', "
+                                           r"got 'sometimes'"):
+        meshddp.OptimizerConfig(fused_step="sometimes")
+    with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: beta1 must be in \[0, 1\), got 1.5"):
+        meshddp.OptimizerConfig().beta1 = 1.5
+
+
+def test_the_tp_dim_rule_is_the_cpp_one(mesh):
+    assert meshddp._C.tp_dim_of(["dp", "pp", "tp"], [2, 1, 2], "dp") == "tp"
+    assert meshddp._C.tp_dim_of(["dp", "tp"], [2, 1], "dp") == ""
+    # A 3-D mesh whose other dims have one rank each: no TP dim to pick, no error (Python asked for
+    # tp_dim= here before, where C++ took the one dim with more than one rank).
+    three_d = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    ddp = meshddp.DistributedDataParallel(model(), three_d)
+    assert ddp.tp_dim is None
 
 
 def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):

@@ -25,3 +25,21 @@ def test_torch_tp_2x2_matches_1x1(optimizer):
         if r["grad_diff"] is not None:
             assert r["grad_diff"] <= TOL, f"rank {rank}: gradients differ from 1x1 by {r['grad_diff']}"
         assert r["param_diff"] <= TOL, f"rank {rank}: params after 10 steps differ from 1x1 by {r['param_diff']}"
+
+
+def test_a_dtensor_on_another_mesh_of_the_tp_size_is_an_error_naming_the_param():
+    # parallelize_module over mesh["dp"]: a 1-D mesh of the TP size, but not the TP sub-mesh.
+    for rank, results in enumerate(suite()):
+        text = results["wrong_mesh"]
+        assert "parameter 'fc1.weight' is a DTensor on a mesh with dims ('dp',)" in text, (rank, text)
+        assert "meshddp expects the TP sub-mesh mesh['tp']" in text, (rank, text)
+
+
+def test_the_tp_group_reaches_the_engine_for_torch_tp_models():
+    results = suite()
+    heads = [r["tp_group"]["head_after_init"] for r in results]
+    for rank, head in enumerate(heads):  # every rank seeded differently; all now hold global rank 0's
+        assert head.equal(heads[0]), f"rank {rank}: the replicated 'head.weight' was not broadcast over TP"
+    for rank, r in enumerate(results):
+        text = r["tp_group"]["replica_error"]
+        assert "head.weight" in text and "step 1" in text, (rank, text)

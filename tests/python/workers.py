@@ -225,8 +225,50 @@ def ddp_suite(rank, world_size, checkpoint_dir):
     return out
 
 
+def tp_wrong_mesh_error(rank, world_size, dp, tp):
+    """A Block parallelized over mesh["dp"] (a 1-D mesh of the TP size, but not the TP sub-mesh):
+    DistributedDataParallel's error text (before: accepted, shards averaged over DP)."""
+    torch.manual_seed(0)
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["dp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    try:
+        meshddp.DistributedDataParallel(model, mesh, "dp")
+    except RuntimeError as e:
+        return str(e)
+    return "(no error)"
+
+
+def tp_group_checks(rank, world_size, dp, tp):
+    """With the TP group handed to the engine: a replicated (plain) param that differs across ranks
+    takes global rank 0's value at construction (DP, then TP broadcast), and one that drifts on TP
+    rank 1 afterwards is named by the TP-replica check at the next step's forward."""
+    torch.manual_seed(rank)  # every rank starts different
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(tp_replica_check_interval=1))
+    head = model.head.weight.detach().clone()
+    with torch.no_grad():
+        if mesh.get_local_rank("tp") == 1:
+            model.head.weight.add_(1.0)  # a replica drifts (e.g. an update only some TP ranks made)
+    error = "(no error)"
+    try:
+        for step in range(2):
+            ddp.zero_grad_buffer()
+            x, y = batch(step, mesh.get_local_rank("dp"), 0, 16, 8)
+            F.mse_loss(ddp(x), y).backward()
+            ddp.finish_grad_sync()
+    except RuntimeError as e:
+        error = str(e)
+    return {"head_after_init": head, "replica_error": error}
+
+
 def tp_suite(rank, world_size, dp, tp):
-    return {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+    out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+    out["wrong_mesh"] = tp_wrong_mesh_error(rank, world_size, dp, tp)
+    out["tp_group"] = tp_group_checks(rank, world_size, dp, tp)
+    return out
 
 
 def cuda_suite(rank, world_size, checkpoint_dir):
@@ -250,3 +292,137 @@ def zero1_on_cuda_only_group(rank, world_size, checkpoint_dir):
 
 def noop(rank, world_size):
     return None
+
+
+@contextlib.contextmanager
+def captured_stderr(into):
+    """Collects what this process writes to fd 2 (C++ included) into into[0]."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            into.append(f.read())
+
+
+def a_rank_late_by_one_step(rank, world_size):
+    """Rank 0 starts its second step 2 s after rank 1 (as if rank 1 ran one more step): rank 1 waits
+    in that step's bucket all-reduce. With stuck_report_after=0.25 s it reports the wait on stderr,
+    naming the ranks that have not launched the collective. Returns what each rank wrote to stderr."""
+    import time
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=0),
+                                          stuck_report_after=0.25)
+    text = []
+    with captured_stderr(text):
+        for step in range(2):
+            if step == 1 and rank == 0:
+                time.sleep(2.0)
+            ddp.zero_grad_buffer()
+            x, y = batch(step, rank, 0)
+            F.mse_loss(ddp(x), y).backward()
+            ddp.finish_grad_sync()
+    return text[0]
+
+
+def python_runs_while_forward_waits(rank, world_size):
+    """Rank 0 enters its training forward 1 s after rank 1, whose forward waits in the buffer
+    broadcast (broadcast_buffers) for it. Meanwhile a Python thread on rank 1 counts: with the GIL
+    released in check_before_forward it keeps counting; held, it stalls for the whole second."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # buffers to broadcast
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh)
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=count)
+    if rank == 0:
+        time.sleep(1.0)
+    else:
+        thread.start()
+    start, before = time.monotonic(), ticks[0]
+    ddp(torch.randn(4, 8))
+    waited, during = time.monotonic() - start, ticks[0] - before
+    stop.set()
+    if rank != 0:
+        thread.join()
+    return {"waited": waited, "ticks": during}
+
+
+def zero1_exit_without_finish_param_sync(rank, world_size):
+    """ZeRO-1 with overlapped param all-gathers; the last step's gathers are left pending: the
+    optimizer is dropped without finish_param_sync(). Returns the gathers pending before and after
+    (its teardown must have finished them) and the params (whole: equal on every rank)."""
+    import gc
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=512,
+                                                                               use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=0.01, overlap_param_gather=True))
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        x, y = batch(step, rank, 0)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    pending_before = ddp._engine.pending_param_gathers()
+    params = list(ddp.parameters())
+    del opt
+    gc.collect()
+    return {"pending_before": pending_before, "pending_after": ddp._engine.pending_param_gathers(),
+            "params": [p.detach().clone() for p in params]}
+
+
+def python_runs_while_the_engine_is_destroyed(rank, world_size):
+    """Rank 1 drops its DDP while its bucket all-reduces are in flight (rank 0 starts its backward
+    1 s later): the engine's destructor waits for them. Meanwhile a Python thread on rank 1 counts:
+    with the destructor run without the GIL it keeps counting; with the GIL held, it stalls."""
+    import gc
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=0))
+    ddp.zero_grad_buffer()
+    x, y = batch(0, rank, 0)
+    if rank == 0:
+        time.sleep(1.0)
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_grad_sync()
+        return None
+    F.mse_loss(ddp(x), y).backward()  # launches every bucket; they wait for rank 0
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    start = time.monotonic()
+    del ddp
+    gc.collect()
+    waited = time.monotonic() - start
+    stop.set()
+    thread.join()
+    return {"waited": waited, "ticks": ticks[0]}

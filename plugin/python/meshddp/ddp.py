@@ -12,6 +12,7 @@ A step (as with Megatron's DDP):
 """
 
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,14 @@ def _error(what):
 
 
 def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
-    """(dp group, world group or None, tp dim name or None, tp_rank, tp_size)."""
+    """(dp group, world group or None, tp dim name or None, tp_rank, tp_size, tp group or None: None
+    when the TP dim has one rank)."""
     if process_group is not None:
         if mesh is not None:
             raise _error("give either a DeviceMesh (mesh=) or a DP process group (process_group=), not both")
         if not isinstance(process_group, dist.ProcessGroup):
             raise _error(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
-        return process_group, None, None, 0, 1
+        return process_group, None, None, 0, 1, None
     if not isinstance(mesh, DeviceMesh):
         raise _error(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. from init_device_mesh), got "
@@ -46,42 +48,79 @@ def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
             f"pass dp_dim= one of them, or name the mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
     others = [n for n in names if n != dp_dim]
     if tp_dim is None:
-        if len(others) > 1:
-            raise _error(f"the mesh has dims {names}: name the tensor-parallel one with tp_dim= (meshddp syncs one "
-                         f"DP dim and knows one TP dim)")
-        tp_dim = others[0] if others else None
+        # The C++ rule (meshddp::tp_dim_of), so both languages pick the same dim: the one dim besides DP
+        # with more than one rank. With none, a single other dim (of size 1) is kept, so that DTensors
+        # parallelized over it are accepted (a TP size of 1 is no TP to the engine).
+        try:
+            tp_dim = _C.tp_dim_of(list(names), list(mesh.shape), dp_dim) or None
+        except RuntimeError as e:
+            raise RuntimeError(f"meshddp.{e}; or name the tensor-parallel dim with tp_dim=") from None
+        if tp_dim is None and len(others) == 1:
+            tp_dim = others[0]
     elif tp_dim not in others:
         raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim '{dp_dim}': the dims are {names}")
     dp_group = mesh.get_group(dp_dim)
     if tp_dim is None:
-        return dp_group, None, None, 0, 1
+        return dp_group, None, None, 0, 1, None
     tp_size = mesh.size(names.index(tp_dim))
     tp_rank = mesh.get_local_rank(tp_dim)
     if mesh.size() == dist.get_world_size():
         world = dist.distributed_c10d._get_default_group()
     else:
         world = mesh[(dp_dim, tp_dim)]._flatten().get_group()
-    return dp_group, world, tp_dim, tp_rank, tp_size
+    return dp_group, world, tp_dim, tp_rank, tp_size, mesh.get_group(tp_dim) if tp_size > 1 else None
 
 
-def _tp_shard_dim(name, param, tp_dim, tp_size):
-    """The tensor dim a DTensor param is sharded on over TP (-1: Replicate), checking its mesh."""
+def _ranks_of(mesh):
+    return mesh.mesh.flatten().tolist()
+
+
+def _tp_shard_dim(name, param, ddp_mesh, tp_dim):
+    """The tensor dim a DTensor param is sharded on over TP (-1: Replicate). Its mesh must be the TP
+    sub-mesh of the DDP mesh (the same ranks in the same order: mesh[tp_dim]), or the DDP mesh itself
+    with Replicate over DP; anything else (a model parallelized over mesh["dp"], or over any other
+    mesh of the TP size) would have its shards broadcast over each other and averaged."""
     pmesh = param.device_mesh
     pnames = pmesh.mesh_dim_names or ()
-    if tp_dim is None or (pmesh.ndim == 1 and pnames != (tp_dim,) and pmesh.size() != tp_size):
+    on_tp_mesh = tp_dim is not None and pmesh.ndim == 1 and _ranks_of(pmesh) == _ranks_of(ddp_mesh[tp_dim])
+    on_ddp_mesh = (tp_dim is not None and pmesh.ndim == ddp_mesh.ndim and pnames == ddp_mesh.mesh_dim_names
+                   and pmesh.mesh.tolist() == ddp_mesh.mesh.tolist())
+    if not (on_tp_mesh or on_ddp_mesh):
+        expected = (f"the TP sub-mesh mesh['{tp_dim}'] (ranks {_ranks_of(ddp_mesh[tp_dim])} on this rank)"
+                    if tp_dim is not None else "a TP dim, but the DDP mesh has none")
         raise _error(
-            f"parameter '{name}' is a DTensor on a mesh with dims {pnames} (shape {tuple(pmesh.shape)}), but the "
-            f"DDP mesh has no tensor-parallel dim of that size; parallelize the module over the TP dim of the mesh "
-            f"given to DistributedDataParallel (parallelize_module(module, mesh['tp'], plan))")
+            f"parameter '{name}' is a DTensor on a mesh with dims {pnames} and ranks {pmesh.mesh.tolist()}, but "
+            f"meshddp expects {expected}: its shards would be averaged over the wrong ranks. Parallelize the "
+            f"module over the TP dim of the mesh given to DistributedDataParallel (parallelize_module(module, "
+            f"mesh['tp'], plan)), or keep it out of DDP")
     shard_dim = -1
     for i, placement in enumerate(param.placements):
-        on_tp = pmesh.ndim == 1 or pnames[i] == tp_dim
+        on_tp = on_tp_mesh or pnames[i] == tp_dim
         if isinstance(placement, Shard) and on_tp:
             shard_dim = placement.dim
         elif not isinstance(placement, (Shard, Replicate)) or (isinstance(placement, Shard) and not on_tp):
             raise _error(f"parameter '{name}' has placements {param.placements} on mesh dims {pnames}: meshddp "
                          f"supports DTensor params that are Shard or Replicate over TP and replicated over DP")
     return shard_dim
+
+
+def _register_progress(groups, stuck_report_after, timeout):
+    """Progress records (mesh/collective_progress.h) for meshddp's groups, so waits on them report
+    stuck peers as on a C++ mesh. Each group's record lives under its own prefix of the default store
+    (group names agree across ranks)."""
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if timeout is None:
+        timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend()).total_seconds()
+    store = dist.distributed_c10d._get_default_store()
+    seen = set()
+    for group in groups:
+        if group is None or group.group_name in seen:
+            continue
+        seen.add(group.group_name)
+        _C._register_collective_progress(group, dist.PrefixStore(f"meshddp/progress/{group.group_name}", store),
+                                         dist.get_process_group_ranks(group), float(stuck_report_after),
+                                         float(timeout))
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -91,14 +130,25 @@ class DistributedDataParallel(torch.nn.Module):
     verify_model_across_ranks, broadcast_from_rank0). DTensor params (torch TP via
     parallelize_module over the mesh's TP dim) are synced by their local shards; DTensor does TP."""
 
-    def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None):
+    def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None,
+                 stuck_report_after=30.0, timeout=None):
+        """stuck_report_after (seconds; 0 = off): as a C++ mesh's MeshOptions.stuck_report_after, a rank
+        that waits this long for one of meshddp's collectives (a bucket reduction, a param all-gather, a
+        start-up check) prints to stderr, then each time the wait doubles, a line naming the group, the
+        collective and the ranks that have not launched it yet (e.g. one rank ran one more step). The
+        DP, TP and world groups get a progress record for it, kept in the default store.
+        timeout (a datetime.timedelta or seconds; default: torch's default for the backend): the
+        MeshOptions.timeout of these records, after which a wait that polls (NCCL with
+        MESHDDP_NCCL_BLOCKING_WAIT=1) fails naming the collective; a Gloo group fails after the timeout
+        it was created with (init_process_group(timeout=))."""
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _error(f"module must be a torch.nn.Module, got {type(module).__name__}")
         config = _C.DdpConfig() if config is None else config
         if not isinstance(config, _C.DdpConfig):
             raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
-        dp_group, world, tp_dim, tp_rank, tp_size = _resolve_groups(mesh, dp_dim, process_group, tp_dim)
+        dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dim, process_group, tp_dim)
+        _register_progress([dp_group, world, tp_group], stuck_report_after, timeout)
         self.module = module
         self.mesh = mesh
         self.dp_dim = dp_dim
@@ -113,12 +163,15 @@ class DistributedDataParallel(torch.nn.Module):
                         raise _error(f"parameter '{name}' is a {p.dtype} DTensor: grad_reduce_in_fp32 is not "
                                      f"supported for DTensor params (their .grad must be a view of the buffer)")
                     local.requires_grad_(True)  # trainable for the GradBuffer (Note [DTensor parameters])
-                    dtensors.append((name, p, local, _tp_shard_dim(name, p, tp_dim, tp_size)))
+                    if mesh is None:
+                        raise _error(f"parameter '{name}' is a DTensor: give the DeviceMesh (mesh=) it was "
+                                     f"parallelized over, not a process group")
+                    dtensors.append((name, p, local, _tp_shard_dim(name, p, mesh, tp_dim)))
                 params.append((name, local))
             else:
                 params.append((name, p))
         buffers = [(n, b._local_tensor if isinstance(b, DTensor) else b) for n, b in module.named_buffers()]
-        self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_rank, tp_size,
+        self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
                                dist.get_process_group_ranks(dp_group), config)
         grads = []
         for name, p, _, _ in dtensors:

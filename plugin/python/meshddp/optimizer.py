@@ -3,9 +3,18 @@ built with DdpConfig(use_distributed_optimizer=True): each DP rank keeps fp32 ma
 AdamW/SGD state for its 1/DP shard of every bucket; step() updates them and all-gathers params."""
 
 import os
+import warnings
+import weakref
 
 from meshddp import _C
 from meshddp.ddp import DistributedDataParallel
+
+
+def _finish_pending_gathers(impl):
+    try:
+        impl.finish_param_sync()
+    except Exception as e:  # noqa: BLE001 (at teardown: say it, do not raise into the interpreter's exit)
+        warnings.warn(f"meshddp.DistributedOptimizer: the param all-gathers pending at teardown failed: {e}")
 
 
 class DistributedOptimizer:
@@ -19,6 +28,10 @@ class DistributedOptimizer:
                                f"{type(config).__name__}")
         self.ddp = ddp
         self._impl = _C._DistributedOptimizer(ddp._engine, config)
+        # Teardown (this object collected, or the interpreter exiting) finishes the param all-gathers
+        # still in flight, as finish_param_sync() would: a process must not exit, nor drop the
+        # buffers, under a running collective.
+        self._teardown = weakref.finalize(self, _finish_pending_gathers, self._impl)
 
     def step(self):
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
