@@ -274,6 +274,14 @@ PYBIND11_MODULE(_C, m) {
            },
            Release())
       .def("notify_params_changed", [](PythonDdp& d) { d.grad_buffer().notify_params_changed(); })
+      // Before reading the params (state_dict): pending param all-gathers (ZeRO-1 with
+      // overlap_param_gather) finish first, so the values read are this step's.
+      .def(
+          "finish_param_gathers",
+          [](PythonDdp& d) {
+            if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+          },
+          Release())
       .def_property_readonly("config", &PythonDdp::config);
 
   py::class_<DistributedOptimizer>(m, "_DistributedOptimizer")
