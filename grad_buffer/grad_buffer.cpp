@@ -537,6 +537,27 @@ std::string GradBuffer::bucket_description(int64_t b) const {
 }
 
 void GradBuffer::check_trainable_params_unchanged(const char* who) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // Converted or moved after wrapping (model.double(), model.to(...), p.data = ...): its slots are fixed.
+    const NamedParam& p = params_[i];
+    const ParamSlot& slot = layout_.slots[i];
+    const BufferKey& key = layout_.buffers[slot.buffer].key;
+    TORCH_CHECK(p.param.scalar_type() == key.param_dtype && p.param.device() == key.device, "GradBuffer::", who,
+                ": parameter ", describe_param_name(p), " is now ", p.param.scalar_type(), " on ", p.param.device(),
+                " but was ", key.param_dtype, " on ", key.device, " when the model was wrapped (converted or moved after ",
+                "wrapping: model.double(), model.to(...), param.data = ...). Its gradient slot is fixed when ",
+                "DistributedDataParallel is built: convert and move the model before wrapping (re-wrap it, with a new ",
+                "optimizer, to change it)");
+    if (!param_buffers_.empty()) {
+      const auto* expected = static_cast<const char*>(param_buffers_[slot.buffer].const_data_ptr()) +
+                             slot.offset * static_cast<int64_t>(param_buffers_[slot.buffer].element_size());
+      TORCH_CHECK(p.param.const_data_ptr() == expected, "GradBuffer::", who, ": parameter ", describe_param_name(p),
+                  " no longer lives in its place of the distributed optimizer's param buffer (its data was replaced ",
+                  "after wrapping: param.data = ..., param.set_data(...)); the optimizer's updates and the param ",
+                  "all-gather would no longer reach it. Write new values in place (param.copy_(...) under no_grad, ",
+                  "then opt.reload_masters_from_params(), or ddp.load_state_dict(...))");
+    }
+  }
   for (const NamedParam& p : params_) {
     TORCH_CHECK(p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
                 " was trainable when the model was wrapped but now has requires_grad=False (frozen after wrapping). ",

@@ -141,6 +141,13 @@ void GradBuffer::zero_slot_every_step(int64_t index) {
 }
 
 std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads) {
+  // A dense param can get a sparse gradient (an embedding with sparse=True): refused where it
+  // arrives, before AccumulateGrad would try to copy it into the dense slot.
+  TORCH_CHECK(grads.empty() || !grads[0].defined() || grads[0].layout() == at::kStrided, "GradBuffer: parameter ",
+              describe_param_name(params_[index]), " got a ", grads[0].layout(),
+              " gradient, but meshddp reduces gradients in a dense flat buffer; use a dense gradient (e.g. ",
+              "nn.Embedding(..., sparse=False), torch::nn::EmbeddingOptions().sparse(false)) or keep the module ",
+              "out of DistributedDataParallel");
   const at::Tensor& placeholder = grad_placeholders_[index];
   if (placeholder.defined() && !grads.empty() && grads[0].defined() && grads[0].is_same(placeholder)) {
     grads[0] = at::Tensor();  // the gradient is in the slot already; the post-hook still runs

@@ -18,6 +18,29 @@
 #include <sstream>
 
 namespace meshddp {
+namespace {
+
+// Note [Overflow in the reduction]
+//   A comm hook reduces in its own dtype: under fp16_compress every rank can send a finite value
+//   (1e5 pre-divided by 2 ranks: 5e4 < 65504) whose SUM overflows to inf. What is sent then counts
+//   nothing, so with a hook other than "none" the reduced gradients are counted too, after the waits
+//   (the whole bucket: under ZeRO-1 the other ranks' shards hold this rank's local values, finite
+//   when nothing sent was non-finite), and reported when nothing sent was non-finite (else that
+//   explains it).
+
+// Each param's count, from per-piece counts (pieces in order, bucket after bucket).
+std::vector<int64_t> counts_by_param(const at::Tensor& piece_counts, const std::vector<const NonfinitePieces*>& pieces,
+                                     size_t num_params) {
+  std::vector<int64_t> by_param(num_params, 0);
+  const at::Tensor host = piece_counts.cpu();
+  const int64_t* counts = host.const_data_ptr<int64_t>();
+  for (const NonfinitePieces* bucket : pieces) {
+    for (int64_t param : bucket->param) by_param[param] += *counts++;
+  }
+  return by_param;
+}
+
+}  // namespace
 
 void GradBuffer::count_nonfinite(int64_t b, const at::Tensor& values) {
   BucketNonfinite& nonfinite = nonfinite_[b];
@@ -49,11 +72,48 @@ void GradBuffer::raise_if_nonfinite() {
     if (nonfinite.total.defined()) totals.push_back(nonfinite.total);
   }
   const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
-  at::Tensor total = totals.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device))
-                                    : at::stack(totals).sum().to(at::kDouble).reshape({1});
+  const auto zero = [&] { return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device)); };
+  at::Tensor sent = totals.empty() ? zero() : at::stack(totals).sum().to(at::kDouble).reshape({1});
+  // Note [Overflow in the reduction]: with a comm hook, the reduced values too.
+  at::Tensor reduced = zero(), reduced_pieces;
+  std::vector<const NonfinitePieces*> pieces;
+  if (comm_hook_->name() != kNoCommHook && !nonfinite_.empty()) {
+    std::vector<at::Tensor> counted;
+    for (int64_t b = 0; b < static_cast<int64_t>(nonfinite_.size()); ++b) {
+      counted.push_back(count_nonfinite_pieces(bucket_data(b), nonfinite_[b].offsets));
+      pieces.push_back(&nonfinite_[b].pieces);
+    }
+    reduced_pieces = at::cat(counted);
+    reduced = reduced_pieces.sum().to(at::kDouble).reshape({1});
+  }
   // `total` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
+  at::Tensor total = at::cat({sent, reduced});
   all_reduce_sum_now(stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
-  if (total.item<double>() == 0) return;  // the check's one host sync
+  const at::Tensor host_total = total.cpu();  // the check's one host sync
+  if (host_total[0].item<double>() == 0 && host_total[1].item<double>() == 0) return;
+  if (host_total[0].item<double>() == 0) {
+    const std::vector<int64_t> reduced_by_param = counts_by_param(reduced_pieces, pieces, params_.size());
+    std::ostringstream mine;
+    for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
+      for (int64_t p : layout_.buckets[b].params) {
+        if (reduced_by_param[p] == 0) continue;
+        mine << "  rank " << stats_group().getRank() << " (DP rank " << dp_rank() << "): parameter '" << params_[p].name
+             << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of " << main_grads_[p].numel()
+             << " in its reduced gradient, in " << bucket_description(b) << "\n";
+      }
+    }
+    std::ostringstream report;
+    report << "GradBuffer: non-finite gradients at step " << syncs_completed_ - 1
+           << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one): every rank sent finite "
+              "values, but the reduced gradient overflowed in the dtype of comm hook '"
+           << comm_hook_->name() << "' (the SUM over the DP ranks exceeds its range):\n";
+    for (const std::string& lines : all_gather_strings(stats_group(), mine.str(), "the non-finite gradient report", device)) {
+      report << lines;
+    }
+    report << "Do not step the optimizer. Use comm_hook 'bf16_compress' (fp32's range) or 'none', or scale the "
+              "loss down (the gradients are too large for the hook's dtype)";
+    TORCH_CHECK(false, report.str());
+  }
   const std::vector<int64_t> by_param = nonfinite_by_param();
   std::ostringstream mine;
   for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {

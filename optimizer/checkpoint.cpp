@@ -91,6 +91,9 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   step_ = step;
   write_masters_into_param_buffer();
   buffer_.param_gather()->start(/*async=*/false);
+  // The masters are the checkpoint's: a load_state_dict before this one must not make step() reload
+  // them from the (rounded) params.
+  params_version_seen_ = buffer_.params_version();
 }
 
 std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options) {

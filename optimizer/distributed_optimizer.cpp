@@ -184,7 +184,13 @@ void DistributedOptimizer::reload_masters_from_params() {
   finish_param_sync();
   c10::NoGradGuard no_grad;
   for (size_t b = 0; b < shards_.size(); ++b) {
-    if (!master_is_param_view_[b]) master_[b].copy_(param_shard(b));
+    if (master_is_param_view_[b]) continue;
+    // Only where the param is no longer its master rounded to the param dtype: a param not written
+    // (a partial load) or written with the value it had (a state_dict saved from this run, a load
+    // around load_checkpoint) keeps its fp32 master, so a resume is bit-exact.
+    const at::Tensor params = param_shard(b);
+    const at::Tensor changed = master_[b].to(params.scalar_type()).ne(params);
+    master_[b].copy_(at::where(changed, params.to(at::kFloat), master_[b]));
   }
   params_version_seen_ = buffer_.params_version();
 }

@@ -106,7 +106,10 @@ class DistributedOptimizer {
   // Refreshes this rank's fp32 master weights from the params (the param buffer), after new values
   // were written into the params outside step(). DistributedDataParallel::load_state_dict() makes
   // step() do this by itself (GradBuffer::notify_params_changed()); call it after writing params
-  // any other way. A no-op for fp32 params, whose masters are the param buffer itself.
+  // any other way. A no-op for fp32 params, whose masters are the param buffer itself. Only elements
+  // whose param differs from the master rounded to the param dtype are reloaded: params not written
+  // (a partial load) or written with the value they had keep their fp32 masters. load_checkpoint()
+  // leaves the masters current (a load_state_dict before it does not make step() reload them).
   void reload_masters_from_params();
 
   int64_t steps_taken() const { return step_; }

@@ -27,6 +27,12 @@ using torch::autograd::variable_list;
 // the compute dtype added into the slot (as F.linear's gradient, rounded to bf16 then widened).
 // No cache: autocast's weight-cast cache would keep a cast made here, under no-grad, for later
 // ops of the region.
+// Double backward (create_graph, e.g. a gradient penalty): the input is cast before the Function
+// (linear_with_grad_in_buffer), with its graph, so grad_weight = grad_out^T x_cast reaches the input
+// through the cast's backward, as F.linear's does. The weight's and bias's casts are made in the
+// forward, under no-grad (the Function needs the params themselves for their slots), so a backward
+// that records a graph re-casts the saved params with it: grad_input = grad_out W_cast reaches the
+// weight. Without autocast the operands are the originals and nothing is re-cast.
 at::Tensor cast_for_autocast(const at::Tensor& t, c10::DeviceType device, c10::ScalarType dtype) {
   if (!t.defined() || !t.is_floating_point() || t.scalar_type() == at::kDouble || t.device().type() != device) return t;
   return t.scalar_type() == dtype ? t : t.to(dtype);
@@ -47,15 +53,17 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
     }
     // The operands as computed with; weight and bias themselves for their identity (their slots).
     ctx->save_for_backward({x, w, weight, b});
-    ctx->saved_data["input_dtype"] = input.scalar_type();
     return at::linear(x, w, bb);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];   // as computed with (autocast: cast)
-    const at::Tensor& w = saved[1];       // as computed with (autocast: cast)
+    const at::Tensor& input = saved[0];   // as computed with (autocast: cast before the Function, with its graph)
     const at::Tensor& weight = saved[2];  // the param
+    // As computed with (autocast: cast under no-grad; re-cast with its graph for a double backward).
+    const at::Tensor w = torch::autograd::GradMode::is_enabled() && saved[1].scalar_type() != weight.scalar_type()
+                             ? weight.to(saved[1].scalar_type())
+                             : saved[1];
     const at::Tensor& bias = saved[3];
     const int64_t out_features = w.size(0), in_features = w.size(1);
     const at::Tensor grad_out = grads[0].reshape({-1, out_features});
@@ -63,7 +71,7 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
     at::Tensor grad_input;
     if (ctx->needs_input_grad(0)) {
       auto sizes = input.sizes().vec();
-      grad_input = grad_out.mm(w).view(sizes).to(ctx->saved_data["input_dtype"].toScalarType());
+      grad_input = grad_out.mm(w).view(sizes).to(input.scalar_type());
     }
     // fp32 main grads of bf16/fp16 params: written by a GEMM with an fp32 output, which ATen has on
     // CUDA only (mm/addmm with out_dtype); on CPU such params take the autograd path.
@@ -116,7 +124,12 @@ struct LinearWithGradInBuffer : torch::autograd::Function<LinearWithGradInBuffer
 }  // namespace
 
 at::Tensor linear_with_grad_in_buffer(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
-  return LinearWithGradInBuffer::apply(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  // Under autocast the input is cast here, with its graph (Note [Autocast through the in-buffer linear]).
+  const c10::DeviceType device = input.device().type();
+  const at::Tensor x = at::autocast::is_autocast_enabled(device)
+                           ? cast_for_autocast(input, device, at::autocast::get_autocast_dtype(device))
+                           : input;
+  return LinearWithGradInBuffer::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
 }
 
 }  // namespace meshddp

@@ -21,20 +21,37 @@ at::Tensor all_reduced(const at::Tensor& x, Group& g) {
   return out;
 }
 
+// Note [Double backward through the TP regions]
+//   Each region's backward is its conjugate region, applied as a Function: under no-grad (a plain
+//   backward) that is the same collective, and with create_graph it is recorded with its own
+//   backward, so a gradient penalty's second-order gradient crosses the TP ranks as the first-order
+//   one does. A bare c10d collective has no autograd kernel and would cut that path; a bare
+//   identity (reduce_from_tp's backward) would leave each rank with only its own share of the
+//   gradient of a replicated tensor. The pairs (forward / backward):
+//     copy_to_tp      identity / all-reduce      <->  reduce_from_tp   all-reduce / identity
+//     gather (dim d)  all-gather / local chunk   <->  scatter (dim d)  local chunk / all-gather
+//     gather_sequence all-gather / reduce-scatter <-> reduce_scatter_sequence  reduce-scatter / all-gather
 struct CopyToTp : torch::autograd::Function<CopyToTp> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group* g) {
     save_group(ctx, g);
     return x.view_as(x);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduced(grads[0], saved_group(ctx)), at::Tensor()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group* g) { return all_reduced(x, *g); }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {grads[0], at::Tensor()}; }
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group* g) {
+    save_group(ctx, g);
+    return all_reduced(x, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {CopyToTp::apply(grads[0], &saved_group(ctx)), at::Tensor()};
+  }
 };
+
+variable_list CopyToTp::backward(AutogradContext* ctx, variable_list grads) {
+  return {ReduceFromTp::apply(grads[0], &saved_group(ctx)), at::Tensor()};
+}
 
 struct GatherDim : torch::autograd::Function<GatherDim> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, Group* g) {
@@ -42,20 +59,30 @@ struct GatherDim : torch::autograd::Function<GatherDim> {
     ctx->saved_data["dim"] = dim;
     return all_gather_dim(x, dim, *g);
   }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
+};
+
+struct ScatterDim : torch::autograd::Function<ScatterDim> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, Group* g) {
+    save_group(ctx, g);
+    ctx->saved_data["dim"] = dim;
+    return local_chunk(x, dim, *g).contiguous();
+  }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t dim = ctx->saved_data["dim"].toInt();
-    return {local_chunk(grads[0], dim, saved_group(ctx)).contiguous(), at::Tensor(), at::Tensor()};
+    return {GatherDim::apply(grads[0], ctx->saved_data["dim"].toInt(), &saved_group(ctx)), at::Tensor(), at::Tensor()};
   }
 };
+
+variable_list GatherDim::backward(AutogradContext* ctx, variable_list grads) {
+  return {ScatterDim::apply(grads[0], ctx->saved_data["dim"].toInt(), &saved_group(ctx)), at::Tensor(), at::Tensor()};
+}
 
 struct GatherSequence : torch::autograd::Function<GatherSequence> {  // backward reduce-scatters
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group* g) {
     save_group(ctx, g);
     return all_gather_dim(x, 1, *g);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {reduce_scatter_dim(grads[0], 1, saved_group(ctx)), at::Tensor()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
@@ -64,19 +91,13 @@ struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> 
     return reduce_scatter_dim(x, 1, *g);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather_dim(grads[0], 1, saved_group(ctx)), at::Tensor()};
+    return {GatherSequence::apply(grads[0], &saved_group(ctx)), at::Tensor()};
   }
 };
 
-struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group* g) {
-    save_group(ctx, g);
-    return local_chunk(x, 1, *g).contiguous();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather_dim(grads[0], 1, saved_group(ctx)), at::Tensor()};
-  }
-};
+variable_list GatherSequence::backward(AutogradContext* ctx, variable_list grads) {
+  return {ReduceScatterSequence::apply(grads[0], &saved_group(ctx)), at::Tensor()};
+}
 
 }  // namespace
 
@@ -115,6 +136,6 @@ at::Tensor gather_sequence(const at::Tensor& x, Group* g) { return trivial(g) ? 
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, Group* g) {
   return trivial(g) ? x : ReduceScatterSequence::apply(x, g);
 }
-at::Tensor scatter_sequence(const at::Tensor& x, Group* g) { return trivial(g) ? x : ScatterSequence::apply(x, g); }
+at::Tensor scatter_sequence(const at::Tensor& x, Group* g) { return trivial(g) ? x : ScatterDim::apply(x, 1, g); }
 
 }  // namespace meshddp::tp

@@ -8,6 +8,8 @@
 //   reduce_scatter_seq    forward: reduce-scatter along dim 1          backward: all-gather
 //   scatter_sequence      forward: keep this rank's chunk of dim 1     backward: all-gather
 // Collectives are synchronous (they sit on the compute path). Sequence dims must divide by TP.
+// Each backward is its conjugate region, so double backward (create_graph) crosses TP too (Note
+// [Double backward through the TP regions] in the .cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -197,6 +197,14 @@ PYBIND11_MODULE(_C, m) {
              const meshddp::ParamGather* gather = d.grad_buffer().param_gather();
              return gather ? gather->pending() : 0;
            })
+      // Before reading the params (state_dict): pending param all-gathers (ZeRO-1 with
+      // overlap_param_gather) finish first, so the values read are this step's.
+      .def(
+          "finish_param_gathers",
+          [](PythonDdp& d) {
+            if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+          },
+          Release())
       .def_property_readonly("config", [](const PythonDdp& d) { return d.config(); });  // a copy: read-only
 
   py::class_<DistributedOptimizer, EngineHolder<DistributedOptimizer>>(m, "_DistributedOptimizer")

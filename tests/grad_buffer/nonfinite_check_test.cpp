@@ -115,3 +115,37 @@ TEST(CheckForNanInGrad, CountsWhatFp16CompressionSendsSoAnOverflowOfTheCastIsRep
     EXPECT_THAT(errors[r], Not(HasSubstr("rank 0 (DP rank 0)")));
   }
 }
+
+// fp16_compress on 2 ranks, each sending 1e5 / 2 = 5e4 (finite in fp16, max 65504) for element 0
+// of 'layer1.weight': their fp16 SUM overflows to inf. Nothing sent is non-finite, so the reduced
+// gradients are counted too (Note [Overflow in the reduction]); every rank throws naming the param
+// and the hook (before, the check saw nothing and the inf went on to the optimizer).
+TEST(CheckForNanInGrad, ReportsAReducedGradientThatOverflowsInTheCompressionHooksDtype) {
+  std::vector<std::string> errors(2);
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    auto params = three_params();
+    GradBufferConfig config;
+    config.bucket_bytes = 0;
+    config.check_for_nan_in_grad = true;
+    config.comm_hook = kFp16CompressHook;
+    GradBuffer buffer(params, mesh["dp"], config);
+    const int rank = static_cast<int>(mesh.rank());
+    buffer.zero_grad_buffer();
+    backward_with(params, rank, /*bad_rank=*/rank, 1, 1e5);
+    try {
+      buffer.finish_grad_sync();
+      errors[rank] = "(no error)";
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_THAT(errors[r], HasSubstr("GradBuffer: non-finite gradients at step 0"));
+    EXPECT_THAT(errors[r], HasSubstr("every rank sent finite values, but the reduced gradient overflowed in the dtype "
+                                     "of comm hook 'fp16_compress'"));
+    EXPECT_THAT(errors[r], HasSubstr("parameter 'layer1.weight' has 1 NaN/Inf value(s) of 5 in its reduced gradient"));
+    EXPECT_THAT(errors[r], Not(HasSubstr("'layer0.weight'")));
+    EXPECT_THAT(errors[r], HasSubstr("Use comm_hook 'bf16_compress'"));
+  }
+}

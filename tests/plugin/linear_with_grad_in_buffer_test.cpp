@@ -1,7 +1,8 @@
 // linear_with_grad_in_buffer off the plain backward path: torch::autograd::grad (the gradient comes
 // back to the caller, the buffer is left alone, so the next real backward counts it once) and
 // autocast (CPU bf16: the same casts, output dtype and gradients as torch::nn::functional::linear;
-// also through tp::Linear on a TP mesh).
+// also through tp::Linear on a TP mesh) and double backward (a gradient penalty, with autocast and
+// through tp::Linear).
 // Golden: the same layer as torch::linear on a copy of the params, in one process.
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/linear_with_grad_in_buffer.h"
@@ -226,5 +227,81 @@ TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo)
                                                                   << got << "\nvs\n" << want;
     }
     EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 3);  // fc2.bias (added after the TP sum) goes through autograd
+  });
+}
+
+// Double backward (a gradient penalty: autograd::grad(create_graph) for the input, then the squared
+// input gradient's backward) under CPU autocast reaches the weight as through
+// torch::nn::functional::linear: the weight's cast is re-made with its graph in a backward that
+// records one (it was made under no-grad in the forward, so the weight got no second-order
+// gradient at all). Tolerance: the same bf16 ops on the same casts on both sides, rtol 2^-7.
+TEST(LinearWithGradInBuffer, GradientPenaltyUnderCpuAutocastReachesTheWeightAsFunctionalLinear) {
+  InBufferLinear model;
+  const torch::Tensor w0 = model->fc->weight.detach().clone().requires_grad_(true);
+  const torch::Tensor b0 = model->fc->bias.detach().clone().requires_grad_(true);
+  const auto penalty = [](const torch::Tensor& x, const std::function<torch::Tensor(const torch::Tensor&)>& f) {
+    torch::Tensor out;
+    {
+      CpuAutocast autocast;
+      out = f(x);
+    }
+    const torch::Tensor gx = torch::autograd::grad({loss_of(out)}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    EXPECT_EQ(gx.scalar_type(), torch::kFloat);
+    loss_of(gx).backward();
+  };
+  const torch::Tensor x = input(0).requires_grad_(true);
+  const torch::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  penalty(x, [&](const torch::Tensor& in) { return model->forward(in); });
+  penalty(x_ref, [&](const torch::Tensor& in) { return torch::nn::functional::linear(in, w0, b0); });
+  ASSERT_TRUE(model->fc->weight.grad().defined()) << "the penalty did not reach the weight";
+  EXPECT_EQ(model->fc->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::allclose(model->fc->weight.grad(), w0.grad(), 1.0 / 128, 1e-5))
+      << model->fc->weight.grad() << "\nvs\n" << w0.grad();
+  EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1.0 / 128, 1e-5)) << x.grad() << "\nvs\n" << x_ref.grad();
+}
+
+// A gradient penalty through tp::Linear on a 1 x 2 (DP x TP) mesh: the column-parallel fc1's input
+// gradient is all-reduced over TP in its backward (copy_to_tp); with create_graph that all-reduce is
+// recorded as reduce_from_tp (its own backward: identity), so the penalty's second-order gradient
+// reaches every param as in the golden (the unparallelized model, one process). It was a bare c10d
+// all-reduce that cut the path: fc1.weight got none of it. Tolerance: fp32, the TP ranks' partial
+// sums are added in another order than the golden's GEMMs: rtol 1e-5, atol 1e-6.
+TEST(LinearWithGradInBuffer, TpLinearGradientPenaltyMatchesTheGoldenOnOneByTwo) {
+  TpMlp golden;
+  const auto penalty = [](const torch::Tensor& x, const std::function<torch::Tensor(const torch::Tensor&)>& f) {
+    const torch::Tensor gx =
+        torch::autograd::grad({loss_of(f(x))}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    loss_of(gx).backward();
+  };
+  const torch::Tensor x_ref = input(4).requires_grad_(true);
+  penalty(x_ref, [&](const torch::Tensor& in) {
+    const auto h = torch::tanh(torch::linear(in, golden->fc1->weight, golden->fc1->bias));
+    return torch::linear(h, golden->fc2->weight, golden->fc2->bias);
+  });
+  run_on_mesh({1, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    TpMlp model;
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& item : golden->named_parameters()) model->named_parameters()[item.key()].copy_(item.value());
+    }
+    parallelize(*model, mesh, {{"fc1", ColwiseParallel{}}, {"fc2", RowwiseParallel{}}});
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    ddp.zero_grad_buffer();
+    const torch::Tensor x = x_ref.detach().clone().requires_grad_(true);
+    penalty(x, [&](const torch::Tensor& in) { return ddp.forward(in); });
+    ddp.finish_grad_sync();
+    EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6)) << "input gradient";
+    const int64_t r = mesh.coordinate("tp");
+    const auto shard = [&](const torch::Tensor& t, int64_t dim) { return t.chunk(2, dim)[r]; };
+    const std::vector<std::pair<std::string, torch::Tensor>> expected = {
+        {"fc1.weight", shard(golden->fc1->weight.grad(), 0)},
+        {"fc1.bias", shard(golden->fc1->bias.grad(), 0)},
+        {"fc2.weight", shard(golden->fc2->weight.grad(), 1)},
+        {"fc2.bias", golden->fc2->bias.grad()}};
+    for (const auto& [name, want] : expected) {
+      const torch::Tensor got = ddp.main_grad(name);
+      EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6)) << name << " on TP rank " << r << ":\n"
+                                                          << got << "\nvs\n" << want;
+    }
   });
 }

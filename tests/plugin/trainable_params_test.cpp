@@ -1,6 +1,7 @@
 // Which params DistributedDataParallel trains is fixed when it is built: a param frozen or unfrozen
 // afterwards is refused, naming it, before an optimizer could apply a zero (or unsynced) gradient;
-// params that cannot live in a flat buffer (sparse, meta) are refused at wrap time, naming them.
+// params that cannot live in a flat buffer (sparse, meta) are refused at wrap time, naming them, and
+// a sparse gradient (an embedding with sparse=True) where it arrives.
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"
@@ -103,5 +104,60 @@ TEST(DistributedDataParallel, RefusesSparseAndMetaParamsNamingThemAndWhatToDo) {
     const std::string meta_error = error_of([&] { DistributedDataParallel ddp(with_meta.ptr(), mesh, "dp"); });
     EXPECT_THAT(meta_error, HasSubstr("GradBuffer: parameter 'odd' is on the meta device"));
     EXPECT_THAT(meta_error, HasSubstr("materialize it first"));
+  });
+}
+
+namespace {
+
+struct SparseEmbeddingImpl : torch::nn::Module {
+  SparseEmbeddingImpl() {
+    torch::manual_seed(1);
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return emb(ids); }
+  torch::nn::Embedding emb{nullptr};
+};
+TORCH_MODULE(SparseEmbedding);
+
+}  // namespace
+
+// An embedding with sparse gradients (its weight is dense, so the wrap takes it): the backward
+// refuses the sparse gradient where it arrives, naming the param and what to do (it crashed in
+// torch's "copy_() between dense and sparse Tensors" with no param name).
+TEST(DistributedDataParallel, RefusesASparseGradientNamingTheParamAndWhatToDo) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    SparseEmbedding model;
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp");
+    ddp.zero_grad_buffer();
+    const std::string error = error_of([&] { ddp.forward(torch::tensor({1, 3, 3})).sum().backward(); });
+    EXPECT_THAT(error, HasSubstr("GradBuffer: parameter 'emb.weight' got a Sparse gradient, but meshddp reduces "
+                                 "gradients in a dense flat buffer; use a dense gradient"));
+    EXPECT_THAT(error, HasSubstr("sparse(false)"));
+  });
+}
+
+// A param converted, moved or replaced after wrapping (its slots are fixed at wrap time): the next
+// zero_grad_buffer() refuses naming it (before, model->to(kDouble) or a replaced ZeRO-1 param
+// trained on silently, the replaced param no longer updated by the optimizer's all-gather).
+TEST(DistributedDataParallel, RefusesAParamConvertedOrReplacedAfterWrappingNamingIt) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp converted = make_mlp(1, 4, 8, 2);
+    DistributedDataParallel plain(converted.ptr(), mesh, "dp");
+    converted->to(torch::kDouble);
+    const std::string dtype_error = error_of([&] { plain.zero_grad_buffer(); });
+    EXPECT_THAT(dtype_error, HasSubstr("GradBuffer::zero_grad_buffer(): parameter 'fc1.weight' is now Double on "
+                                       "cpu but was Float on cpu when the model was wrapped"));
+    EXPECT_THAT(dtype_error, HasSubstr("convert and move the model before wrapping"));
+
+    Mlp replaced = make_mlp(1, 4, 8, 2);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    DistributedDataParallel zero1(replaced.ptr(), mesh, "dp", config);
+    zero1.zero_grad_buffer();
+    const torch::Tensor param = replaced->named_parameters()["fc2.bias"];
+    param.set_data(torch::zeros_like(param));
+    const std::string alias_error = error_of([&] { zero1.zero_grad_buffer(); });
+    EXPECT_THAT(alias_error, HasSubstr("parameter 'fc2.bias' no longer lives in its place of the distributed "
+                                       "optimizer's param buffer"));
   });
 }

@@ -426,3 +426,21 @@ def python_runs_while_the_engine_is_destroyed(rank, world_size):
     stop.set()
     thread.join()
     return {"waited": waited, "ticks": ticks[0]}
+
+
+def state_dict_right_after_step(rank, world_size):
+    """ZeRO-1 with overlap_param_gather, bf16: elements of ddp.state_dict() taken right after step()
+    (the params' all-gathers pending) that differ from after finish_param_sync()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(use_distributed_optimizer=True, bucket_bytes=0))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1, momentum=0.0, weight_decay=0.0,
+                                                                    overlap_param_gather=True))
+    ddp.zero_grad_buffer()
+    ddp(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    early = {k: v.clone() for k, v in ddp.state_dict().items()}
+    opt.finish_param_sync()
+    late = ddp.state_dict()
+    return sum(int((early[k] != late[k]).sum()) for k in late)

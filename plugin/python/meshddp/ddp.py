@@ -28,6 +28,21 @@ def _error(what):
     return RuntimeError(f"meshddp.DistributedDataParallel: {what}")
 
 
+def _check_wrappable(module):
+    """Refuses, naming them, what the flat buffers cannot take and torch would only fail on later: a
+    lazy module's uninitialized params, and modules that produce sparse gradients."""
+    for name, p in module.named_parameters():
+        if isinstance(p, torch.nn.parameter.UninitializedParameter):
+            raise _error(f"parameter '{name}' is uninitialized (a lazy module such as nn.LazyLinear before its "
+                         f"first forward); run one forward (a dry run on a sample batch) before wrapping, as "
+                         f"torch's DistributedDataParallel requires")
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise _error(f"module '{name}' is a {type(m).__name__} with sparse=True, whose gradient is sparse, but "
+                         f"meshddp reduces gradients in a dense flat buffer; build it with sparse=False, or keep "
+                         f"it out of DistributedDataParallel")
+
+
 def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
     """(dp group, world group or None, tp dim name or None, tp_rank, tp_size, tp group or None: None
     when the TP dim has one rank)."""
@@ -154,6 +169,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.dp_dim = dp_dim
         self.tp_dim = tp_dim
 
+        _check_wrappable(module)
         params, dtensors = [], []
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
             if isinstance(p, DTensor):
@@ -228,6 +244,10 @@ class DistributedDataParallel(torch.nn.Module):
         return (p for _, p in self.named_parameters(recurse=recurse))
 
     def state_dict(self, *args, **kwargs):
+        """The module's state_dict, after pending param all-gathers finish (ZeRO-1 with
+        overlap_param_gather: right after step() the params are still being gathered; the module's
+        own state_dict() would read some of the previous step's values)."""
+        self._engine.finish_param_gathers()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
