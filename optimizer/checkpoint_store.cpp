@@ -202,11 +202,19 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
       // A rollback saving over the abandoned timeline's newest (resumed from step-4, saving step-8
       // while `latest` names the old step-8): `latest` first moves back to the live run.
       const std::string live = live_checkpoint(dir);
-      if (read_latest_pointer(dir) == name && !live.empty() && live != name &&
-          path_exists(dir + "/" + live + "/" + kManifest)) {
+      // A damaged `latest` (a load refuses it; the run was resumed with an explicit step) is
+      // replaced by this save's, as a missing one is.
+      const auto latest_name = [&]() -> std::string {
+        try {
+          return read_latest_pointer(dir);
+        } catch (const c10::Error&) {
+          return "";
+        }
+      };
+      if (latest_name() == name && !live.empty() && live != name && path_exists(dir + "/" + live + "/" + kManifest)) {
         write_file_atomically(dir + "/latest", live + "\n");
       }
-      TORCH_CHECK(read_latest_pointer(dir) != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
+      TORCH_CHECK(latest_name() != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
                   "overwrites it (save under another step, or delete it first)");
       remove_tree(step_dir);
       make_directories(step_dir);

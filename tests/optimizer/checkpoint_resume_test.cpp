@@ -124,6 +124,11 @@ TEST(CheckpointResume, ALatestThatIsNotExactlyAStepNameIsRefusedNamingTheFile) {
   expect_refused("1 TiB", "has 1099511627776 bytes; more than the 4096 it may have");
   write_text(latest, "step-4");  // no newline: fine
   EXPECT_EQ(resume_finds(dir)[0], dir + "/step-4");
+  // The recovery the message suggests: load a step explicitly; the next save replaces the damaged
+  // `latest` (a save does not refuse it).
+  write_text(latest, "../x/step-2\n");
+  train_and_save(dir, 4, {6});
+  EXPECT_EQ(read_latest_pointer(dir), "step-6");
   remove_dir(dir);
 }
 
