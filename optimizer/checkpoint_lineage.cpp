@@ -1,5 +1,6 @@
 #include "optimizer/checkpoint_lineage.h"
 
+#include "optimizer/checkpoint_manifest.h"
 #include "optimizer/json_value.h"
 #include "optimizer/safetensors.h"
 
@@ -49,7 +50,7 @@ std::string real_path(const std::string& dir) {
 // written before the record existed.
 std::optional<std::string> recorded_parent(const std::string& dir, int64_t step) {
   const std::string path = dir + "/" + step_name(step) + "/" + kManifest;
-  const JsonValue manifest = JsonValue::parse(read_file(path), "'" + path + "'");
+  const JsonValue manifest = JsonValue::parse(read_file(path, kMaxManifestBytes, "manifest"), "'" + path + "'");
   if (!manifest.has("parent")) return std::nullopt;
   const JsonValue& parent = manifest.at("parent", path);
   if (parent.is_null()) return std::string();
@@ -116,8 +117,19 @@ CheckpointListing list_checkpoints(const std::string& dir) {
 std::string read_latest_pointer(const std::string& dir) {
   const std::string path = dir + "/latest";
   if (!path_exists(path)) return "";
-  std::string text = read_file(path);
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  std::string text = read_file(path, kMaxLatestBytes, "`latest` pointer");
+  if (!text.empty() && text.back() == '\n') text.pop_back();  // a save writes "step-<N>\n"
+  if (checkpoint_step_of(text) < 0) {
+    std::string shown;  // printable: a NUL, a CR or a path in it shows as what it is
+    for (unsigned char c : text.substr(0, 64)) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      shown += (c >= 0x20 && c < 0x7f) ? std::string(1, static_cast<char>(c)) : std::string(hex);
+    }
+    TORCH_CHECK(false, "checkpoint: '", path, "' holds '", shown, text.size() > 64 ? "...'" : "'",
+                ", which is not a step directory name: the file is damaged (a save writes exactly \"step-<N>\" and a ",
+                "newline; fix or delete it)");
+  }
   return text;
 }
 
@@ -136,10 +148,12 @@ std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> st
     name = step_name(*step);
     TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "' has no ", name, listing.describe());
   } else {
-    name = read_latest_pointer(dir);
+    try {
+      name = read_latest_pointer(dir);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, e.what_without_backtrace(), listing.describe(), choose);
+    }
     if (!name.empty()) {
-      TORCH_CHECK(checkpoint_step_of(name) >= 0, "checkpoint: '", dir, "/latest' holds '", name,
-                  "', which is not a step directory name: the file is damaged", listing.describe(), choose);
       TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "/latest' names '", name,
                   "', which does not exist", listing.describe(), choose);
     } else {

@@ -41,7 +41,10 @@ struct CheckpointListing {
 // stderr, once per path and process.
 CheckpointListing list_checkpoints(const std::string& dir);
 
-// The contents of `dir/latest` without its trailing newline; "" when there is no `latest`.
+constexpr int64_t kMaxLatestBytes = 4096;  // `latest` holds "step-<N>\n": 25 bytes at most
+// The contents of `dir/latest` without its trailing newline; "" when there is no `latest`. Throws
+// naming the file when it is not a regular file of at most kMaxLatestBytes holding exactly
+// "step-<N>" and at most one newline.
 std::string read_latest_pointer(const std::string& dir);
 
 // Whether `dir` holds nothing a load could take or should have taken: it does not exist, or has no

@@ -196,10 +196,13 @@ std::string checkpoint_file_name(int64_t rank) {
   return buf;
 }
 
-uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std::string& key, int64_t tp_rank,
-                        int64_t begin, int64_t end) {
+uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std::string& key,
+                        const ManifestTensor& tensor, const ManifestPiece& piece) {
+  std::string shape;
+  for (size_t d = 0; d < tensor.shape.size(); ++d) shape += (d ? "," : "") + std::to_string(tensor.shape[d]);
   std::string label = save_id;
-  for (const std::string& part : {key, std::to_string(tp_rank), std::to_string(begin), std::to_string(end)}) {
+  for (const std::string& part : {key, tensor.dtype, shape, std::to_string(tensor.dim), std::to_string(tensor.tp_size),
+                                  std::to_string(piece.tp_rank), std::to_string(piece.begin), std::to_string(piece.end)}) {
     label += '\0';
     label += part;
   }

@@ -8,9 +8,11 @@
 // manifest_crc32c: CRC32C of the manifest's bytes with the 8 hex digits of its own value written as
 // "00000000". Any damaged or edited byte (a step, a data position, a piece's range) is refused.
 // A piece's crc32c: CRC32C of its bytes in the tensor file, continued over the text
-// "<save_id>\0<key>\0<tp_rank>\0<begin>\0<end>": the bytes are tied to the place they fill, so a
-// piece relabelled to another range or TP rank, or moved to another tensor, is refused even when the
-// manifest was rewritten with a matching manifest_crc32c. Both are checksums against damage and
+// "<save_id>\0<key>\0<dtype>\0<shape>\0<dim>\0<tp_size>\0<tp_rank>\0<begin>\0<end>" (<shape>: the
+// global shape's sizes joined by ",", "" for a scalar): the bytes are tied to the place they fill, so
+// a piece relabelled to another range or TP rank, moved to another tensor, or whose tensor's dtype,
+// shape, sharded dim or TP size was edited, is refused even when the manifest was rewritten with a
+// matching manifest_crc32c. Both are checksums against damage and
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
@@ -74,7 +76,8 @@ Manifest parse_manifest(const std::string& text, const std::string& path);
 std::string manifest_text(const JsonValue& manifest);
 
 // The checksum of a piece whose bytes have CRC32C `data_crc` (Note [Manifest and piece checksums]).
-uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std::string& key, int64_t tp_rank,
-                        int64_t begin, int64_t end);
+// `tensor`'s dtype, shape, dim and tp_size and `piece`'s tp_rank, begin and end are covered.
+uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std::string& key,
+                        const ManifestTensor& tensor, const ManifestPiece& piece);
 
 }  // namespace meshddp

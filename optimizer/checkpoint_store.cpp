@@ -105,6 +105,10 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   } catch (const std::exception& e) {
     return who + ": " + message_of(e);
   }
+  if (bytes != h.data_start + h.data_bytes()) {  // before the CRC pass: a huge (sparse) tail would take hours
+    return who + " has " + std::to_string(bytes) + " bytes but its header ends its data at byte " +
+           std::to_string(h.data_start + h.data_bytes()) + " (bytes appended, or not a file a save wrote)";
+  }
   auto meta = [&](const char* key) {
     auto it = h.metadata.find(key);
     return it == h.metadata.end() ? std::string("(none)") : it->second;
@@ -123,6 +127,7 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   struct Expected {
     int64_t begin, end;  // bytes of the file
     const std::string* key;
+    const ManifestTensor* tensor;
     const ManifestPiece* piece;
   };
   std::vector<Expected> pieces;
@@ -136,7 +141,7 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
         return who + " holds '" + key + "' as " + st.dtype + " " + shape_str(st.shape) + " but the manifest says " +
                t.dtype + " [" + std::to_string(p.end - p.begin) + "]";
       }
-      pieces.push_back({h.data_start + st.begin, h.data_start + st.end, &key, &p});
+      pieces.push_back({h.data_start + st.begin, h.data_start + st.end, &key, &t, &p});
     }
   }
   if (pieces.size() != h.tensors.size()) {
@@ -152,10 +157,11 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
     const ManifestPiece& p = *pieces[i].piece;
-    if (piece_checksum(actual.tensor_crcs[i], m.save_id, *pieces[i].key, p.tp_rank, p.begin, p.end) != p.crc) {
+    if (piece_checksum(actual.tensor_crcs[i], m.save_id, *pieces[i].key, *pieces[i].tensor, p) != p.crc) {
       return who + ": its bytes of '" + *pieces[i].key + "' do not have the checksum the manifest gives for elements [" +
              std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
-             " (a piece relabelled or moved to another range, rank or tensor)";
+             " (a piece relabelled or moved to another range, rank or tensor, or its tensor's dtype, shape, dim or tp_size " +
+             "edited)";
     }
   }
   return "";
@@ -196,11 +202,19 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
       // A rollback saving over the abandoned timeline's newest (resumed from step-4, saving step-8
       // while `latest` names the old step-8): `latest` first moves back to the live run.
       const std::string live = live_checkpoint(dir);
-      if (read_latest_pointer(dir) == name && !live.empty() && live != name &&
-          path_exists(dir + "/" + live + "/" + kManifest)) {
+      // A damaged `latest` (a load refuses it; the run was resumed with an explicit step) is
+      // replaced by this save's, as a missing one is.
+      const auto latest_name = [&]() -> std::string {
+        try {
+          return read_latest_pointer(dir);
+        } catch (const c10::Error&) {
+          return "";
+        }
+      };
+      if (latest_name() == name && !live.empty() && live != name && path_exists(dir + "/" + live + "/" + kManifest)) {
         write_file_atomically(dir + "/latest", live + "\n");
       }
-      TORCH_CHECK(read_latest_pointer(dir) != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
+      TORCH_CHECK(latest_name() != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
                   "overwrites it (save under another step, or delete it first)");
       remove_tree(step_dir);
       make_directories(step_dir);
@@ -249,8 +263,17 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
     const WrittenFile written = write_safetensors_file(step_dir + "/" + file, named, metadata);
     for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint_manifest.h)
       const CheckpointTensor& t = tensors[i];
-      pieces[i].object()["crc32c"] = JsonValue(crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key,
-                                                                          t.slice.tp_rank, t.begin, t.end)));
+      ManifestTensor as_listed;  // as the manifest will list it (step 3)
+      as_listed.dtype = safetensors_dtype(t.data.scalar_type());
+      as_listed.shape = t.global_shape;
+      as_listed.dim = t.slice.dim;
+      as_listed.tp_size = t.slice.tp_size;
+      ManifestPiece piece;
+      piece.tp_rank = t.slice.tp_rank;
+      piece.begin = t.begin;
+      piece.end = t.end;
+      pieces[i].object()["crc32c"] =
+          JsonValue(crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key, as_listed, piece)));
     }
     if (options.after_file_written) options.after_file_written(step_dir + "/" + file);
     mine.object()["file"] = JsonValue(JsonValue::Object{
@@ -383,10 +406,12 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   JsonValue mine = status_ok();
   try {
     const std::string path = path_ + "/" + kManifest;
-    const int64_t bytes = file_bytes(path);
-    TORCH_CHECK(bytes <= kMaxManifestBytes, "checkpoint: manifest '", path, "' has ", bytes, " bytes; more than the ",
-                kMaxManifestBytes, " a manifest may have: not a manifest");
-    manifest_ = parse_manifest(read_file(path), path);
+    manifest_ = parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path);
+    const std::string dir_name = path_.substr(path_.rfind('/') + 1);
+    TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_.step, "checkpoint: '", path, "' holds step ", manifest_.step,
+                " but its directory is named '", dir_name, "' (a step directory renamed or copied under another name?); ",
+                "a step directory holds the step it is named after: rename it to step-", manifest_.step,
+                " or pick another checkpoint");
     meta_.step = manifest_.step;
     meta_.values = manifest_.values;
     meta_.optimizer = manifest_.optimizer;

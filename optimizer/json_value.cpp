@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -180,11 +181,22 @@ class Parser {
         case 'r': out += '\r'; break;
         case 't': out += '\t'; break;
         case 'u': {
-          expect(pos_ + 4 <= s_.size(), "short \\u escape");
-          const unsigned code = static_cast<unsigned>(std::strtoul(s_.substr(pos_, 4).c_str(), nullptr, 16));
-          pos_ += 4;
-          // UTF-8 (no surrogate pairs: our writer never emits them).
-          if (code < 0x80) {
+          unsigned code = hex4();
+          if (code >= 0xD800 && code < 0xDC00) {  // a high surrogate: a low one must follow
+            expect(s_.compare(pos_, 2, "\\u") == 0, "lone surrogate in a \\u escape");
+            pos_ += 2;
+            const unsigned low = hex4();
+            expect(low >= 0xDC00 && low < 0xE000, "lone surrogate in a \\u escape");
+            code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
+          }
+          expect(code < 0xDC00 || code >= 0xE000, "lone surrogate in a \\u escape");
+          // UTF-8.
+          if (code >= 0x10000) {
+            out += static_cast<char>(0xF0 | (code >> 18));
+            out += static_cast<char>(0x80 | ((code >> 12) & 0x3F));
+            out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+            out += static_cast<char>(0x80 | (code & 0x3F));
+          } else if (code < 0x80) {
             out += static_cast<char>(code);
           } else if (code < 0x800) {
             out += static_cast<char>(0xC0 | (code >> 6));
@@ -199,6 +211,18 @@ class Parser {
         default: expect(false, "bad escape");
       }
     }
+  }
+  // The 4 hex digits of a \u escape (pos_ just after the "u").
+  unsigned hex4() {
+    expect(pos_ + 4 <= s_.size(), "short \\u escape");
+    unsigned code = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char h = s_[pos_];
+      expect(std::isxdigit(static_cast<unsigned char>(h)) != 0, "bad \\u escape (expected 4 hex digits)");
+      code = code * 16 + static_cast<unsigned>(h <= '9' ? h - '0' : (h | 0x20) - 'a' + 10);
+      ++pos_;
+    }
+    return code;
   }
   JsonValue number() {
     const size_t start = pos_;
@@ -221,6 +245,7 @@ class Parser {
     }
     const double v = std::strtod(text.c_str(), &end);
     expect(*end == '\0', "bad number");
+    expect(std::isfinite(v), "number out of range (not a finite double)");
     return JsonValue(v);
   }
 

@@ -281,9 +281,44 @@ bool path_exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+namespace {
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+void check_regular(const struct stat& st, const std::string& path) {
+  TORCH_CHECK(S_ISREG(st.st_mode), "checkpoint: '", path, "' is ", file_kind(st.st_mode),
+              ", not a regular file: a checkpoint's files are plain files; remove it or pick another checkpoint");
+}
+
+// Opens `path` for reading without blocking (a FIFO planted in its place would block open() and
+// read() forever) and refuses anything but a regular file. Returns the descriptor; its size in *bytes.
+int open_regular_file(const std::string& path, int64_t* bytes = nullptr) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string err = error_text();
+    ::close(fd);
+    TORCH_CHECK(st.st_mode != 0, "checkpoint: cannot stat '", path, "': ", err);
+    check_regular(st, path);
+  }
+  if (bytes) *bytes = static_cast<int64_t>(st.st_size);
+  return fd;
+}
+
+}  // namespace
+
 int64_t file_bytes(const std::string& path) {
   struct stat st {};
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "': ", error_text());
+  check_regular(st, path);
   return static_cast<int64_t>(st.st_size);
 }
 
@@ -332,7 +367,11 @@ void fsync_path(const std::string& path) {
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp";
   const IgnoreFileSizeSignal ignore_sigxfsz;
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A leftover temp file (a crash mid-write) or anything planted there (a symlink to a file outside
+  // the directory) is removed, never written through: the new one is created exclusively.
+  TORCH_CHECK(::unlink(tmp.c_str()) == 0 || errno == ENOENT, "checkpoint: cannot remove the stale '", tmp, "': ",
+              error_text());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot create '", tmp, "': ", error_text());
   try {
     write_all(fd, bytes.data(), bytes.size(), tmp);
@@ -348,16 +387,19 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   fsync_path(slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash));
 }
 
-std::string read_file(const std::string& path) {
-  const int64_t n = file_bytes(path);
+std::string read_file(const std::string& path, int64_t max_bytes, const char* what) {
+  int64_t n = 0;
+  const int fd = open_regular_file(path, &n);
+  ::close(fd);
+  TORCH_CHECK(n <= max_bytes, "checkpoint: ", what, " '", path, "' has ", n, " bytes; more than the ", max_bytes,
+              " it may have: not a ", what, "; remove it or pick another checkpoint");
   std::string out(static_cast<size_t>(n), '\0');
   read_file_range(path, 0, n, out.data());
   return out;
 }
 
 void read_file_range(const std::string& path, int64_t offset, int64_t n, void* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
+  const int fd = open_regular_file(path);
   auto* p = static_cast<char*>(out);
   int64_t done = 0;
   while (done < n) {
@@ -378,8 +420,7 @@ WrittenFile checksum_file(const std::string& path, const std::vector<std::pair<i
   for (size_t i = 0; i < ranges.size(); ++i) {
     TORCH_INTERNAL_ASSERT(ranges[i].first <= ranges[i].second && (i == 0 || ranges[i - 1].second <= ranges[i].first));
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
+  const int fd = open_regular_file(path);
   std::vector<char> buf(8 << 20);
   WrittenFile f;
   f.tensor_crcs.assign(ranges.size(), 0);

@@ -57,7 +57,8 @@ struct WrittenFile {
 WrittenFile write_safetensors_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                    const std::map<std::string, std::string>& metadata);
 
-// POSIX helpers. All throw naming the path and strerror.
+// POSIX helpers. All throw naming the path and strerror. The readers (file_bytes, read_file,
+// read_file_range, checksum_file) refuse anything but a regular file, without blocking on a FIFO.
 bool path_exists(const std::string& path);
 int64_t file_bytes(const std::string& path);
 void make_directories(const std::string& dir);
@@ -65,9 +66,11 @@ void remove_tree(const std::string& path);          // rm -r; absent is fine
 std::vector<std::string> list_directory(const std::string& dir);  // names, without "." and ".."
 void fsync_path(const std::string& path);          // a file or a directory
 // Writes `bytes` to `path` via `path.tmp`, fsync, rename, fsync of the directory: after a crash
-// `path` holds either its old content or the new one, never a mix.
+// `path` holds either its old content or the new one, never a mix. An existing `path.tmp` (a
+// symlink included) is unlinked first and the temp file created exclusively, never followed.
 void write_file_atomically(const std::string& path, const std::string& bytes);
-std::string read_file(const std::string& path);
+// The whole file; refuses one of more than `max_bytes` bytes, naming it as `what` ("manifest").
+std::string read_file(const std::string& path, int64_t max_bytes, const char* what);
 // Reads [offset, offset + n) of `path` into `out`; throws if the file is shorter.
 void read_file_range(const std::string& path, int64_t offset, int64_t n, void* out);
 // CRC32C and size of a whole file, read in chunks, and the CRC32C of each of `ranges` (sorted,

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import struct
 import sys
 
@@ -32,7 +33,8 @@ NAMES = {v: k for k, v in DTYPES.items()}
 
 
 MAX_HEADER_BYTES = 100 << 20      # as the C++ reader
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 1 << 30     # as kMaxManifestBytes
+MAX_LATEST_BYTES = 4096           # as kMaxLatestBytes
 MAX_ELEMENTS = 1 << 60
 VERSION = 3
 CHECKSUM_KEY = b'"manifest_crc32c"'
@@ -40,6 +42,28 @@ CHECKSUM_KEY = b'"manifest_crc32c"'
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be consolidated; the message names the file and what is wrong."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path, max_bytes=None, what="file"):
+    """(binary file object, size) of `path`, opened without blocking (a FIFO in its place would block
+    open() forever) and refused unless it is a regular file of at most `max_bytes` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+            raise CheckpointError(f"'{path}' is {kind}, not a regular file: a checkpoint's files are plain files")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CheckpointError(f"{what} '{path}' has {st.st_size} bytes; more than the {max_bytes} it may have: "
+                                  f"not a {what}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb"), st.st_size
 
 
 def _crc32c_table():
@@ -71,9 +95,12 @@ def crc32c(data, crc=0):
     return crc ^ 0xFFFFFFFF
 
 
-def piece_checksum(data_crc, save_id, key, tp_rank, begin, end):
-    """Note [Manifest and piece checksums] in optimizer/checkpoint_manifest.h."""
-    label = "\0".join([save_id, key, str(tp_rank), str(begin), str(end)]).encode()
+def piece_checksum(data_crc, save_id, key, tensor, piece):
+    """Note [Manifest and piece checksums] in optimizer/checkpoint_manifest.h: covers the tensor's
+    dtype, shape, dim and tp_size and the piece's tp_rank, begin and end."""
+    shape = ",".join(str(d) for d in tensor["shape"])
+    label = "\0".join([save_id, key, tensor["dtype"], shape, str(tensor["dim"]), str(tensor["tp_size"]),
+                       str(piece["tp_rank"]), str(piece["begin"]), str(piece["end"])]).encode()
     return crc32c(label, data_crc)
 
 
@@ -103,6 +130,8 @@ def _no_duplicates(pairs):
 def _parse_json(data, what):
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except CheckpointError as e:
+        raise CheckpointError(f"{what} is not valid: {e}") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{what} is not UTF-8 text ({e})") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
@@ -122,8 +151,9 @@ def _int(v, field, lo, hi, fail):
 def read_header(path, size=None):
     """(header dict, data start) of a safetensors file, checked: bounded length, UTF-8 JSON, each
     tensor's dtype, shape and data_offsets (inside the file, not overlapping)."""
-    size = os.path.getsize(path) if size is None else size
-    with open(path, "rb") as f:
+    f, actual = open_regular(path)
+    size = actual if size is None else size
+    with f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"'{path}' is shorter than 8 bytes: not a safetensors file")
@@ -162,16 +192,18 @@ def read_header(path, size=None):
 def load_safetensors(path):
     """name -> tensor, for every tensor of a safetensors file."""
     header, start = read_header(path)
-    with open(path, "rb") as f:
-        data = f.read()[start:]
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        t = torch.frombuffer(bytearray(data[begin:end]), dtype=DTYPES[info["dtype"]]) if end > begin else \
-            torch.empty(0, dtype=DTYPES[info["dtype"]])
-        out[name] = t.reshape(info["shape"])
+    f, _ = open_regular(path)
+    with f:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            f.seek(start + begin)
+            data = f.read(end - begin)  # read_header checked the range lies inside the file
+            t = torch.frombuffer(bytearray(data), dtype=DTYPES[info["dtype"]]) if end > begin else \
+                torch.empty(0, dtype=DTYPES[info["dtype"]])
+            out[name] = t.reshape(info["shape"])
     return out
 
 
@@ -182,6 +214,9 @@ def save_safetensors(tensors, path, metadata=None):
     if metadata:
         header["__metadata__"] = metadata
     for name in sorted(tensors):
+        if name == "__metadata__":
+            raise CheckpointError("a tensor named '__metadata__' cannot be stored: safetensors reserves the name for "
+                                  "its metadata")
         t = tensors[name].detach().contiguous().cpu()
         blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
@@ -198,15 +233,20 @@ def save_safetensors(tensors, path, metadata=None):
 
 
 def _write_atomically(path, write):
+    """`path` via `path.tmp`: a leftover temp file (or a symlink planted there) is unlinked first and
+    the new one created exclusively, never followed."""
     tmp = path + ".tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
 
@@ -215,15 +255,23 @@ def resolve(directory, step=None):
     """The step directory to read: step-N, `latest`, or the highest complete step; never an incomplete one."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"'{directory}' is not a directory")
-    if os.path.exists(os.path.join(directory, "manifest.json")):
+    if os.path.lexists(os.path.join(directory, "manifest.json")):
+        if step is not None:
+            raise CheckpointError(f"'{directory}' is a step directory; --step {step} picks a step of a save directory: "
+                                  f"pass the save directory with --step, or the step directory alone")
         return directory
     if step is not None:
         name = f"step-{step}"
-    elif os.path.exists(os.path.join(directory, "latest")):
-        with open(os.path.join(directory, "latest"), "rb") as f:
-            name = f.read(4096).decode("utf-8", "replace").strip()
-        if not re.fullmatch(r"step-[0-9]+", name):
-            raise CheckpointError(f"'{directory}/latest' holds {name!r}, not step-<N>")
+    elif os.path.lexists(os.path.join(directory, "latest")):
+        path = os.path.join(directory, "latest")
+        f, _ = open_regular(path, MAX_LATEST_BYTES, "`latest` pointer")
+        with f:
+            text = f.read()
+        text = text[:-1] if text.endswith(b"\n") else text
+        if not re.fullmatch(rb"step-(0|[1-9][0-9]{0,18})", text):
+            raise CheckpointError(f"'{path}' holds {text!r}, which is not a step directory name (a save writes "
+                                  f"exactly \"step-<N>\" and a newline): the file is damaged; pass --step N")
+        name = text.decode()
     else:
         complete = [d for d in os.listdir(directory)
                     if re.fullmatch(r"step-[0-9]+", d) and os.path.exists(os.path.join(directory, d, "manifest.json"))]
@@ -242,9 +290,8 @@ def load_manifest(step_dir):
 
     def fail(what):
         raise CheckpointError(f"manifest '{path}': {what} (the manifest is damaged or was edited)")
-    if os.path.getsize(path) > MAX_MANIFEST_BYTES:
-        fail(f"has more than {MAX_MANIFEST_BYTES} bytes")
-    with open(path, "rb") as f:
+    f, _ = open_regular(path, MAX_MANIFEST_BYTES, "manifest")
+    with f:
         text = f.read()
     try:
         checksum = manifest_checksum(text)
@@ -273,7 +320,11 @@ def load_manifest(step_dir):
         return v
     if not re.fullmatch(r"[0-9a-fA-F]{16}", str(get(m, "the manifest", "save_id", str))):
         fail("save_id is not 16 hex digits")
-    _int(get(m, "the manifest", "step", None), "step", 0, 2**63 - 1, fail)
+    step = _int(get(m, "the manifest", "step", None), "step", 0, 2**63 - 1, fail)
+    dir_name = os.path.basename(os.path.normpath(step_dir))
+    if re.fullmatch(r"step-[0-9]+", dir_name) and dir_name != f"step-{step}":
+        fail(f"holds step {step} but its directory is named '{dir_name}' (a step directory renamed or copied under "
+             f"another name?)")
     mesh = get(m, "the manifest", "mesh", dict)
     world = _int(get(mesh, "mesh", "world_size", None), "mesh.world_size", 1, 1 << 24, fail)
     dp = _int(get(mesh, "mesh", "dp_size", None), "mesh.dp_size", 1, world, fail)
@@ -303,6 +354,8 @@ def load_manifest(step_dir):
         fail(f"files lists {len(files)} files; a checkpoint of world_size {world} has one per rank")
     for key, t in get(m, "the manifest", "tensors", dict).items():
         field = f"tensors[{key!r}]"
+        if key == "__metadata__":
+            fail(f"{field}: '__metadata__' is not a tensor name (safetensors reserves it for metadata)")
         if get(t, field, "dtype", str) not in DTYPES:
             fail(f"{field}.dtype is {t['dtype']!r}, not a dtype this script reads")
         shape = get(t, field, "shape", list)
@@ -351,12 +404,17 @@ def verify(step_dir, manifest, check_crc=True):
     for name, f in sorted(manifest["files"].items()):
         path = os.path.join(step_dir, name)
         who = f"file '{path}' (written by rank {f['rank']})"
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise CheckpointError(f"{who} is missing")
-        size = os.path.getsize(path)
+        fh, size = open_regular(path)
+        fh.close()
         if size != f["bytes"]:
             raise CheckpointError(f"{who} has {size} bytes but the manifest says {f['bytes']}")
         header, start = read_header(path, size)
+        data_end = start + max((i["data_offsets"][1] for k, i in header.items() if k != "__metadata__"), default=0)
+        if size != data_end:  # before any CRC pass: a huge (sparse) tail would take hours
+            raise CheckpointError(f"{who} has {size} bytes but its header ends its data at byte {data_end} "
+                                  f"(bytes appended, or not a file a save wrote)")
         meta = header.get("__metadata__", {})
         if meta.get("save_id") != manifest["save_id"]:
             raise CheckpointError(f"{who} is from another save (save id {meta.get('save_id')}, not {manifest['save_id']})")
@@ -373,13 +431,14 @@ def verify(step_dir, manifest, check_crc=True):
         listed = pieces_in.get(name, [])
         if len(listed) != len(header) - ("__metadata__" in header):
             raise CheckpointError(f"{who} holds other tensors than the manifest lists in it")
-        data = None
         if check_crc:
-            with open(path, "rb") as fh:
-                data = fh.read()
-            crc = f"0x{crc32c(data):08x}"
-            if crc != f["crc32c"]:
-                raise CheckpointError(f"{who} has CRC32C {crc} but the manifest says {f['crc32c']}")
+            crc = 0
+            fh, _ = open_regular(path)
+            with fh:
+                while chunk := fh.read(8 << 20):
+                    crc = crc32c(chunk, crc)
+            if f"0x{crc:08x}" != f["crc32c"]:
+                raise CheckpointError(f"{who} has CRC32C 0x{crc:08x} but the manifest says {f['crc32c']}")
         for key, t, p in listed:
             info = header.get(key)
             if info is None:
@@ -387,10 +446,12 @@ def verify(step_dir, manifest, check_crc=True):
             if info["dtype"] != t["dtype"] or info["shape"] != [p["end"] - p["begin"]]:
                 raise CheckpointError(f"{who} holds {key!r} as {info['dtype']} {info['shape']} but the manifest says "
                                       f"{t['dtype']} [{p['end'] - p['begin']}]")
-            if data is not None:
+            if check_crc:
                 b, e = info["data_offsets"]
-                got = piece_checksum(crc32c(data[start + b:start + e]), manifest["save_id"], key, p["tp_rank"],
-                                     p["begin"], p["end"])
+                fh, _ = open_regular(path)
+                with fh:
+                    fh.seek(start + b)
+                    got = piece_checksum(crc32c(fh.read(e - b)), manifest["save_id"], key, t, p)
                 if f"0x{got:08x}" != p["crc32c"]:
                     raise CheckpointError(f"{who}: its bytes of {key!r} do not have the checksum the manifest gives for "
                                           f"elements [{p['begin']}, {p['end']}) of TP chunk {p['tp_rank']}")
@@ -441,15 +502,21 @@ def main():
     parser.add_argument("--no-verify", action="store_true", help="skip the CRC32C check (sizes and save ids are still checked)")
     parser.add_argument("--torch-save", help="also write a torch.save() state dict here")
     args = parser.parse_args()
+    written = []  # outputs this run wrote: all removed if a later one fails
     try:
         tensors, manifest = consolidate(args.checkpoint, args.step, args.optimizer, not args.no_verify)
         metadata = {"format": "meshddp-consolidated", "step": str(manifest["step"]),
                     "values": json.dumps(manifest["values"]), "optimizer": json.dumps(manifest["optimizer"])}
         save_safetensors(tensors, args.output, metadata)
+        written.append(args.output)
         if args.torch_save:
             _write_atomically(args.torch_save, lambda f: torch.save(tensors, f))
+            written.append(args.torch_save)
     except (CheckpointError, OSError) as e:
-        sys.exit(f"error: {e}")
+        for path in written:
+            os.remove(path)
+        kept = f" (removed what this run wrote: {', '.join(written)})" if written else ""
+        sys.exit(f"error: {e}{kept}")
     total = sum(t.numel() for t in tensors.values())
     print(f"{args.output}: {len(tensors)} tensors, {total} elements, step {manifest['step']}", file=sys.stderr)
 

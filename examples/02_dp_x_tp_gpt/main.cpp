@@ -198,6 +198,9 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     examples::report_error("gpt_example", e.what_without_backtrace());
     return 1;
+  } catch (const std::exception& e) {  // anything else (std::bad_alloc, ...): named, never a terminate
+    examples::report_error("gpt_example", e.what());
+    return 1;
   }
   return 0;
 }

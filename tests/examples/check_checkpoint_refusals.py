@@ -158,6 +158,110 @@ try:
                and "terminate" not in resume.stderr,
                f"exit {resume.returncode}\n{resume.stderr[-3000:]}")
 
+    # Issue 20's second attack, against the script (the C++ side: checkpoint_test.cpp,
+    # checkpoint_resume_test.cpp). A hang or an out-of-memory read before the fix shows as a timeout.
+    def consolidate(*extra, timeout=60, clean=True):
+        for leftover in (target, target + ".tmp") if clean else ():  # from an earlier case: each case stands alone
+            if os.path.lexists(leftover):
+                os.remove(leftover)
+        try:
+            return subprocess.run([sys.executable, SCRIPT, *extra], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess([], -1, "", f"(no answer in {timeout} s)")
+
+    def refuses(name, run, message, outputs=(target,)):
+        expect(f"consolidate refuses {name}", run.returncode == 1 and run.stderr.startswith("error: ")
+               and message in run.stderr and "Traceback" not in run.stderr
+               and not any(os.path.exists(o) for o in outputs), f"exit {run.returncode}\n{run.stderr[-3000:]}")
+
+    def resign_text(text):
+        stored, computed = cc.manifest_checksum(text)
+        return text.replace(f'"0x{stored:08x}"'.encode(), f'"0x{computed:08x}"'.encode(), 1)
+
+    manifest_path = os.path.join(step_dir, "manifest.json")
+    latest = os.path.join(save, "latest")
+    rank1 = os.path.join(step_dir, "rank00001.safetensors")
+    for where in (manifest_path, latest, rank1):
+        restore()
+        os.remove(where) if os.path.exists(where) else None
+        os.mkfifo(where)
+        refuses(f"a FIFO as {os.path.basename(where)}", consolidate(save, target, timeout=30),
+                f"'{where}' is a FIFO, not a regular file")
+        os.remove(where)
+    with open(latest, "w") as f:
+        f.write("step-2\n")
+    restore()
+    os.remove(rank1)
+    os.symlink("/dev/zero", rank1)
+    refuses("/dev/zero as a rank file", consolidate(save, target, timeout=30), "is a character device, not a regular file")
+    restore()
+
+    def grown(extra):
+        def damage():
+            with open(rank1, "r+b") as f:
+                f.truncate(os.path.getsize(rank1) + extra)  # sparse: no disk used
+            m = load(step_dir)
+            m["files"]["rank00001.safetensors"]["bytes"] = os.path.getsize(rank1)
+            if extra < (1 << 20):
+                with open(rank1, "rb") as f:
+                    m["files"]["rank00001.safetensors"]["crc32c"] = f"0x{cc.crc32c(f.read()):08x}"
+            with open(manifest_path, "wb") as f:
+                f.write(sign(m))
+        return damage
+
+    def flattened(m):
+        key = next(k for k, t in sorted(m["tensors"].items()) if len(t["shape"]) >= 2)
+        shape = m["tensors"][key]["shape"]
+        m["tensors"][key]["shape"] = [shape[0] * shape[1], *shape[2:]]
+
+    def with_duplicate_key():
+        with open(manifest_path, "rb") as f:
+            text = f.read()
+        text = text.replace(b'"format":', b'"format": "meshddp-checkpoint", "format":', 1)
+        with open(manifest_path, "wb") as f:
+            f.write(resign_text(text))
+
+    for name, damage, message in (
+        ("8 bytes appended to a rank file (re-signed)", grown(8), "but its header ends its data at byte"),
+        ("a 1 TiB sparse tail on a rank file (re-signed)", grown(1 << 40), "but its header ends its data at byte"),
+        ("a tensor's shape edited (re-signed)", manifest_edit(flattened), "do not have the checksum the manifest gives"),
+        ("a tensor named __metadata__", manifest_edit(lambda m: m["tensors"].update(__metadata__=m["tensors"][
+            first_two_piece_tensor(m)])), "'__metadata__' is not a tensor name"),
+        ("a duplicate key", with_duplicate_key, f"manifest '{manifest_path}' is not valid: duplicate key 'format'"),
+        ("`latest` naming ../x/step-2", lambda: open(latest, "w").write("../x/step-2\n"), "holds b'../x/step-2'"),
+        ("`latest` with a NUL", lambda: open(latest, "w").write("step-2\0"), "holds b'step-2\\x00'"),
+        ("`latest` empty", lambda: open(latest, "w").close(), "holds b''"),
+    ):
+        restore()
+        with open(latest, "w") as f:
+            f.write("step-2\n")
+        damage()
+        refuses(name, consolidate(save, target, timeout=30), message)
+    with open(latest, "w") as f:
+        f.write("step-2\n")
+    restore()
+
+    # A symlink planted at the output's temp name: replaced, never written through.
+    victim = os.path.join(root, "victim")
+    with open(victim, "w") as f:
+        f.write("precious\n")
+    if os.path.exists(target):
+        os.remove(target)
+    os.symlink(victim, target + ".tmp")
+    run = consolidate(save, target, clean=False)
+    with open(victim, "rb") as f:
+        expect("consolidate never writes through a link at its temp file",
+               run.returncode == 0 and f.read() == b"precious\n" and not os.path.lexists(target + ".tmp"), run.stderr)
+    # --torch-save failing after the safetensors output was written: both gone.
+    refuses("a --torch-save it cannot write", consolidate(save, target, "--torch-save", os.path.join(root, "no", "x.pt")),
+            "removed what this run wrote: " + target)
+    refuses("--step with a step directory", consolidate(step_dir, target, "--step", "2"),
+            "is a step directory; --step 2 picks a step of a save directory")
+    shutil.copytree(step_dir, os.path.join(save, "step-3"))
+    refuses("step-3 holding step 2", consolidate(save, target, "--step", "3"),
+            "holds step 2 but its directory is named 'step-3'")
+    shutil.rmtree(os.path.join(save, "step-3"))
+
     # Values of the wrong type, written consistently by another program: named, exit 1.
     for values, message in (
         ({"seed": "0"}, "value 'seed' is a string; expected an integer"),

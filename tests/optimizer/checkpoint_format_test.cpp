@@ -71,6 +71,25 @@ TEST(JsonValue, ParseErrorsNameTheByteAndTheSource) {
   EXPECT_THAT(error_of([] { JsonValue::parse("[1]", "s").at("x", "the manifest"); }), HasSubstr("expected an object at the manifest"));
 }
 
+// Issue 20's attack: 1e999 parsed as inf (a later, unclear error); "\u12" or "\uZZZZ" read as
+// whatever strtoul made of it; a lone surrogate written out as invalid UTF-8. Each is refused at
+// parse, naming the byte.
+TEST(JsonValue, RefusesNonFiniteNumbersAndMalformedUnicodeEscapes) {
+  for (const char* text : {"[1e999]", "[-1e999]", "[1e400]"}) {
+    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }),
+                HasSubstr("number out of range (not a finite double) at byte ")) << text;
+  }
+  EXPECT_EQ(JsonValue::parse("[1e-999]", "s").as_array("a")[0].as_double("d"), 0.0) << "underflow to 0 is finite";
+  for (const char* text : {R"(["\u12"])", R"(["\uZZZZ"])", R"(["\u-123"])", R"(["\u 123"])"}) {
+    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }), HasSubstr("escape")) << text;
+  }
+  for (const char* text : {R"(["\ud800"])", R"(["\udc00"])", R"(["\ud800\u0041"])", R"(["\ud800x"])"}) {
+    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }), HasSubstr("lone surrogate in a \\u escape at byte "))
+        << text;
+  }
+  EXPECT_EQ(JsonValue::parse(R"(["\ud83d\ude00\u00e9A"])", "s").as_array("a")[0].as_string("s"), "\xF0\x9F\x98\x80\xC3\xA9" "A");
+}
+
 TEST(Safetensors, WritesAFileWhoseHeaderAndBytesReadBack) {
   const std::string path = temp_path("st");
   const auto a = torch::arange(12, torch::kFloat).view({3, 4});

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <sys/stat.h>
+#include <unistd.h>
 
 using namespace meshddp;
 using namespace meshddp::test;
@@ -85,6 +86,69 @@ TEST(CheckpointResume, ADamagedLatestIsANamedErrorNotAFreshStart) {
   EXPECT_EQ(resume_finds(first), (std::vector<std::string>{"none", "none"}));
   remove_dir(dir);
   remove_dir(first);
+}
+
+// An adversary's `latest` (issue 20's attack): every one is refused naming the file on every rank,
+// in seconds. Before: a FIFO blocked every rank in open() forever; a 1 TiB sparse file was read
+// whole (std::bad_alloc, SIGABRT); "" was ignored (a run picked by the lineage instead); a
+// directory, "../x/step-2", a NUL or a CRLF got a less exact message or none.
+TEST(CheckpointResume, ALatestThatIsNotExactlyAStepNameIsRefusedNamingTheFile) {
+  const std::string dir = fresh_dir("resume-hostile-latest");
+  train_and_save(dir, std::nullopt, {2, 4});
+  const std::string latest = dir + "/latest";
+  auto expect_refused = [&](const std::string& what, const std::string& message) {
+    for (const std::string& e : resume_finds(dir)) {
+      EXPECT_THAT(e, HasSubstr("'" + latest + "'")) << what;
+      EXPECT_THAT(e, HasSubstr(message)) << what;
+      EXPECT_THAT(e, HasSubstr("(complete: step-2 step-4; incomplete: none); load one of the complete steps")) << what;
+    }
+  };
+  for (const auto& [text, shown] : std::vector<std::pair<std::string, std::string>>{
+           {"", "holds ''"}, {"\n", "holds ''"}, {"../x/step-2\n", "holds '../x/step-2'"},
+           {std::string("step-2\0", 7), "holds 'step-2\\x00'"}, {"step-2\r\n", "holds 'step-2\\x0d'"},
+           {"step-2\n\n", "holds 'step-2\\x0a'"}, {" step-2\n", "holds ' step-2'"}}) {
+    std::remove(latest.c_str());
+    write_text(latest, text);
+    expect_refused(shown, shown + ", which is not a step directory name: the file is damaged (a save writes exactly "
+                              "\"step-<N>\" and a newline; fix or delete it)");
+  }
+  std::remove(latest.c_str());
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
+  expect_refused("a FIFO", "is a FIFO, not a regular file");
+  std::remove(latest.c_str());
+  ASSERT_EQ(::mkdir(latest.c_str(), 0755), 0);
+  expect_refused("a directory", "is a directory, not a regular file");
+  ::rmdir(latest.c_str());
+  write_text(latest, "step-4\n");
+  ASSERT_EQ(::truncate(latest.c_str(), int64_t{1} << 40), 0);  // sparse: no disk used
+  expect_refused("1 TiB", "has 1099511627776 bytes; more than the 4096 it may have");
+  write_text(latest, "step-4");  // no newline: fine
+  EXPECT_EQ(resume_finds(dir)[0], dir + "/step-4");
+  // The recovery the message suggests: load a step explicitly; the next save replaces the damaged
+  // `latest` (a save does not refuse it).
+  write_text(latest, "../x/step-2\n");
+  train_and_save(dir, 4, {6});
+  EXPECT_EQ(read_latest_pointer(dir), "step-6");
+  remove_dir(dir);
+}
+
+// A symlink planted where a save writes its temp file (<dir>/latest.tmp) pointing outside the
+// directory: the save replaces the link, never writes through it. Before: the outside file was
+// overwritten with "step-4\n".
+TEST(CheckpointResume, ASaveNeverWritesThroughALinkPlantedAtItsTempFile) {
+  const std::string dir = fresh_dir("resume-tmp-link");
+  const std::string outside = fresh_dir("resume-tmp-link-victim");
+  train_and_save(dir, std::nullopt, {2});
+  write_text(outside, "precious\n");
+  ASSERT_EQ(::symlink(outside.c_str(), (dir + "/latest.tmp").c_str()), 0);
+  train_and_save(dir, 2, {4});
+  std::ifstream victim(outside);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(victim), {}), "precious\n");
+  EXPECT_EQ(read_latest_pointer(dir), "step-4");
+  struct stat st {};
+  EXPECT_NE(::lstat((dir + "/latest.tmp").c_str(), &st), 0) << "the link is gone";
+  std::remove(outside.c_str());
+  remove_dir(dir);
 }
 
 // The usual loss-spike recovery: saves at 2, 4, 6, 8; roll back to 4; continue saving at 5 and 7

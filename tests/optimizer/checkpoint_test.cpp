@@ -4,6 +4,7 @@
 // directories), and damaged files and hostile manifests: each a named error on every rank that
 // changes no rank's state.
 #include "optimizer/checkpoint_manifest.h"
+#include "optimizer/safetensors.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
@@ -12,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <cstdlib>
@@ -415,7 +417,90 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
     m.object()["tensors"].object()["optim/exp_avg/" + param].object()["dtype"] = JsonValue("I32");
   }, true));
   expect_every_rank_says(load_errors(s, 2, dir), "holds 'optim/exp_avg/" + param + "' as F32 [");
+  // The tensor's shape edited (same element count, so the pieces still tile it): the piece checksum
+  // covers it. Before: the file checks passed and the model check spoke of a reshaped tensor.
+  write_text(path, original);
+  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
+    auto& shape = m.object()["tensors"].object()[key].object()["shape"].array();
+    std::reverse(shape.begin(), shape.end());
+  }, true));
+  expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
   remove_dir(dir);
 }
+
+// The piece checksum ties the bytes to the tensor's dtype, global shape, sharded dim and TP size
+// too (issue 20's attack: `dim` 0 -> 1 re-signed read row chunks as column chunks, silently).
+TEST(CheckpointManifest, APieceChecksumCoversItsTensorsDtypeShapeDimAndTpSize) {
+  ManifestTensor t;
+  t.dtype = "F32";
+  t.shape = {32, 32};
+  t.dim = 0;
+  t.tp_size = 2;
+  ManifestPiece p;
+  p.tp_rank = 1;
+  p.begin = 0;
+  p.end = 512;
+  const std::string id = "0123456789abcdef";
+  const uint32_t base = piece_checksum(0x1234, id, "model/k.weight", t, p);
+  std::vector<std::pair<std::string, std::function<void(ManifestTensor&)>>> edits = {
+      {"dim", [](ManifestTensor& e) { e.dim = 1; }},
+      {"tp_size", [](ManifestTensor& e) { e.tp_size = 4; }},
+      {"shape", [](ManifestTensor& e) { e.shape = {16, 64}; }},
+      {"flattened shape", [](ManifestTensor& e) { e.shape = {1024}; }},
+      {"dtype", [](ManifestTensor& e) { e.dtype = "I32"; }}};
+  for (const auto& [what, edit] : edits) {
+    ManifestTensor e = t;
+    edit(e);
+    EXPECT_NE(piece_checksum(0x1234, id, "model/k.weight", e, p), base) << what;
+  }
+  EXPECT_EQ(piece_checksum(0x1234, id, "model/k.weight", t, p), base);
+}
+
+// Files that are not what a save writes, in the step directory: named on every rank, in seconds.
+// Before: a FIFO as manifest.json or a rank file blocked every rank in open() forever; bytes
+// appended to a rank file (its size and CRC re-signed) loaded, and a sparse 16 TiB tail would have
+// been CRC-checked for hours; a step directory renamed (step-6 as step-7) loaded step 6 as 7.
+TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
+  ZeroScenario s;
+  auto dir = scratch_dir("hostile-files");
+  train_and_save(s, 2, dir);
+  const std::string step_dir = dir + "/step-6";
+  const std::string manifest = step_dir + "/manifest.json";
+  const std::string original = read_text(manifest);
+  const std::string rank1 = step_dir + "/rank00001.safetensors";
+  const std::string rank1_bytes = read_text(rank1);
+
+  std::remove(manifest.c_str());
+  ASSERT_EQ(::mkfifo(manifest.c_str(), 0644), 0);
+  expect_every_rank_says(load_errors(s, 2, dir), "'" + manifest + "' is a FIFO, not a regular file");
+  std::remove(manifest.c_str());
+  write_text(manifest, original);
+
+  std::remove(rank1.c_str());
+  ASSERT_EQ(::mkfifo(rank1.c_str(), 0644), 0);
+  expect_every_rank_says(load_errors(s, 2, dir), "'" + rank1 + "' is a FIFO, not a regular file");
+  std::remove(rank1.c_str());
+
+  write_text(rank1, rank1_bytes + std::string(8, '\0'));  // appended, and the manifest re-signed to match
+  const WrittenFile appended = checksum_file(rank1);
+  write_text(manifest, edited_manifest(dir, [&](JsonValue& m) {
+    auto& f = m.object()["files"].object()["rank00001.safetensors"].object();
+    f["bytes"] = JsonValue(appended.bytes);
+    f["crc32c"] = JsonValue(crc_hex(appended.crc));
+  }, true));
+  expect_every_rank_says(load_errors(s, 2, dir), "but its header ends its data at byte " +
+                                                     std::to_string(rank1_bytes.size()) + " (bytes appended");
+  write_text(rank1, rank1_bytes);
+  write_text(manifest, original);
+
+  ASSERT_EQ(std::rename(step_dir.c_str(), (dir + "/step-7").c_str()), 0);
+  write_text(dir + "/latest", "step-7\n");
+  expect_every_rank_says(load_errors(s, 2, dir), "holds step 6 but its directory is named 'step-7'");
+  ASSERT_EQ(std::rename((dir + "/step-7").c_str(), step_dir.c_str()), 0);
+  write_text(dir + "/latest", "step-6\n");
+  expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
+  remove_dir(dir);
+}
+
