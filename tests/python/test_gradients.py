@@ -3,26 +3,12 @@ torch.autocast through meshddp.linear_with_grad_in_buffer (golden: F.linear on a
 weights loaded under ZeRO-1 with bf16 params, params frozen or unfrozen after wrapping, and params
 that cannot live in a flat buffer (meta)."""
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import meshddp
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import multiprocess
-
-    os.environ["MASTER_PORT"] = str(multiprocess._free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
 
 
 class InBufferLinear(torch.nn.Module):

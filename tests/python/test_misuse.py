@@ -1,26 +1,13 @@
 """Misuse from Python: each a RuntimeError (or TypeError for a wrong keyword) naming the problem,
 with the C++ engine's own text where the check is C++'s. One rank, in this process."""
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import meshddp
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import multiprocess
-
-    os.environ["MASTER_PORT"] = str(multiprocess._free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
 
 
 def model():
