@@ -1,7 +1,7 @@
 // ddp_bench's models (bench_models.h): the MLP stack and the GPT-style decoder, and their data.
 #include "bench/bench_models.h"
 
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include <sstream>
 

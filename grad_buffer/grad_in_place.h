@@ -10,7 +10,7 @@
 //     accumulate ? slot.addmm_(A, B) : at::mm_out(slot, A, B);   // slot (+)= G, shaped like w
 //   });
 //   return placeholder.defined() ? placeholder : at::mm(A, B);    // as w's gradient
-// plugin/linear_with_grad_in_buffer.h is the ready-made linear layer that does this.
+// tp/linear_with_grad_in_buffer.h is the ready-made linear layer that does this.
 #pragma once
 
 #include <ATen/core/Tensor.h>

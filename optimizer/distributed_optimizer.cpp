@@ -4,7 +4,7 @@
 #include "optimizer/optimizer_config_fields.h"
 
 #include "mesh/collectives.h"
-#include "mesh/glob_match.h"
+#include "tp/glob_match.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -2,7 +2,7 @@
 // keeps, for its 1/DP shard of every bucket only, the fp32 master weights (a view of the param
 // buffer for fp32 params, a copy for bf16/fp16 ones) and the optimizer state; step() updates those
 // shards, writes them into the param buffer and all-gathers every bucket (now, or overlapped with
-// the next forward). Checkpoints: optimizer/checkpoint.cpp.
+// the next forward). Checkpoints: optimizer/distributed_optimizer_checkpoint.cpp.
 //
 // Note [Step order]
 //   1. finish_grad_sync() (idempotent): this rank's shard of each bucket holds the DP-mean gradient.
@@ -21,7 +21,7 @@
 #pragma once
 
 #include "grad_buffer/grad_buffer.h"
-#include "optimizer/checkpoint_store.h"
+#include "checkpoint/store.h"
 #include "optimizer/shard_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -134,11 +134,11 @@ class DistributedOptimizer {
   double group_weight_decay(int64_t group) const;
   double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
 
-  // Checkpoints (optimizer/checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
+  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
   // params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree);
   // returns that directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP;
   // checks everything on every rank before changing anything; then all-gathers the params; returns
-  // the step loaded. Module buffers, frozen params and user values: plugin/checkpoint.h.
+  // the step loaded. Module buffers, frozen params and user values: plugin/training_checkpoint.h.
   std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
   int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
   // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this

@@ -96,7 +96,7 @@ def crc32c(data, crc=0):
 
 
 def piece_checksum(data_crc, save_id, key, tensor, piece):
-    """Note [Manifest and piece checksums] in optimizer/checkpoint_manifest.h: covers the tensor's
+    """Note [Manifest and piece checksums] in checkpoint/manifest.h: covers the tensor's
     dtype, shape, dim and tp_size and the piece's tp_rank, begin and end."""
     shape = ",".join(str(d) for d in tensor["shape"])
     label = "\0".join([save_id, key, tensor["dtype"], shape, str(tensor["dim"]), str(tensor["tp_size"]),
@@ -285,7 +285,7 @@ def resolve(directory, step=None):
 
 
 def load_manifest(step_dir):
-    """The manifest of `step_dir`, with every field checked as optimizer/checkpoint_manifest.cpp does."""
+    """The manifest of `step_dir`, with every field checked as checkpoint/manifest.cpp does."""
     path = os.path.join(step_dir, "manifest.json")
 
     def fail(what):

@@ -5,7 +5,7 @@
 // device, on TP shards, and on sequence shards.
 #pragma once
 
-#include "plugin/tp_layers.h"
+#include "tp/tp_layers.h"
 
 #include <torch/torch.h>
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt.h"
-#include "plugin/parallelize.h"
+#include "tp/parallelize.h"
 
 namespace gpt {
 

@@ -17,8 +17,8 @@
 #pragma once
 
 #include "optimizer/lr_scheduler.h"
-#include "optimizer/safetensors.h"
-#include "plugin/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "plugin/training_checkpoint.h"
 
 #include <cerrno>
 #include <chrono>

@@ -5,7 +5,7 @@
 #include "mesh/collective_progress.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/ddp_config_fields.h"
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 #include "plugin/python/config_bindings.h"
 #include "plugin/tp_dim.h"
 #include "plugin/python/python_ddp.h"

@@ -12,7 +12,7 @@
 #include "mesh/switches.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
 

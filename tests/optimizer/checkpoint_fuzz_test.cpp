@@ -2,8 +2,8 @@
 // every manifest field, pieces swapped or relabelled, files from another save): every load is a
 // named refusal that changes nothing, or a load equal to the original; never a crash, never another
 // state. Deterministic (the seed is logged); one rank, so every file is verified by the loader.
-#include "optimizer/checkpoint_manifest.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/zero_training.h"

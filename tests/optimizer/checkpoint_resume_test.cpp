@@ -1,8 +1,8 @@
-// Resuming means resuming (optimizer/checkpoint_lineage.h, Note [The live run]): a damaged `latest`
+// Resuming means resuming (checkpoint/lineage.h, Note [The live run]): a damaged `latest`
 // is a named error, never a fresh start; keep_last counts the live run after a rollback and an
 // abandoned timeline is never taken as the newest; stray step-like directories are skipped with a
 // warning; a pruning failure after the commit is reported as such. ZeRO-1 MLP ranks as threads.
-#include "optimizer/checkpoint_lineage.h"
+#include "checkpoint/lineage.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/zero_training.h"

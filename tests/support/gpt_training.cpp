@@ -4,9 +4,9 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
-#include "plugin/checkpoint.h"
+#include "plugin/training_checkpoint.h"
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/tp_layers.h"
+#include "tp/tp_layers.h"
 #include "tests/support/rank_threads.h"
 
 #include <cmath>

@@ -22,7 +22,7 @@ struct GptScenario {
   gpt::Config model{};
   std::vector<std::string> dims = {"dp", "tp"};  // the mesh's dim names (DP first, then TP)
   bool create_graph = false;             // backward(create_graph=true) on every micro-batch
-  // Checkpoints (plugin/checkpoint.h, with either optimizer): save into `save_dir` (as step
+  // Checkpoints (plugin/training_checkpoint.h, with either optimizer): save into `save_dir` (as step
   // `save_before_step`) before that step; or start at step `first_step` from `load_dir`'s latest.
   std::string save_dir = {};
   int save_before_step = -1;

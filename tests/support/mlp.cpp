@@ -1,6 +1,6 @@
 #include "tests/support/mlp.h"
 
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include <mutex>
 

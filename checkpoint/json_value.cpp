@@ -1,4 +1,4 @@
-#include "optimizer/json_value.h"
+#include "checkpoint/json_value.h"
 
 #include <c10/util/Exception.h>
 

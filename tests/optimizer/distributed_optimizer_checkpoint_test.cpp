@@ -3,8 +3,8 @@
 // that never stopped), the crash-safe layout (a crash between files, keep-last-K, incomplete step
 // directories), and damaged files and hostile manifests: each a named error on every rank that
 // changes no rank's state.
-#include "optimizer/checkpoint_manifest.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"

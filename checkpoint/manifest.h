@@ -16,7 +16,7 @@
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
-#include "optimizer/json_value.h"
+#include "checkpoint/json_value.h"
 
 #include <cstdint>
 #include <map>

@@ -1,4 +1,4 @@
-#include "plugin/checkpoint.h"
+#include "plugin/training_checkpoint.h"
 
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>

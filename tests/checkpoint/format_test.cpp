@@ -1,9 +1,9 @@
 // The checkpoint format's pure parts: CRC32C, the JSON value, safetensors files, and the resharding
 // arithmetic (checked element by element against torch's own chunk/narrow on real tensors).
 #include "tests/support/error_of.h"
-#include "optimizer/json_value.h"
-#include "optimizer/reshard.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/json_value.h"
+#include "checkpoint/reshard.h"
+#include "checkpoint/safetensors.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

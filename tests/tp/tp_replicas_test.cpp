@@ -7,8 +7,8 @@
 // measured max |diff| after 3 SGD steps 1.2e-7; asserted 1e-6. A TP sum that is missing (the
 // undeclared norm) or doubled is off by >= 1e-3 here.
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/parallelize.h"
-#include "plugin/tp_layers.h"
+#include "tp/parallelize.h"
+#include "tp/tp_layers.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
 

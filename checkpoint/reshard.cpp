@@ -1,4 +1,4 @@
-#include "optimizer/reshard.h"
+#include "checkpoint/reshard.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "plugin/tp_functions.h"
+#include "tp/tp_functions.h"
 
 #include "mesh/collectives.h"
 

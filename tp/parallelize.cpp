@@ -1,8 +1,8 @@
-#include "plugin/parallelize.h"
+#include "tp/parallelize.h"
 
-#include "mesh/glob_match.h"
+#include "tp/glob_match.h"
 #include "mesh/placement.h"
-#include "plugin/tp_layers.h"
+#include "tp/tp_layers.h"
 
 #include <torch/nn/modules/normalization.h>
 

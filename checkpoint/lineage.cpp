@@ -1,8 +1,8 @@
-#include "optimizer/checkpoint_lineage.h"
+#include "checkpoint/lineage.h"
 
-#include "optimizer/checkpoint_manifest.h"
-#include "optimizer/json_value.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/json_value.h"
+#include "checkpoint/safetensors.h"
 
 #include <c10/util/Exception.h>
 

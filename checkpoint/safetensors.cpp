@@ -1,6 +1,6 @@
-#include "optimizer/safetensors.h"
+#include "checkpoint/safetensors.h"
 
-#include "optimizer/json_value.h"
+#include "checkpoint/json_value.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,7 +1,7 @@
-#include "optimizer/checkpoint_manifest.h"
+#include "checkpoint/manifest.h"
 
-#include "optimizer/checkpoint_lineage.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/lineage.h"
+#include "checkpoint/safetensors.h"
 
 #include <c10/util/Exception.h>
 
@@ -258,7 +258,7 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   m.values = parse_values(check.member(json, "the manifest", "values"), check);
   m.optimizer = check.member(json, "the manifest", "optimizer");
   check_optimizer(m.optimizer, check);
-  // The live run's link (Note [The live run], checkpoint_lineage.h): null or a step directory name.
+  // The live run's link (Note [The live run], checkpoint/lineage.h): null or a step directory name.
   if (json.has("parent") && !json.at("parent", "the manifest").is_null()) {
     const std::string& parent = check.string(json.at("parent", "the manifest"), "parent");
     if (checkpoint_step_of(parent) < 0) check.fail("parent", "is '" + parent + "'; expected null or step-<N>");

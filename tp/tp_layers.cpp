@@ -1,8 +1,8 @@
-#include "plugin/tp_layers.h"
+#include "tp/tp_layers.h"
 
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include <torch/torch.h>
 

@@ -1,7 +1,7 @@
 // Checkpoints of a whole training state, with or without the ZeRO-1 DistributedOptimizer: the
 // module's params (frozen ones too) and buffers, the optimizer's state and step, and user values
 // (data position, LR schedule, ...). Crash-safe, checksummed, all-or-nothing over the whole mesh,
-// loadable at any other DP x TP. The layout and commit protocol: optimizer/checkpoint_store.h; the
+// loadable at any other DP x TP. The layout and commit protocol: checkpoint/store.h; the
 // format and guarantees: docs/checkpoints.md.
 //
 //   meshddp::TrainingState state{&ddp.module(), &ddp, &zero_optimizer};   // or {..., nullptr, &adamw}
@@ -9,7 +9,7 @@
 //   auto loaded = meshddp::load_checkpoint(state, "ckpt");             // latest complete; loaded.step
 #pragma once
 
-#include "optimizer/checkpoint_store.h"
+#include "checkpoint/store.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 

@@ -1,7 +1,7 @@
-#include "optimizer/checkpoint_store.h"
+#include "checkpoint/store.h"
 
 #include "mesh/collectives.h"
-#include "optimizer/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -261,7 +261,7 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
       metadata["optimizer"] = meta.optimizer.dump();
     }
     const WrittenFile written = write_safetensors_file(step_dir + "/" + file, named, metadata);
-    for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint_manifest.h)
+    for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint/manifest.h)
       const CheckpointTensor& t = tensors[i];
       ManifestTensor as_listed;  // as the manifest will list it (step 3)
       as_listed.dtype = safetensors_dtype(t.data.scalar_type());

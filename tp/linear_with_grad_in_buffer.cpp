@@ -1,4 +1,4 @@
-#include "plugin/linear_with_grad_in_buffer.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include "grad_buffer/grad_in_place.h"
 

@@ -1,5 +1,5 @@
 // The DistributedOptimizer's part of a checkpoint: its params and state as pieces in global
-// coordinates (optimizer/checkpoint_store.h stores them; docs/checkpoints.md has the format).
+// coordinates (checkpoint/store.h stores them; docs/checkpoints.md has the format).
 //
 // Note [What a ZeRO-1 rank saves]
 // DP rank r owns segment s of param p (elements [s.param_offset, +s.numel) of p's local TP shard)
@@ -8,7 +8,7 @@
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
 // "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
 // DP group only, so every element is in exactly one file. A load asks for its own segments at its
-// own DP x TP; the arithmetic in optimizer/reshard.h finds them in the saved pieces.
+// own DP x TP; the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
@@ -40,7 +40,7 @@ JsonValue DistributedOptimizer::checkpoint_info() const {
 
 void DistributedOptimizer::check_checkpoint_info(const JsonValue& saved, const std::string& where) const {
   TORCH_CHECK(!saved.is_null(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
-              "load it with plugin/checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
+              "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
   const std::string kind = saved.at("kind", where).as_string("optimizer.kind");
   TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind,
               " state but this optimizer is ", kind_name(config_.kind));

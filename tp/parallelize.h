@@ -1,5 +1,5 @@
 // parallelize(): applies a tensor-parallel plan to a model written with the layers of
-// plugin/tp_layers.h, in place, over the mesh's TP dim. A plan maps module-path patterns ('*'
+// tp/tp_layers.h, in place, over the mesh's TP dim. A plan maps module-path patterns ('*'
 // matches any run, e.g. "blocks.*.mlp.fc1") to styles, as torchtitan's and veScale's plans do; the
 // model code itself holds no parallelism.
 //

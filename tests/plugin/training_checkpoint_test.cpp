@@ -1,8 +1,8 @@
-// Whole-training-state checkpoints (plugin/checkpoint.h): the tiny GPT saved at 2x2 after 5 steps
+// Whole-training-state checkpoints (plugin/training_checkpoint.h): the tiny GPT saved at 2x2 after 5 steps
 // and resumed at 4x1, 1x4 and 2x2 continues the uninterrupted loss curve (plain DDP + AdamW and
 // ZeRO-1); frozen params, buffers, torch AdamW state and user values come back at another DP size;
 // a changed model is named.
-#include "plugin/checkpoint.h"
+#include "plugin/training_checkpoint.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"

@@ -1,6 +1,6 @@
 // Checkpoint directories: the crash-safe layout, the manifest, and the collective save and load of
 // a list of tensor pieces over the whole mesh. What goes into a checkpoint is the callers' business
-// (DistributedOptimizer::checkpoint_tensors, plugin/checkpoint.h); this file only stores pieces and
+// (DistributedOptimizer::checkpoint_tensors, plugin/training_checkpoint.h); this file only stores pieces and
 // finds them again, at any DP x TP. The format is described in docs/checkpoints.md.
 //
 // Note [Checkpoint layout and commit protocol]
@@ -24,10 +24,10 @@
 #pragma once
 
 #include "mesh/placement.h"
-#include "optimizer/checkpoint_lineage.h"
-#include "optimizer/checkpoint_manifest.h"
-#include "optimizer/json_value.h"
-#include "optimizer/reshard.h"
+#include "checkpoint/lineage.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/json_value.h"
+#include "checkpoint/reshard.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -92,7 +92,7 @@ std::optional<std::string> agree_on_checkpoint(const CheckpointMesh& mesh, const
 class CheckpointReader {
  public:
   // Collective: the ranks agree on the step directory (agree_on_checkpoint), every rank parses and
-  // checks its manifest (optimizer/checkpoint_manifest.h) and all compare its save id; throws on
+  // checks its manifest (checkpoint/manifest.h) and all compare its save id; throws on
   // every rank if any rank cannot, or they differ.
   CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step = std::nullopt);
 

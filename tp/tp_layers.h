@@ -1,5 +1,5 @@
 // Layers a model is written with, which behave exactly like torch's Linear / Embedding / LayerNorm
-// until a parallelize plan (plugin/parallelize.h) turns them, in place, into Megatron-style
+// until a parallelize plan (tp/parallelize.h) turns them, in place, into Megatron-style
 // tensor-parallel layers over the mesh's TP dim. So model code holds no parallelism: the same
 // module runs in one process (the golden) and, after parallelize(), on a DP x TP mesh.
 //
@@ -9,7 +9,7 @@
 // (same TensorImpl, so optimizers and DDP see the local shard) and records each one's Placement.
 #pragma once
 
-#include "plugin/tp_functions.h"
+#include "tp/tp_functions.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

@@ -1,8 +1,8 @@
-// Whole-state loads where one rank differs (plugin/checkpoint.h): a rank that fails between the
+// Whole-state loads where one rank differs (plugin/training_checkpoint.h): a rank that fails between the
 // reader's constructor and read() (here: its optimizer is not the saved one) makes every rank throw
 // its error instead of leaving the others waiting in read(); resume_checkpoint starts fresh only
 // when no rank finds a checkpoint. A Linear under DDP with torch optimizers; ranks are threads.
-#include "plugin/checkpoint.h"
+#include "plugin/training_checkpoint.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 

@@ -5,9 +5,9 @@
 // through tp::Linear).
 // Golden: the same layer as torch::linear on a copy of the params, in one process.
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/linear_with_grad_in_buffer.h"
-#include "plugin/parallelize.h"
-#include "plugin/tp_layers.h"
+#include "tp/linear_with_grad_in_buffer.h"
+#include "tp/parallelize.h"
+#include "tp/tp_layers.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/autocast_mode.h>
