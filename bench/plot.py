@@ -140,7 +140,7 @@ def before_after_phases(panels):
         ax.set_ylim(0, max(max(bottom), max(c["median_ms"]["total"] for _, c in bars)) * 1.15)
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
         ax.legend(fontsize=7, loc="upper left")
-    save(fig, "bench_issue14_phases.png")
+    save(fig, "bench_grad_in_buffer_phases.png")
 
 
 def main():
@@ -159,9 +159,9 @@ def main():
         scaling_plot(scale)
     panels = []
     for world, title in ((1, "1 rank, 2 threads"), (2, "2 ranks, Gloo, 1 thread each")):
-        after = load(f"issue14_{world}rank_after.json")
+        after = load(f"grad_in_buffer_{world}rank{'s' if world > 1 else ''}_after.json")
         if after:
-            panels.append((f"{title}: before / after issue 14", load(f"issue14_{world}rank_before.json"), after))
+            panels.append((f"{title}: before / after gradients in the buffer", load(f"grad_in_buffer_{world}rank{'s' if world > 1 else ''}_before.json"), after))
     if panels:
         before_after_phases(panels)
 
