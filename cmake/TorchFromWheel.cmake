@@ -48,9 +48,9 @@ endif()
 add_library(meshddp_torch INTERFACE)
 add_library(meshddp::torch ALIAS meshddp_torch)
 # Ranks as threads and c10d's Gloo need these; the c10d headers compile to nothing without them.
-target_compile_definitions(meshddp_torch INTERFACE USE_DISTRIBUTED USE_C10D_GLOO)
-target_include_directories(meshddp_torch SYSTEM INTERFACE "${PROJECT_SOURCE_DIR}/third_party/gloo/include")
-target_link_options(meshddp_torch INTERFACE "LINKER:--as-needed")
+# Its interface is the build tree's only ($<BUILD_INTERFACE:...>): the installed package gives its
+# meshddp::torch the same interface from the torch recorded at build time (cmake/meshddpConfig.cmake.in).
+set(MESHDDP_TORCH_DEFINITIONS USE_DISTRIBUTED USE_C10D_GLOO)
 
 if(MESHDDP_WITH_CUDA)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
@@ -70,8 +70,8 @@ if(MESHDDP_WITH_CUDA)
   endif()
   list(APPEND CMAKE_PREFIX_PATH "${MESHDDP_TORCH_DIR}/share/cmake")
   find_package(Torch REQUIRED)
-  target_link_libraries(meshddp_torch INTERFACE ${TORCH_LIBRARIES})
-  target_compile_definitions(meshddp_torch INTERFACE MESHDDP_WITH_CUDA USE_C10D_NCCL)
+  target_link_libraries(meshddp_torch INTERFACE "$<BUILD_INTERFACE:${TORCH_LIBRARIES}>")
+  list(APPEND MESHDDP_TORCH_DEFINITIONS MESHDDP_WITH_CUDA USE_C10D_NCCL)
   # nccl.h for ProcessGroupNCCL.hpp: the header of the NCCL torch loads (the nvidia-nccl wheel beside
   # torch), else the toolkit's (a GPU image may have no NCCL in its toolkit).
   find_path(MESHDDP_NCCL_INCLUDE_DIR nccl.h
@@ -82,15 +82,19 @@ if(MESHDDP_WITH_CUDA)
                         "the CUDA toolkit; give -DMESHDDP_NCCL_INCLUDE_DIR=<dir with nccl.h> or -DMESHDDP_ENABLE_CUDA=OFF")
   endif()
   message(STATUS "meshddp: nccl.h from ${MESHDDP_NCCL_INCLUDE_DIR}")
-  target_include_directories(meshddp_torch SYSTEM INTERFACE "${MESHDDP_NCCL_INCLUDE_DIR}" "${CUDAToolkit_INCLUDE_DIRS}")
+  set(MESHDDP_TORCH_INCLUDE_DIRS "${MESHDDP_NCCL_INCLUDE_DIR}" ${CUDAToolkit_INCLUDE_DIRS})
 else()
   message(STATUS "meshddp: no nvcc (or MESHDDP_ENABLE_CUDA=OFF): CPU-only build against the wheel's torch_cpu")
-  target_include_directories(meshddp_torch SYSTEM INTERFACE
-    "${MESHDDP_TORCH_DIR}/include" "${MESHDDP_TORCH_DIR}/include/torch/csrc/api/include")
-  target_compile_definitions(meshddp_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_torch_cxx11_abi})
+  set(MESHDDP_TORCH_INCLUDE_DIRS "${MESHDDP_TORCH_DIR}/include" "${MESHDDP_TORCH_DIR}/include/torch/csrc/api/include")
+  list(APPEND MESHDDP_TORCH_DEFINITIONS _GLIBCXX_USE_CXX11_ABI=${_torch_cxx11_abi})
   target_link_libraries(meshddp_torch INTERFACE
-    "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so" "${MESHDDP_TORCH_DIR}/lib/libc10.so" Threads::Threads)
+    "$<BUILD_INTERFACE:${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so;${MESHDDP_TORCH_DIR}/lib/libc10.so>" Threads::Threads)
 endif()
+
+target_compile_definitions(meshddp_torch INTERFACE "$<BUILD_INTERFACE:${MESHDDP_TORCH_DEFINITIONS}>")
+target_include_directories(meshddp_torch SYSTEM INTERFACE
+  "$<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/third_party/gloo/include;${MESHDDP_TORCH_INCLUDE_DIRS}>")
+target_link_options(meshddp_torch INTERFACE "LINKER:--as-needed")
 
 # Thrust/CUB/libcu++ headers (CCCL), for the CPU build of the kernels (Thrust's CPP system with the
 # host compiler) and the CUDA build. They ship with the CUDA toolkit (CUDA 13: include/cccl). Not

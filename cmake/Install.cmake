@@ -1,0 +1,51 @@
+# The C++ package: `cmake --install build --prefix P` installs the headers under P/include/meshddp/
+# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>), the
+# static libraries under P/lib, and P/lib/cmake/meshddp/ with meshddpConfig.cmake + its version file,
+# exporting meshddp::meshddp (docs/building.md "Using meshddp from another CMake project"). The
+# engine is built position-independent, so the archives link into executables and shared objects.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(_meshddp_libs meshddp_mesh meshddp_checkpoint meshddp_grad_buffer meshddp_tp meshddp_optimizer meshddp_plugin)
+set_target_properties(${_meshddp_libs} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+foreach(_lib IN LISTS _meshddp_libs)
+  string(REPLACE "meshddp_" "" _short "${_lib}")
+  set_target_properties(${_lib} PROPERTIES EXPORT_NAME ${_short})
+endforeach()
+set_target_properties(meshddp_torch PROPERTIES EXPORT_NAME torch)
+
+# meshddp::meshddp: the whole public API in one target (what a consumer links).
+add_library(meshddp_meshddp INTERFACE)
+add_library(meshddp::meshddp ALIAS meshddp_meshddp)
+set_target_properties(meshddp_meshddp PROPERTIES EXPORT_NAME meshddp)
+target_link_libraries(meshddp_meshddp INTERFACE meshddp::plugin)
+target_include_directories(meshddp_meshddp INTERFACE "$<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include;${PROJECT_BINARY_DIR}/include>")
+
+# <meshddp/version.h>: the package's version and the torch it was built against.
+configure_file("${PROJECT_SOURCE_DIR}/cmake/version.h.in" "${PROJECT_BINARY_DIR}/include/meshddp/version.h" @ONLY)
+
+install(TARGETS meshddp_torch ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp ${CMAKE_INSTALL_INCLUDEDIR})
+foreach(_dir mesh checkpoint grad_buffer tp optimizer plugin)
+  install(DIRECTORY "${PROJECT_SOURCE_DIR}/${_dir}/" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/${_dir}
+          FILES_MATCHING PATTERN "*.h" PATTERN "python" EXCLUDE)
+endforeach()
+install(FILES "${PROJECT_SOURCE_DIR}/include/meshddp/meshddp.h" "${PROJECT_BINARY_DIR}/include/meshddp/version.h"
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp)
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/third_party/gloo/include/"
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/gloo)
+install(EXPORT meshddpTargets NAMESPACE meshddp:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
+
+# The installed meshddp::torch is given its interface by the config, from what this build used.
+set(MESHDDP_TORCH_LINK_LIBRARIES "")
+if(NOT MESHDDP_WITH_CUDA)
+  set(MESHDDP_TORCH_LINK_LIBRARIES "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so;${MESHDDP_TORCH_DIR}/lib/libc10.so")
+endif()
+configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/meshddpConfig.cmake.in"
+                              "${PROJECT_BINARY_DIR}/meshddpConfig.cmake"
+                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
+write_basic_package_version_file("${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"
+                                 VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
+install(FILES "${PROJECT_BINARY_DIR}/meshddpConfig.cmake" "${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)

@@ -1,0 +1,25 @@
+// meshddp's public API, one include: #include <meshddp/meshddp.h> (C++ package: find_package(meshddp)
+// and link meshddp::meshddp; docs/api.md). What is not reachable from here is internal and may change.
+//
+//   auto mesh = meshddp::DeviceMesh::from_env({dp, tp}, {"dp", "tp"});
+//   meshddp::DistributedDataParallel ddp(model, mesh, "dp", meshddp::DdpConfig{});
+//   meshddp::DistributedOptimizer opt(ddp, meshddp::OptimizerConfig{});   // ZeRO-1 (or torch::optim)
+//   meshddp::save_checkpoint(meshddp::TrainingState{&ddp.module(), &ddp, &opt}, "ckpt", step);
+#pragma once
+
+#include "meshddp/version.h"
+
+// The mesh and the one checked collective path (for a trainer's own metrics: all-reduce of a loss).
+#include "mesh/collectives.h"
+#include "mesh/device_mesh.h"
+
+// Data parallelism, the ZeRO-1 optimizer, its LR schedule, whole-training-state checkpoints.
+#include "optimizer/distributed_optimizer.h"
+#include "optimizer/lr_scheduler.h"
+#include "plugin/distributed_data_parallel.h"
+#include "plugin/training_checkpoint.h"
+
+// Tensor parallelism: layers, plans, and the linear that writes its weight gradient into the buffer.
+#include "tp/linear_with_grad_in_buffer.h"
+#include "tp/parallelize.h"
+#include "tp/tp_layers.h"

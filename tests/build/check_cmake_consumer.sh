@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The C++ package as a user gets it: install the build tree into a fresh prefix, configure and build
+# examples/04_cmake_consumer (its own project: find_package(meshddp CONFIG REQUIRED)) against that
+# prefix only, and run it on 2 ranks under torchrun; it checks its params against a one-process
+# golden every step. Then a consumer pointed at a torch of another version is refused at configure
+# time, naming both versions.
+# Usage: check_cmake_consumer.sh <source dir> <build dir> <python of the venv holding torch> <work dir>
+set -euo pipefail
+src="$1" build="$2" python="$3" work="$4"
+rm -rf "$work" && mkdir -p "$work"
+cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+test -f "$work/prefix/include/meshddp/meshddp.h"
+test -f "$work/prefix/lib/cmake/meshddp/meshddpConfig.cmake"
+launcher=()
+command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$work/prefix" "${launcher[@]}" > "$work/configure.log"
+grep -q "consumer: meshddp 0" "$work/configure.log"
+cmake --build "$work/consumer" -j 2 > "$work/build.log"
+torchrun="$(dirname "$python")/torchrun"
+"$torchrun" --standalone --nproc-per-node 2 --no-python "$work/consumer/consumer" > "$work/run.log" 2>&1 || {
+  cat "$work/run.log"; exit 1; }
+test "$(grep -c 'consumer: ok' "$work/run.log")" = 2 || { cat "$work/run.log"; exit 1; }
+echo "consumer built against the install tree and ran on 2 ranks: $(grep -c 'consumer: ok' "$work/run.log") ranks ok"
+
+# A torch of another version: a fake torch dir whose version.py says so.
+mkdir -p "$work/other_torch" && echo "__version__ = '9.9.9'" > "$work/other_torch/version.py"
+if cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer_other" -DCMAKE_PREFIX_PATH="$work/prefix" \
+         -DMESHDDP_TORCH_DIR="$work/other_torch" > "$work/other.log" 2>&1; then
+  echo "a consumer against torch 9.9.9 configured; expected a refusal"; exit 1
+fi
+grep -q "holds torch 9.9.9" "$work/other.log" || { cat "$work/other.log"; exit 1; }
+echo "a torch of another version is refused at configure time: $(grep -o 'meshddp was built against torch [^,]*' "$work/other.log" | head -1)"
