@@ -1,6 +1,6 @@
 """A node dies and the survivor goes on at the smaller world size, from the latest checkpoint, under
 torchrun's elastic agent (docs/launching.md, "Elastic restarts"), through examples/01_ddp with ZeRO-1:
-two agents on this machine (`--nnodes 1:2 --max-restarts 1`, c10d rendezvous on one endpoint), 2
+two agents on this machine (`--nnodes 1:2 --max-restarts 3`, c10d rendezvous on one endpoint), 2
 workers each, train at world 4 saving every 10 steps; once `latest` names step-20, one agent and its
 workers are SIGKILLed (a node gone). The other agent's workers fail at their next collective (Gloo:
 connection closed; else --timeout-s 10), the agent restarts them, the rendezvous closes at world 2
@@ -32,7 +32,7 @@ torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS, EVERY, KILL_AT = 120, 10, 20
 TRAIN = ["--hidden", "16", "--layers", "2", "--global-batch", "8", "--distributed-optimizer", "--save-every", str(EVERY),
          "--timeout-s", "10", "--stuck-report-s", "0"]
-RDZV = "join_timeout=30,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+RDZV = "join_timeout=60,last_call_timeout=5,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 def fail(why, *logs):
@@ -40,7 +40,7 @@ def fail(why, *logs):
 
 
 def start_agent(port, is_host, ckpt, log_base):
-    cmd = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+    cmd = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-check",
            "--rdzv-conf", f"{RDZV},is_host={is_host}", "--no-python", binary, *TRAIN, "--steps", str(STEPS),
            "--save-dir", ckpt, "--resume"]
@@ -93,8 +93,8 @@ try:
     agents.append(start_agent(port, 0, ckpt, logs["killed"]))
     survivor, victim = agents
     while latest(ckpt) != f"step-{KILL_AT}":
-        if time.monotonic() - start > 60 or survivor.poll() is not None or victim.poll() is not None:
-            fail(f"no step-{KILL_AT} committed within 60 s (latest: '{latest(ckpt)}')",
+        if time.monotonic() - start > 90 or survivor.poll() is not None or victim.poll() is not None:
+            fail(f"no step-{KILL_AT} committed within 90 s (latest: '{latest(ckpt)}')",
                  *((n, read(p + ".err")) for n, p in logs.items()))
         time.sleep(0.02)
     victims = workers_of(victim)
