@@ -6,8 +6,8 @@ workers are SIGKILLed (a node gone). The other agent's workers fail at their nex
 connection closed; else --timeout-s 10), the agent restarts them, the rendezvous closes at world 2
 (dead node dropped after keep_alive_interval x keep_alive_max_attempt = 2 s) and they --resume from
 the latest complete checkpoint, resharded from DP 4 to DP 2, to the last step. Checked:
-- the first attempt ran at dp(4), the restart at dp(2), resuming from the step `latest` named when
-  the node died (a save cut short by the kill is never taken: the commit protocol);
+- the first attempt ran at dp(4), the restart at dp(2), resuming from the newest checkpoint the
+  dp(4) attempt completed (a save cut short by the kill is never taken: the commit protocol);
 - its losses from there equal, bit for bit, those of a plain 2-rank run resumed from a copy of that
   checkpoint (same checkpoint, same world size, same code: nothing to differ);
 - and the uninterrupted 4-rank run's, to rtol 1e-5 (the fp32 sums are taken in another order at DP 2,
@@ -15,6 +15,7 @@ the latest complete checkpoint, resharded from DP 4 to DP 2, to the last step. C
 The agent hosting the rendezvous (c10d: its TCPStore) and rank 0's shared store must survive: the
 one killed is the agent started second, whose workers hold group rank 1 (checked).
 Usage: check_elastic_restart.py <ddp_example>."""
+import json
 import os
 import re
 import shutil
@@ -104,8 +105,7 @@ try:
              "would take the rendezvous store with it")
     kill_node(victim, victims)
     killed_at = time.monotonic()
-    resumed_from = latest(ckpt)
-    print(f"killed the second agent and its workers {killed_at - start:.1f} s in, latest = {resumed_from}")
+    print(f"killed the second agent and its workers {killed_at - start:.1f} s in, latest = {latest(ckpt)}")
     try:
         code = survivor.wait(timeout=90)
     except subprocess.TimeoutExpired:
@@ -114,6 +114,18 @@ try:
     print(f"survivor exited {code} {time.monotonic() - killed_at:.1f} s after the kill")
     if code != 0:
         fail(f"the surviving agent exited {code}", ("stdout", out), ("stderr", err))
+    # The newest checkpoint the 4-rank attempt completed (its manifest says world 4): read after the
+    # fact, so a commit racing the kill cannot make the expectation wrong.
+    saved_at_4 = []
+    for name in os.listdir(ckpt):
+        manifest = os.path.join(ckpt, name, "manifest.json")
+        if name.startswith("step-") and os.path.exists(manifest):
+            with open(manifest) as f:
+                if json.load(f)["mesh"]["world_size"] == 4:
+                    saved_at_4.append(int(name.split("-")[1]))
+    if not saved_at_4 or max(saved_at_4) < KILL_AT:
+        fail(f"the 4-rank attempt completed checkpoints at steps {sorted(saved_at_4)}, expected up to >= {KILL_AT}")
+    resumed_from = f"step-{max(saved_at_4)}"
     shapes = re.findall(r"^# meshddp example 01_ddp: (dp\(\d+\)) x tp\(1\)", err, re.M)
     resumed = re.findall(r"^# resumed from '(.*)' \(step (\d+)\)", err, re.M)
     k = int(resumed_from.split("-")[1])
