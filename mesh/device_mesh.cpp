@@ -100,7 +100,25 @@ DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::str
   store_options.numWorkers = use_agent_store ? std::nullopt : std::optional<size_t>(world_size);
   store_options.waitWorkers = !use_agent_store;
   store_options.timeout = options.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  } catch (const c10::Error& e) {  // c10d's DistNetworkError / DistStoreError: name what to check
+    const std::string where = c10::str("MASTER_ADDR=", host, " MASTER_PORT=", port);
+    std::string cause = e.what_without_backtrace();
+    while (!cause.empty() && (cause.back() == '.' || cause.back() == '\n')) cause.pop_back();
+    TORCH_CHECK(!store_options.isServer, "DeviceMesh::from_env: rank 0 of ", world_size,
+                " cannot serve the TCPStore on ", where, ": ", cause,
+                ". A port in use: pick a free MASTER_PORT (torchrun --standalone picks one). Ranks that did not join: ",
+                "check that they were started with this MASTER_ADDR and MASTER_PORT and can reach this host ",
+                "(docs/launching.md)");
+    TORCH_CHECK(false, "DeviceMesh::from_env: rank ", rank, " of ", world_size, " cannot reach the TCPStore at ", where,
+                use_agent_store ? " (torchrun's agent serves it)" : " (rank 0 serves it)", " within the timeout of ",
+                options.timeout.count(), " ms: ", cause,
+                ". Check that MASTER_ADDR names a host this node can reach (not 127.0.0.1 across machines), that the ",
+                "port is open between the nodes, and that ", use_agent_store ? "the agent" : "rank 0",
+                " is running (docs/launching.md)");
+  }
   if (options.device_type == c10::DeviceType::CUDA && options.device_index < 0) {
     options.device_index = require_int_env("LOCAL_RANK", "this process's GPU index");
   }

@@ -9,6 +9,11 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
 
@@ -98,6 +103,49 @@ TEST(DeviceMesh, FromEnvNamesTheMissingVariable) {
   }
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
   if (saved) setenv("MASTER_PORT", saved_value.c_str(), 1);
+}
+
+// A store that cannot be reached (a wrong MASTER_ADDR, a closed port) or served (a port in use)
+// fails naming MASTER_ADDR and MASTER_PORT and what to check, not only c10d's socket error.
+TEST(DeviceMesh, FromEnvNamesMasterAddrAndPortWhenTheStoreCannotBeReachedOrServed) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  MeshOptions options;
+  options.timeout = std::chrono::milliseconds(1000);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", port.c_str(), 1);
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  try {  // rank 0 serves the store, but the port is taken
+    DeviceMesh::from_env({1, 1}, {"dp", "tp"}, options);
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("DeviceMesh::from_env: rank 0 of 1 cannot serve the TCPStore on MASTER_ADDR=127.0.0.1 "
+                          "MASTER_PORT=" + port));
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("A port in use: pick a free MASTER_PORT"));
+  }
+  close(listener);  // now nothing listens there
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  try {
+    DeviceMesh::from_env({2, 1}, {"dp", "tp"}, options);
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("DeviceMesh::from_env: rank 1 of 2 cannot reach the TCPStore at MASTER_ADDR=127.0.0.1 "
+                          "MASTER_PORT=" + port + " (rank 0 serves it) within the timeout of 1000 ms: "));
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("Check that MASTER_ADDR names a host this node can reach"));
+  }
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
 }
 
 // Ranks that disagree on the mesh shape would wait for different groups' rendezvous until the
