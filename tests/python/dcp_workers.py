@@ -102,3 +102,54 @@ def resume(rank, world_size, directory):
             "vs_own": max((a - b).abs().max().item() for a, b in zip(params_of(ddp), resumed)),
         }
     return out
+
+
+def build_tp(dp, seed):
+    """workers.Block with fc1/fc2 parallelized over "tp" (2 ranks) of a dp x 2 mesh, under ZeRO-1."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from workers import Block
+
+    torch.manual_seed(seed)
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(bucket_bytes=512,
+                                                                               use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=LR, weight_decay=0.01))
+    return ddp, opt, mesh.get_local_rank("dp")
+
+
+def train_tp(ddp, opt, dp_rank, dp, steps):
+    n = 8 // dp
+    for step in steps:
+        ddp.zero_grad_buffer()
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        F.mse_loss(ddp(x[dp_rank * n:(dp_rank + 1) * n]), y[dp_rank * n:(dp_rank + 1) * n]).backward()
+        opt.step()
+    opt.finish_param_sync()
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in ddp.parameters()]
+
+
+def tp_save(rank, world_size, directory):
+    ddp, opt, dp_rank = build_tp(world_size // 2, 0)
+    train_tp(ddp, opt, dp_rank, world_size // 2, range(SAVE_AT))
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=os.path.join(directory, "tp_dcp"))
+    opt.save_checkpoint(os.path.join(directory, "tp_meshddp"))
+    return sorted(opt.state_dict()["state"])
+
+
+def tp_resume(rank, world_size, directory):
+    """At dp = world_size / 2, TP 2: resumed from DCP vs from meshddp's format, the params after CONTINUE steps."""
+    dp = world_size // 2
+    ddp, opt, dp_rank = build_tp(dp, 1)
+    sd = {"model": ddp.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(directory, "tp_dcp"))
+    ddp.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    resumed = train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT, SAVE_AT + CONTINUE))
+    ddp, opt, dp_rank = build_tp(dp, 2)
+    opt.load_checkpoint(os.path.join(directory, "tp_meshddp"))
+    own = train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT, SAVE_AT + CONTINUE))
+    return max((a - b).abs().max().item() for a, b in zip(own, resumed))

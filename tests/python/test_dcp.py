@@ -105,3 +105,11 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     with pytest.raises(RuntimeError, match="parameter '.*' has no 'master' state"):
         sgd_opt.load_state_dict(opt.state_dict())
     assert opt.steps_taken == 0  # nothing was applied
+
+
+def test_with_tp_the_state_keys_name_the_tp_rank_and_reshard_over_dp():
+    """Saved at 2 (DP) x 2 (TP), loaded at 1 x 2: the same params as a resume from meshddp's format."""
+    keys = multiprocess.run_once(4, "dcp_workers.tp_save", directory=_directory.name)
+    assert "fc1.weight@tp0of2" in keys[0] and "fc1.weight@tp1of2" in keys[1] and "norm.weight@tp1of2" in keys[3]
+    for rank, diff in enumerate(multiprocess.run_once(2, "dcp_workers.tp_resume", directory=_directory.name)):
+        assert diff == 0.0, f"rank {rank}: resumed from DCP differs from meshddp's format by {diff}"
