@@ -153,3 +153,16 @@ def tp_resume(rank, world_size, directory):
     opt.load_checkpoint(os.path.join(directory, "tp_meshddp"))
     own = train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT, SAVE_AT + CONTINUE))
     return max((a - b).abs().max().item() for a, b in zip(own, resumed))
+
+
+def one_rank_refuses(rank, world_size):
+    """Rank 1's state dict lacks a param; every rank's load_state_dict must fail, none hang or load."""
+    ddp, opt = build(world_size, 0, "adamw_fp32")
+    sd = opt.state_dict()
+    if rank == 1:
+        del sd["state"]["out.weight"]
+    try:
+        opt.load_state_dict(sd)
+        return None
+    except RuntimeError as e:
+        return str(e)

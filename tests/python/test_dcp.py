@@ -101,6 +101,11 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
                                            r"but 128 in this model"):
         opt.load_state_dict(other_opt.state_dict())
 
+    sd = opt.state_dict()
+    sd["param_groups"][1]["weight_decay"] = None
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['weight_decay'\] must be a finite number >= 0, got None"):
+        opt.load_state_dict(sd)
+
     sgd_ddp, sgd_opt = build(1, 0, "sgd_bf16")
     with pytest.raises(RuntimeError, match="parameter '.*' has no 'master' state"):
         sgd_opt.load_state_dict(opt.state_dict())
@@ -113,3 +118,9 @@ def test_with_tp_the_state_keys_name_the_tp_rank_and_reshard_over_dp():
     assert "fc1.weight@tp0of2" in keys[0] and "fc1.weight@tp1of2" in keys[1] and "norm.weight@tp1of2" in keys[3]
     for rank, diff in enumerate(multiprocess.run_once(2, "dcp_workers.tp_resume", directory=_directory.name)):
         assert diff == 0.0, f"rank {rank}: resumed from DCP differs from meshddp's format by {diff}"
+
+
+def test_when_one_rank_refuses_the_state_dict_every_rank_fails_and_none_loads():
+    errors = multiprocess.run_once(2, "dcp_workers.one_rank_refuses")
+    assert "missing ['out.weight']" in errors[1], errors
+    assert "another rank found the state dict unusable" in errors[0], errors

@@ -113,6 +113,8 @@ def load(opt, state_dict):
         error = None
     except RuntimeError as e:
         plan, error = None, e
+    except Exception as e:  # noqa: BLE001 (a malformed dict: this rank must still take part in the agreement)
+        plan, error = None, _error(f"the state dict is malformed: {type(e).__name__}: {e}")
     # All ranks commit or none does: a rank that stopped here would leave the others in the all-gather.
     device = next(opt.ddp.module.parameters()).device
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
@@ -127,7 +129,7 @@ def load(opt, state_dict):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
     if lr is not None:
-        opt._impl.set_lr(lr)
+        opt._impl.set_lr(float(lr))
     for g, group in enumerate(groups):
         opt._impl.set_group_lr(g, float(group["lr"]))
         opt._impl.set_group_weight_decay(g, float(group["weight_decay"]))
@@ -178,7 +180,16 @@ def _check(opt, state_dict):
     if len(groups) != opt._impl.num_groups():
         raise _error(f"the state dict has {len(groups)} param groups but this optimizer {opt._impl.num_groups()} "
                      f"(the default group, then one per OptimizerConfig.groups rule)")
+    for g, group in enumerate(groups):
+        for field in ("lr", "weight_decay"):
+            value = group.get(field) if isinstance(group, dict) else None
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise _error(f"param_groups[{g}]['{field}'] must be a finite number >= 0, got {value!r}")
     step = state_dict["step"]
     step = int(step.item() if isinstance(step, torch.Tensor) else step)
-    lr = float(state_dict["lr"]) if "lr" in state_dict else None
+    if step < 0:
+        raise _error(f"step must be >= 0, got {step}")
+    lr = state_dict.get("lr")
+    if lr is not None and (not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")):
+        raise _error(f"lr must be a finite number >= 0, got {lr!r}")
     return copies, step, lr, groups
