@@ -10,7 +10,7 @@ step-<N> directory. Everything is checked first, as the C++ loader does (docs/ch
 is checked"): the manifest's checksum and every field, each file's size, header, save id and CRC32C,
 and each piece's checksum (--no-verify skips the CRCs). CRC32C comes from the `crc32c` package (a
 dependency of meshddp, installed by scripts/setup.sh: GB/s), else from a pure-Python fallback
-(~10 MB/s) that warns once. A checkpoint that fails a check gives `error: <file>:
+(~10 MB/s; `pip install crc32c` makes it fast). A checkpoint that fails a check gives `error: <file>:
 <what is wrong>` and exit 1, and no output is written; outputs are written under a temporary name
 and renamed when complete. The output holds the model's params and buffers under their
 module names ("blocks.0.attn.q.weight"), or with --optimizer every tensor under its checkpoint key
@@ -91,8 +91,6 @@ def crc32c(data, crc=0):
     if _crc32c_package is not None:
         return _crc32c_package.crc32c(bytes(data), value=crc)
     if not _TABLE:
-        print("warning: the `crc32c` package is not installed: CRC32C runs in pure Python (~10 MB/s); "
-              "pip install crc32c, or scripts/setup.sh, or --no-verify", file=sys.stderr)
         _TABLE.extend(_crc32c_table())
     table = _TABLE
     crc ^= 0xFFFFFFFF
