@@ -2,14 +2,15 @@
 """Turns a sharded meshddp checkpoint (any DP x TP; docs/checkpoints.md) into one full-model
 safetensors file that a single-process PyTorch model loads with load_state_dict.
 
-    .venv/bin/python scripts/consolidate_checkpoint.py CKPT_DIR OUT.safetensors [--step N]
-        [--optimizer] [--no-verify] [--torch-save OUT.pt]
+    meshddp-consolidate CKPT_DIR OUT.safetensors [--step N] [--optimizer] [--no-verify] [--torch-save OUT.pt]
+    .venv/bin/python scripts/consolidate_checkpoint.py ...     (the same, without installing meshddp)
 
 CKPT_DIR is a save directory (its `latest` complete step is taken, or step-N with --step) or a
 step-<N> directory. Everything is checked first, as the C++ loader does (docs/checkpoints.md, "What
 is checked"): the manifest's checksum and every field, each file's size, header, save id and CRC32C,
-and each piece's checksum (--no-verify skips the CRCs: pure-Python CRC32C runs at ~10 MB/s unless
-the `google-crc32c` package is installed). A checkpoint that fails a check gives `error: <file>:
+and each piece's checksum (--no-verify skips the CRCs). CRC32C comes from the `crc32c` package (a
+dependency of meshddp, installed by scripts/setup.sh: GB/s), else from a pure-Python fallback
+(~10 MB/s; `pip install crc32c` makes it fast). A checkpoint that fails a check gives `error: <file>:
 <what is wrong>` and exit 1, and no output is written; outputs are written under a temporary name
 and renamed when complete. The output holds the model's params and buffers under their
 module names ("blocks.0.attn.q.weight"), or with --optimizer every tensor under its checkpoint key
@@ -79,13 +80,16 @@ def _crc32c_table():
 _TABLE = []
 
 
+try:
+    import crc32c as _crc32c_package  # PyPI `crc32c`: hardware CRC32C (SSE 4.2 / ARMv8), GB/s
+except ImportError:
+    _crc32c_package = None
+
+
 def crc32c(data, crc=0):
     """CRC32C of `data`, continuing from `crc` (as the C++ crc32c(data, n, crc))."""
-    try:
-        import google_crc32c  # noqa: PLC0415
-        return google_crc32c.extend(crc, bytes(data))
-    except ImportError:
-        pass
+    if _crc32c_package is not None:
+        return _crc32c_package.crc32c(bytes(data), value=crc)
     if not _TABLE:
         _TABLE.extend(_crc32c_table())
     table = _TABLE
@@ -493,15 +497,16 @@ def consolidate(directory, step=None, optimizer=False, check_crc=True):
     return out, manifest
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    """The `meshddp-consolidate` command (argv: the arguments, default sys.argv[1:])."""
+    parser = argparse.ArgumentParser(prog="meshddp-consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint")
     parser.add_argument("output")
     parser.add_argument("--step", type=int)
     parser.add_argument("--optimizer", action="store_true", help="also the optimizer state, under checkpoint keys")
     parser.add_argument("--no-verify", action="store_true", help="skip the CRC32C check (sizes and save ids are still checked)")
     parser.add_argument("--torch-save", help="also write a torch.save() state dict here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     written = []  # outputs this run wrote: all removed if a later one fails
     try:
         tensors, manifest = consolidate(args.checkpoint, args.step, args.optimizer, not args.no_verify)

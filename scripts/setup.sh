@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Installs what meshddp needs into a project-local virtualenv (.venv): the PyPI wheel torch==2.11.0,
 # whose LibTorch (headers, libs, CMake config, c10d, torchrun, pybind11) the build uses, plus
-# scikit-build-core (builds the Python package), pytest (its tests) and clang-format (pinned: the
-# style check, scripts/check_format.sh). Idempotent: a ready .venv is
-# reused, and pip's cache (~/.cache/pip) is reused when it is there.
+# scikit-build-core (builds the Python package), pytest (its tests), crc32c (a dependency of the
+# package) and clang-format (pinned: the style check, scripts/check_format.sh). Idempotent: a ready
+# .venv is reused (what it lacks of these is added), and pip's cache (~/.cache/pip) is reused when it
+# is there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MESHDDP_VENV:-$root/.venv}"
 torch_version="2.11.0"
 
-python_tools="scikit-build-core>=0.10 pytest clang-format==19.1.7"
+# crc32c: meshddp's dependency (pyproject.toml), hardware CRC32C for meshddp-consolidate; same pin.
+python_tools="scikit-build-core>=0.10 pytest crc32c==2.9.post0 clang-format==19.1.7"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
   # A .venv from before the Python package: add its build and test tools (never touching torch).
-  { "$venv/bin/python" -c "import scikit_build_core, pytest" 2>/dev/null && "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 19.1.7"; } ||
+  { "$venv/bin/python" -c "import scikit_build_core, pytest, crc32c" 2>/dev/null &&
+    "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 19.1.7"; } ||
     "$venv/bin/python" -m pip install --quiet $python_tools
   exit 0
 fi

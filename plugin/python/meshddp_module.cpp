@@ -4,6 +4,7 @@
 // DTensor params, no_sync()) is in meshddp/*.py.
 #include "mesh/collective_progress.h"
 #include "optimizer/distributed_optimizer.h"
+#include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
 #include "tp/linear_with_grad_in_buffer.h"
 #include "plugin/python/config_bindings.h"
@@ -205,6 +206,24 @@ PYBIND11_MODULE(_C, m) {
             if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
           },
           Release())
+      // ZeRO-1 ownership for DistributedOptimizer.state_dict(): for DP rank `dp_rank` (any, not only
+      // this one: the layout is a pure function of the params, the config and the DP size), per
+      // segment (param name, first element in the flattened local param, numel, the param's numel).
+      // A param lies in one bucket, so each rank owns at most one contiguous range of it.
+      .def("zero1_segments",
+           [](const PythonDdp& d, int64_t dp_rank) {
+             const meshddp::GradBuffer& buffer = d.grad_buffer();
+             TORCH_CHECK(dp_rank >= 0 && dp_rank < buffer.dp_size(), "meshddp: dp_rank ", dp_rank, " is not in [0, ",
+                         buffer.dp_size(), ")");
+             std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> out;
+             for (const auto& shard : meshddp::shard_buckets(buffer.layout(), dp_rank, buffer.dp_size())) {
+               for (const auto& seg : shard.segments) {
+                 const meshddp::NamedParam& p = buffer.params()[seg.param];
+                 out.emplace_back(p.name, seg.param_offset, seg.numel, p.param.numel());
+               }
+             }
+             return out;
+           })
       .def_property_readonly("config", [](const PythonDdp& d) { return d.config(); });  // a copy: read-only
 
   py::class_<DistributedOptimizer, EngineHolder<DistributedOptimizer>>(m, "_DistributedOptimizer")
@@ -225,8 +244,42 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dir"), py::arg("keep_last") = 0, Release())
       .def("load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },
            Release())
+      // DistributedOptimizer.state_dict(): this rank's optimizer state as views (no copies) into its
+      // shards, per segment (state kind: "master" (bf16/fp16 params only: an fp32 param is its own
+      // master), "exp_avg", "exp_avg_sq" or "momentum_buffer"; param name; view; first element in the
+      // flattened local param). Note [What a ZeRO-1 rank saves] in optimizer/checkpoint.cpp.
+      .def("state_pieces",
+           [](DistributedOptimizer& o) {
+             std::vector<std::tuple<std::string, std::string, at::Tensor, int64_t>> out;
+             for (const auto& piece : o.checkpoint_tensors(/*for_save=*/false)) {
+               if (piece.key.rfind("optim/", 0) != 0) continue;
+               const std::string rest = piece.key.substr(6);
+               const size_t slash = rest.find('/');
+               TORCH_INTERNAL_ASSERT(slash != std::string::npos, "checkpoint key '", piece.key, "'");
+               out.emplace_back(rest.substr(0, slash), rest.substr(slash + 1), piece.data, piece.begin);
+             }
+             return out;
+           },
+           Release())
+      // DistributedOptimizer.load_state_dict(), after the state was written into the views of
+      // state_pieces(): the step count, the masters into the param buffer, the param all-gather.
+      .def("finish_state_dict_load",
+           [](DistributedOptimizer& o, int64_t step) {
+             TORCH_CHECK(step >= 0, "meshddp.DistributedOptimizer.load_state_dict: step must be >= 0, got ", step);
+             std::vector<meshddp::CheckpointTensor> wanted = o.checkpoint_tensors(/*for_save=*/false);
+             std::vector<at::Tensor> loaded;
+             for (const auto& piece : wanted) loaded.push_back(piece.data);
+             o.finish_checkpoint_load(wanted, loaded, step);
+           },
+           py::arg("step"), Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
       .def("set_group_lr", &DistributedOptimizer::set_group_lr, py::arg("group"), py::arg("lr"))
+      .def("set_group_weight_decay", &DistributedOptimizer::set_group_weight_decay, py::arg("group"),
+           py::arg("weight_decay"))
+      .def("lr", &DistributedOptimizer::lr)
+      .def("num_groups", &DistributedOptimizer::num_groups)
+      .def("group_lr", &DistributedOptimizer::group_lr, py::arg("group"))
+      .def("group_weight_decay", &DistributedOptimizer::group_weight_decay, py::arg("group"))
       .def("steps_taken", &DistributedOptimizer::steps_taken)
       .def("lr_of", &DistributedOptimizer::lr_of)
       .def("memory", [](const DistributedOptimizer& o) {

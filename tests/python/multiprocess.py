@@ -1,4 +1,4 @@
-"""Runs a function of tests/python/workers.py on N local ranks (spawned processes, Gloo, CPU) and
+"""Runs a function of tests/python/workers.py (or of another module there: "module.function") on N local ranks (spawned processes, Gloo, CPU) and
 returns each rank's result. A rank that fails fails the run with its traceback; collectives time
 out after 120 s instead of hanging."""
 
@@ -23,11 +23,14 @@ def _entry(rank, world_size, port, fn_name, out_dir, backend, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import workers
+    import importlib
+
+    module_name, _, fn_name = fn_name.rpartition(".")
+    module = importlib.import_module(module_name or "workers")
 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        result = getattr(workers, fn_name)(rank, world_size, **kwargs)
+        result = getattr(module, fn_name)(rank, world_size, **kwargs)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
         with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:

@@ -168,6 +168,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.mesh = mesh
         self.dp_dim = dp_dim
         self.tp_dim = tp_dim
+        # For DistributedOptimizer.state_dict() / load_state_dict() (meshddp/_state_dict.py).
+        self._dp_group, self._world_group, self._tp_rank, self._tp_size = dp_group, world or dp_group, tp_rank, tp_size
 
         _check_wrappable(module)
         params, dtensors = [], []

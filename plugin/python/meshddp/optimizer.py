@@ -6,7 +6,7 @@ import os
 import warnings
 import weakref
 
-from meshddp import _C
+from meshddp import _C, _state_dict
 from meshddp.ddp import DistributedDataParallel
 
 
@@ -79,6 +79,24 @@ class DistributedOptimizer:
     def load_checkpoint(self, directory):
         """Loads a checkpoint saved at this or another DP size, then all-gathers params."""
         self._impl.load_checkpoint(os.fspath(directory))
+
+    def state_dict(self):
+        """This rank's optimizer state in the form torch.distributed.checkpoint saves and reshards across DP
+        sizes: {"state": {param: {"exp_avg", "exp_avg_sq" | "momentum_buffer", "master" (bf16/fp16 params)}},
+        "step", "lr", "param_groups"}, each state a ShardedTensor over the flattened param whose local shard is
+        a view (no copy) of this rank's ZeRO-1 range of it. A freshly built optimizer's dict already holds
+        every tensor, so dcp.load(sd) fills the optimizer in place; then call load_state_dict(sd). Save and
+        load it with the model's: {"model": ddp.state_dict(), "optim": opt.state_dict()} (an fp32 param is its
+        own master). With TP > 1 the keys name the TP rank: reshards over DP, at the same TP size.
+        Note [The optimizer state for DCP] in meshddp/_state_dict.py; docs/checkpoints.md."""
+        return _state_dict.build(self)
+
+    def load_state_dict(self, state_dict):
+        """Applies a state_dict() filled by torch.distributed.checkpoint.load (at any DP size): checks it all
+        (names the parameter and state that is missing or shaped otherwise) before changing anything, then
+        the state, the step count, the learning rates; writes the masters into the params and all-gathers
+        them (a collective over the mesh). Training then continues as if never stopped."""
+        _state_dict.load(self, state_dict)
 
     @property
     def steps_taken(self):

@@ -1,0 +1,126 @@
+"""meshddp.DistributedOptimizer.state_dict() / load_state_dict() with torch.distributed.checkpoint:
+saved at 2 DP ranks, loaded at 1 and at 4 (Gloo, CPU, spawned processes), training continues; and,
+in this process, a fresh optimizer's state dict and the errors on a state dict that does not fit.
+
+Tolerances: resumed from DCP vs resumed from meshddp's own checkpoint format at the same size: the
+same state and the same arithmetic, so bit-identical (0). Resumed vs the uninterrupted run at that
+size: the first SAVE_AT steps ran at 2 ranks instead of 1 or 4, whose reductions add in another order
+(ZeRO-1 vs one-process AdamW differs by <= 3.7e-8 after 10 steps: test_ddp_vs_torch.py). fp32 AdamW:
+params and losses within 1e-6 (measured <= 3e-8 and <= 1.2e-7); bf16 SGD: a bf16 param may land one
+ulp away (2^-9 at |p| < 0.5: 2e-3), and the losses follow (measured <= 4.9e-4 and <= 1.5e-4).
+"""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import meshddp
+import multiprocess
+from dcp_workers import CONTINUE, LR, SAVE_AT, VARIANTS, Net, build, train
+
+TOL = {"adamw_fp32": 1e-6, "sgd_bf16": 2e-3}
+
+_directory = tempfile.TemporaryDirectory()
+
+
+def saved():
+    return multiprocess.run_once(2, "dcp_workers.save", directory=_directory.name)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_saved_at_two_ranks_resumes_at_another_size_as_if_never_stopped(world_size, variant):
+    save_losses = saved()[0][variant]
+    results = multiprocess.run_once(world_size, "dcp_workers.resume", directory=_directory.name)
+    for rank, r in enumerate(results):
+        r = r[variant]
+        print(f"[{variant} at {world_size}, rank {rank}: vs uninterrupted {r['vs_full']:.3g}, "
+              f"vs meshddp format {r['vs_own']:.3g}, losses {r['dcp_losses']} vs {r['full_losses'][SAVE_AT:]}]")
+        assert r["loaded"] == {"steps_taken": SAVE_AT, "lr": LR / 2, "bias_wd": 0.0}, r["loaded"]
+        assert r["vs_own"] == 0.0, f"rank {rank}: DCP and meshddp's own format resume differently: {r['vs_own']}"
+        assert r["dcp_losses"] == r["own_losses"]
+        assert r["vs_full"] <= TOL[variant], f"rank {rank}: params differ from the uninterrupted run by {r['vs_full']}"
+        assert len(r["dcp_losses"]) == CONTINUE
+        for a, b in zip(save_losses + r["dcp_losses"], r["full_losses"]):
+            assert abs(a - b) <= TOL[variant], (save_losses + r["dcp_losses"], r["full_losses"])
+
+
+def test_a_fresh_optimizer_state_dict_holds_every_tensor_and_round_trips(mesh, tmp_path):
+    ddp, opt = build(1, 0, "adamw_fp32")
+    fresh = opt.state_dict()
+    names = [n for n, _ in ddp.named_parameters()]
+    assert sorted(fresh["state"]) == sorted(names)
+    for name, p in ddp.named_parameters():
+        assert set(fresh["state"][name]) == {"exp_avg", "exp_avg_sq"}
+        for t in fresh["state"][name].values():
+            assert tuple(t.size()) == (p.numel(),) and t.local_shards()[0].tensor.abs().max().item() == 0.0
+    assert fresh["step"].item() == 0
+    train(ddp, opt, 0, 1, range(3))
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path))
+    saved_state = {(n, k): t.local_shards()[0].tensor.clone() for n, d in opt.state_dict()["state"].items()
+                   for k, t in d.items()}
+
+    ddp2, opt2 = build(1, 1, "adamw_fp32")
+    sd = {"model": ddp2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path))  # in place: the optimizer's own tensors
+    for (n, k), t in saved_state.items():
+        assert torch.equal(opt2.state_dict()["state"][n][k].local_shards()[0].tensor, t), (n, k)
+    ddp2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    assert opt2.steps_taken == 3 and opt2._impl.lr() == LR / 2
+    # Applying a state dict without DCP (same DP size) copies it in.
+    ddp3, opt3 = build(1, 2, "adamw_fp32")
+    ddp3.load_state_dict(ddp.state_dict())
+    opt3.load_state_dict(opt.state_dict())
+    losses = [train(d, o, 0, 1, range(3, 5)) for d, o in ((ddp, opt), (ddp2, opt2), (ddp3, opt3))]
+    assert losses[0] == losses[1] == losses[2], losses
+
+
+def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
+    ddp, opt = build(1, 0, "adamw_fp32")
+    sd = opt.state_dict()
+    del sd["state"]["hidden.weight"]
+    with pytest.raises(RuntimeError, match=r"load_state_dict: .*missing \['hidden.weight'\]"):
+        opt.load_state_dict(sd)
+
+    sd = opt.state_dict()
+    del sd["state"]["out.bias"]["exp_avg_sq"]
+    with pytest.raises(RuntimeError, match="parameter 'out.bias' has no 'exp_avg_sq' state"):
+        opt.load_state_dict(sd)
+
+    # Another model: hidden is 16 x 12 there.
+    torch.manual_seed(0)
+    other = Net()
+    other.hidden = torch.nn.Linear(16, 12)
+    other.out = torch.nn.Linear(12, 8)
+    other_ddp = meshddp.DistributedDataParallel(other, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
+    other_opt = meshddp.DistributedOptimizer(other_ddp, meshddp.OptimizerConfig(groups=[("*.bias", None, 0.0)]))
+    with pytest.raises(RuntimeError, match=r"parameter 'out.weight' 'exp_avg' has 96 elements in the state dict "
+                                           r"but 128 in this model"):
+        opt.load_state_dict(other_opt.state_dict())
+
+    sd = opt.state_dict()
+    sd["param_groups"][1]["weight_decay"] = None
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['weight_decay'\] must be a finite number >= 0, got None"):
+        opt.load_state_dict(sd)
+
+    sgd_ddp, sgd_opt = build(1, 0, "sgd_bf16")
+    with pytest.raises(RuntimeError, match="parameter '.*' has no 'master' state"):
+        sgd_opt.load_state_dict(opt.state_dict())
+    assert opt.steps_taken == 0  # nothing was applied
+
+
+def test_with_tp_the_state_keys_name_the_tp_rank_and_reshard_over_dp():
+    """Saved at 2 (DP) x 2 (TP), loaded at 1 x 2: the same params as a resume from meshddp's format."""
+    keys = multiprocess.run_once(4, "dcp_workers.tp_save", directory=_directory.name)
+    assert "fc1.weight@tp0of2" in keys[0] and "fc1.weight@tp1of2" in keys[1] and "norm.weight@tp1of2" in keys[3]
+    for rank, diff in enumerate(multiprocess.run_once(2, "dcp_workers.tp_resume", directory=_directory.name)):
+        assert diff == 0.0, f"rank {rank}: resumed from DCP differs from meshddp's format by {diff}"
+
+
+def test_when_one_rank_refuses_the_state_dict_every_rank_fails_and_none_loads():
+    errors = multiprocess.run_once(2, "dcp_workers.one_rank_refuses")
+    assert "missing ['out.weight']" in errors[1], errors
+    assert "another rank found the state dict unusable" in errors[0], errors

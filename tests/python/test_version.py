@@ -1,0 +1,92 @@
+"""meshddp.__version__ (CMake's project version), the torch it was built against and the check at
+import (a copy of the built package whose recorded torch is faked, imported in a subprocess), and the
+`meshddp-consolidate` command with the `crc32c` package."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+import meshddp
+from meshddp import consolidate
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_the_version_is_cmakes_project_version_read_the_way_pyproject_reads_it():
+    settings = pyproject()["tool"]["scikit-build"]["metadata"]["version"]
+    assert settings["input"] == "CMakeLists.txt" and "version" in pyproject()["project"]["dynamic"]
+    with open(os.path.join(ROOT, settings["input"])) as f:
+        version = re.search(settings["regex"], f.read(), re.MULTILINE).group("value")
+    assert meshddp.__version__ == version, (meshddp.__version__, version)
+
+
+def test_the_recorded_torch_is_the_one_this_build_compiled_against():
+    assert meshddp.built_with_torch == torch.__version__
+
+
+def import_with_recorded_torch(tmp_path, built):
+    """`import meshddp` in a subprocess, from a copy of this package whose _version.py says it was
+    built against torch `built`."""
+    package = os.path.dirname(meshddp.__file__)
+    copy = tmp_path / "meshddp"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (copy / "_version.py").read_text()
+    (copy / "_version.py").write_text(re.sub(r'built_with_torch = "[^"]*"', f'built_with_torch = "{built}"', text))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    return subprocess.run([sys.executable, "-c", "import meshddp; print(meshddp.__version__)"], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("built", ["2.10.0+cu130", "3.11.0"])
+def test_a_torch_of_another_major_minor_is_refused_at_import_saying_how_to_rebuild(tmp_path, built):
+    r = import_with_recorded_torch(tmp_path, built)
+    assert r.returncode != 0, r.stdout
+    running = torch.__version__
+    assert (f"ImportError: meshddp {meshddp.__version__} was built against torch {built}, but torch {running} is "
+            f"running") in r.stderr, r.stderr
+    assert "pip install --no-build-isolation --force-reinstall --no-deps ." in r.stderr, r.stderr
+    assert "undefined symbol" not in r.stderr
+
+
+def test_another_patch_release_of_the_same_minor_is_accepted(tmp_path):
+    major, minor = torch.__version__.split(".")[:2]
+    r = import_with_recorded_torch(tmp_path, f"{major}.{minor}.9")
+    assert r.returncode == 0 and r.stdout.strip() == meshddp.__version__, r.stderr
+
+
+def test_meshddp_consolidate_is_the_consolidation_script_as_a_console_entry_point(mesh, tmp_path):
+    assert pyproject()["project"]["scripts"]["meshddp-consolidate"] == "meshddp.consolidate:main"
+    with open(os.path.join(ROOT, "scripts", "consolidate_checkpoint.py")) as f:
+        assert open(consolidate.__file__).read() == f.read(), "meshddp/consolidate.py is the script, copied by CMake"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp)
+    opt.save_checkpoint(tmp_path / "ckpt")
+    consolidate.main([str(tmp_path / "ckpt"), str(tmp_path / "full.safetensors")])
+    full = consolidate.load_safetensors(str(tmp_path / "full.safetensors"))
+    assert sorted(full) == sorted(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(full[name], value), name
+
+
+def test_crc32c_comes_from_the_crc32c_package_and_the_fallback_agrees(monkeypatch):
+    assert consolidate._crc32c_package is not None, (
+        "the `crc32c` package (a dependency of meshddp, pyproject.toml) is not installed in this Python: "
+        "run scripts/setup.sh, or pip install crc32c==2.9.post0")
+    data = bytes(range(256)) * 40
+    fast = [consolidate.crc32c(b"123456789"), consolidate.crc32c(data[100:], consolidate.crc32c(data[:100]))]
+    monkeypatch.setattr(consolidate, "_crc32c_package", None)
+    slow = [consolidate.crc32c(b"123456789"), consolidate.crc32c(data[100:], consolidate.crc32c(data[:100]))]
+    assert fast == slow == [0xE3069283, consolidate.crc32c(data)], (fast, slow)  # 0xE3069283: CRC-32C's check value
