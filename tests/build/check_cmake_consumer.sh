@@ -2,8 +2,8 @@
 # The C++ package as a user gets it: install the build tree into a fresh prefix, configure and build
 # examples/04_cmake_consumer (its own project: find_package(meshddp CONFIG REQUIRED)) against that
 # prefix only, and run it on 2 ranks under torchrun; it checks its params against a one-process
-# golden every step. Then a consumer pointed at a torch of another version is refused at configure
-# time, naming both versions.
+# golden every step. Then a consumer pointed at a torch of another major.minor is refused at configure
+# time, naming both versions, and one of another patch release is accepted.
 # Usage: check_cmake_consumer.sh <source dir> <build dir> <python of the venv holding torch> <work dir>
 set -euo pipefail
 src="$1" build="$2" python="$3" work="$4"
@@ -31,3 +31,13 @@ if cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer_other" -DCMAKE_
 fi
 grep -q "holds torch 9.9.9" "$work/other.log" || { cat "$work/other.log"; exit 1; }
 echo "a torch of another version is refused at configure time: $(grep -o 'meshddp was built against torch [^,]*' "$work/other.log" | head -1)"
+
+# The same major.minor with another patch release is accepted (configure only): a copy of the torch
+# dir made of links, with its own version.py.
+real_torch="$("$python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
+mkdir -p "$work/patch_torch"
+for f in "$real_torch"/*; do [ "$(basename "$f")" = version.py ] || ln -s "$f" "$work/patch_torch/"; done
+echo "__version__ = '2.11.9'" > "$work/patch_torch/version.py"
+cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer_patch" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      -DMESHDDP_TORCH_DIR="$work/patch_torch" > "$work/patch.log" 2>&1 || { cat "$work/patch.log"; exit 1; }
+echo "a torch of the same major.minor (2.11.9) is accepted"
