@@ -10,9 +10,13 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string_view>
+#include <utility>
 
 #ifdef MESHDDP_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -44,23 +48,35 @@ int64_t require_int_env(const char* name, const char* what) {
 // groups' rendezvous until the store timeout (10 minutes) and then name neither shape. So before
 // any group exists, every rank compares its shape with rank 0's through the store and then meets
 // the others at a store barrier; if any rank differs, every rank fails at once naming both shapes.
-// A per-rank call counter keys each mesh built on the same store and prefix apart.
-void agree_on_mesh_shape(c10d::Store& store, const std::string& prefix, int64_t rank, int64_t world_size,
-                         const std::string& shape) {
-  const int64_t generation = store.add(prefix + "/mesh_shape/calls/" + std::to_string(rank), 1);
-  const std::string base = prefix + "/mesh_shape/" + std::to_string(generation) + "/";
-  if (rank == 0) store.set(base + "rank0", shape);
+// A per-rank call counter keys each mesh built on the same store and prefix apart. group_of() checks
+// its groups the same way (agree_through_store, under a key of its own).
+void agree_through_store(c10d::Store& store, const std::string& prefix, int64_t rank, int64_t world_size,
+                         const std::string& value, const std::string& what, const std::string& advice) {
+  const int64_t generation = store.add(prefix + "/calls/" + std::to_string(rank), 1);
+  const std::string base = prefix + "/" + std::to_string(generation) + "/";
+  if (rank == 0) store.set(base + "rank0", value);
   store.wait({base + "rank0"});
   const auto ref_bytes = store.get(base + "rank0");
   const std::string ref(ref_bytes.begin(), ref_bytes.end());
-  if (ref != shape) store.set(base + "mismatch", "rank " + std::to_string(rank) + " has " + shape);
+  if (ref != value) store.set(base + "mismatch", "rank " + std::to_string(rank) + " has " + value);
   if (store.add(base + "arrived", 1) == world_size) store.set(base + "all_arrived", "1");
   store.wait({base + "all_arrived"});
   if (!store.check({base + "mismatch"})) return;
   const auto bytes = store.get(base + "mismatch");
-  TORCH_CHECK(false, "DeviceMesh: the ranks disagree on the mesh shape: rank 0 has ", ref, ", ",
-              std::string(bytes.begin(), bytes.end()), " (this is rank ", rank, ": ", shape,
-              "). Give every rank the same sizes and dim names");
+  TORCH_CHECK(false, "DeviceMesh: the ranks disagree on ", what, ": rank 0 has ", ref, ", ",
+              std::string(bytes.begin(), bytes.end()), " (this is rank ", rank, ": ", value, "). ", advice);
+}
+
+void agree_on_mesh_shape(c10d::Store& store, const std::string& prefix, int64_t rank, int64_t world_size,
+                         const std::string& shape) {
+  agree_through_store(store, prefix + "/mesh_shape", rank, world_size, shape, "the mesh shape",
+                      "Give every rank the same sizes and dim names");
+}
+
+std::string describe_rank_groups(const RankGroups& groups) {
+  std::string out;
+  for (const auto& group : groups) out += "[" + describe_ranks(group) + "]";
+  return out;
 }
 
 // Note [CUDA device of a rank]
@@ -82,6 +98,26 @@ c10::Device cuda_device_of_rank(int64_t requested, int64_t rank) {
 }
 
 }  // namespace
+
+// Note [Groups made on demand]
+// Groups beyond the per-dim ones (flattened dims, expert parallel, optimizer instances) are made when
+// first asked for, over the mesh's store, each under its own key (store_prefix + "/derived/" +
+// "<name>/ranks=..."), with a Gloo backend for CPU tensors like every mesh group, NCCL for CUDA
+// tensors on a CUDA mesh (split from the world group when the mesh splits), a progress record, and a
+// warm-up all-reduce. Every rank of the mesh takes part in each first request, in the same order:
+// the ranks first check through the store that they all pass the same groups (agree_through_store;
+// ranks asking for different groups would otherwise wait at different rendezvous until the timeout),
+// which is a barrier over the whole mesh, and an NCCL split is collective over the world group
+// anyway. A group is made once: later requests with the same name and groups return it. A mesh from
+// from_groups() makes them over its world group's store, without progress records or NCCL splits.
+struct DeviceMesh::DerivedGroups {
+  c10::intrusive_ptr<c10d::Store> store;  // null: no store to make groups over
+  MeshOptions options;
+  bool nccl_split = false;     // split CUDA groups from the world group (Note [NCCL communicator set-up])
+  bool record_progress = false;  // register each group for stuck reports (meshes from a store)
+  std::mutex mutex;
+  std::map<std::string, std::pair<RankGroups, c10::intrusive_ptr<c10d::ProcessGroup>>> by_name;
+};
 
 DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options) {
   const int64_t rank = require_int_env("RANK", "this process's global rank");
@@ -180,8 +216,13 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
     if (!world) make_world();
     warm_up(*world, "the warm-up of the mesh's world group");
   }
-  return from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type, std::move(world),
-                     device.has_index() ? device.index() : -1);
+  DeviceMesh mesh = from_groups(std::move(sizes), std::move(names), rank, std::move(groups), options.device_type,
+                                std::move(world), device.has_index() ? device.index() : -1);
+  mesh.derived_->store = store;
+  mesh.derived_->options = options;
+  mesh.derived_->nccl_split = split;
+  mesh.derived_->record_progress = true;
+  return mesh;
 }
 
 DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::string> names, int64_t rank,
@@ -221,6 +262,16 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   if (world) ensure_cpu_backend(*world, "DeviceMesh::from_groups (the world group)");
   mesh.groups_ = std::move(groups_by_dim);
   mesh.world_ = std::move(world);
+  mesh.derived_ = std::make_shared<DerivedGroups>();
+  mesh.derived_->options.device_type = device_type;
+  if (mesh.world_) {
+    mesh.derived_->store = mesh.world_->getStore();
+    try {  // the world group's own timeout where its backend says it (NCCL and Gloo do)
+      mesh.derived_->options.timeout = mesh.world_->getDefaultBackend()->getBackendOptions()->timeout;
+    } catch (const c10::Error&) {
+      // A backend without getBackendOptions(): keep MeshOptions' default.
+    }
+  }
   return mesh;
 }
 
@@ -234,6 +285,69 @@ int64_t DeviceMesh::coordinate(std::string_view dim) const { return coords_[mesh
 
 std::vector<int64_t> DeviceMesh::group_ranks(std::string_view dim) const {
   return mesh_group_ranks(rank_, sizes_, mesh_dim_index(names_, dim));
+}
+
+std::vector<int64_t> DeviceMesh::flattened_ranks(const std::vector<std::string>& dims) const {
+  return flattened_group_ranks(rank_, sizes_, names_, dims);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> DeviceMesh::flattened(const std::vector<std::string>& dims) const {
+  const auto indices = mesh_dim_subset(names_, dims);
+  // Dims of size 1 change neither the members nor their order: a group over one dim of size > 1 is
+  // that dim's group, one over every dim of size > 1 the world group.
+  std::vector<int64_t> wide;
+  for (int64_t d : indices) {
+    if (sizes_[d] > 1) wide.push_back(d);
+  }
+  if (wide.size() <= 1) return groups_[wide.empty() ? indices.front() : wide.front()];
+  const auto mesh_wide = std::count_if(sizes_.begin(), sizes_.end(), [](int64_t s) { return s > 1; });
+  if (static_cast<int64_t>(wide.size()) == mesh_wide && world_) return world_;
+  return group_of(flattened_dims_name(dims), flattened_groups(sizes_, names_, dims));
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> DeviceMesh::group_of(const std::string& name, const RankGroups& groups) const {
+  TORCH_CHECK(!name.empty(), "DeviceMesh::group_of: the group name is empty; name the groups (e.g. \"ep\")");
+  TORCH_INTERNAL_ASSERT(derived_, "DeviceMesh::group_of on a mesh that was not built by from_store/from_groups");
+  std::lock_guard<std::mutex> lock(derived_->mutex);
+  const auto known = derived_->by_name.find(name);
+  if (known != derived_->by_name.end()) {
+    TORCH_CHECK(known->second.first == groups, "DeviceMesh::group_of: the name '", name, "' already names the groups ",
+                describe_rank_groups(known->second.first), ", not ", describe_rank_groups(groups),
+                "; give these groups another name");
+    return known->second.second;
+  }
+  TORCH_CHECK(derived_->store, "DeviceMesh::group_of: this mesh (", describe(), ") was built by from_groups() ",
+              "without a world group that has a store, so it cannot make the groups '", name, "'; pass a world group ",
+              "to from_groups(), or build the mesh with from_store() or from_env()");
+  agree_through_store(*derived_->store, derived_->options.store_prefix + "/derived_agreement/" + name, rank_,
+                      world_size_, describe_rank_groups(groups), "the groups named '" + name + "'",
+                      "Make every rank ask for the same groups, in the same order");
+  validate_rank_groups(groups, world_size_, name);  // after the agreement: the same verdict on every rank
+  auto group = make_derived_group(name, group_containing(groups, rank_, name));
+  derived_->by_name.emplace(name, std::make_pair(groups, group));
+  return group;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> DeviceMesh::make_derived_group(const std::string& name,
+                                                                      const std::vector<int64_t>& ranks) const {
+  const DerivedGroups& derived = *derived_;
+  const auto& store = derived.store;
+  const std::string key = derived.options.store_prefix + "/derived/" + mesh_group_key(name, ranks);
+  const auto group_rank = std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin();
+  TORCH_INTERNAL_ASSERT(group_rank < static_cast<int64_t>(ranks.size()), "rank ", rank_, " not in ", key);
+  const NcclSetup nccl = derived.nccl_split
+                             ? NcclSetup{device_.has_index() ? device_.index() : -1, world_, static_cast<int>(ranks.front())}
+                             : NcclSetup{};
+  auto group = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(group_rank),
+                                  static_cast<int>(ranks.size()), derived.options.device_type, derived.options.timeout,
+                                  key, nccl);
+  if (derived.record_progress) {
+    register_collective_progress(group, c10::make_intrusive<c10d::PrefixStore>(key + "/progress", store), ranks,
+                                 derived.options.stuck_report_after, derived.options.timeout);
+  }
+  all_reduce_sum_now(*group, at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device_)),
+                     "the warm-up of the mesh's group '" + name + "' (ranks " + describe_ranks(ranks) + ")");
+  return group;
 }
 
 std::string DeviceMesh::describe() const {

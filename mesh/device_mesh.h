@@ -1,13 +1,18 @@
 // DeviceMesh: an N-D grid of ranks with named dims (row-major, last dim innermost) that gives this
-// rank its coordinates and one c10d process group per dim. Gloo groups for CPU meshes, NCCL for
-// CUDA meshes. It builds groups only; collectives go through mesh/collectives.h.
+// rank its coordinates, one c10d process group per dim, and on demand the groups over flattened sets
+// of dims (DP x CP) or any partition of its ranks (expert parallel, optimizer instances:
+// mesh/reduction_groups.h). Gloo groups for CPU meshes, NCCL for CUDA meshes. It builds groups only;
+// collectives go through mesh/collectives.h.
 #pragma once
+
+#include "mesh/reduction_groups.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -73,13 +78,34 @@ class DeviceMesh {
   const std::vector<int64_t>& coordinates() const { return coords_; }
   // Global ranks of this rank's group along `dim`, in group-rank order.
   std::vector<int64_t> group_ranks(std::string_view dim) const;
+  // This rank's group over the flattened `dims` (torch's mesh["dp", "cp"]._flatten()), its ranks in
+  // flattened_ranks(dims) order: what a parameter replicated over those dims is reduced over. One
+  // dim: that dim's group (mesh[dim]); every dim: world(). Otherwise made at the first call for
+  // these dims and cached; copies of the mesh share the cache. Throws on bad dims (unknown,
+  // repeated, not in mesh order). The first call for a set of dims is collective over the whole
+  // mesh (Note [Groups made on demand] in device_mesh.cpp): every rank makes it, in the same order.
+  c10::intrusive_ptr<c10d::ProcessGroup> flattened(const std::vector<std::string>& dims) const;
+  // Global ranks of this rank's group over the flattened `dims`, in group-rank order.
+  std::vector<int64_t> flattened_ranks(const std::vector<std::string>& dims) const;
+  // This rank's group out of `groups`, a partition of the mesh's ranks (e.g.
+  // expert_parallel_groups(), optimizer_instance_groups() of mesh/reduction_groups.h) that `name`
+  // names (e.g. "ep"): made at the first call with that name, cached after. Collective at the first
+  // call like flattened(); every rank must pass the same `groups` (checked: a mismatch fails on every
+  // rank naming rank 0's groups and the differing rank's). Throws if `groups` is not a partition of
+  // the mesh's ranks, if `name` was used before with other groups, or if the mesh has no store to make
+  // groups over (from_groups() without a world group that has one).
+  c10::intrusive_ptr<c10d::ProcessGroup> group_of(const std::string& name, const RankGroups& groups) const;
   // Device this rank computes on: CPU, or cuda:<index> for CUDA meshes (MeshOptions::device_index).
   c10::Device device() const { return device_; }
   // "dp(2) x tp(2), rank 3 at (dp=1, tp=1)".
   std::string describe() const;
 
  private:
+  struct DerivedGroups;  // the store and options to make groups with, and the groups made (device_mesh.cpp)
   DeviceMesh() = default;
+  // This rank's group of `ranks` (which hold this rank), made over the store and warmed up.
+  c10::intrusive_ptr<c10d::ProcessGroup> make_derived_group(const std::string& name,
+                                                            const std::vector<int64_t>& ranks) const;
   std::vector<int64_t> sizes_;
   std::vector<std::string> names_;
   std::vector<int64_t> coords_;
@@ -88,6 +114,7 @@ class DeviceMesh {
   c10::Device device_{c10::DeviceType::CPU};
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   c10::intrusive_ptr<c10d::ProcessGroup> world_;
+  std::shared_ptr<DerivedGroups> derived_;
 };
 
 }  // namespace meshddp
