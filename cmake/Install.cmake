@@ -14,6 +14,9 @@ foreach(_lib IN LISTS _meshddp_libs)
 endforeach()
 set_target_properties(meshddp_torch PROPERTIES EXPORT_NAME torch)
 
+# The headers are C++20: a consumer linking any meshddp target gets at least that.
+target_compile_features(meshddp_torch INTERFACE cxx_std_20)
+
 # meshddp::meshddp: the whole public API in one target (what a consumer links).
 add_library(meshddp_meshddp INTERFACE)
 add_library(meshddp::meshddp ALIAS meshddp_meshddp)
@@ -42,9 +45,11 @@ set(MESHDDP_TORCH_LINK_LIBRARIES "")
 if(NOT MESHDDP_WITH_CUDA)
   set(MESHDDP_TORCH_LINK_LIBRARIES "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so;${MESHDDP_TORCH_DIR}/lib/libc10.so")
 endif()
+set(MESHDDP_INSTALL_INCLUDEDIR "${CMAKE_INSTALL_INCLUDEDIR}")  # relative or absolute (PATH_VARS handles both)
 configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/meshddpConfig.cmake.in"
                               "${PROJECT_BINARY_DIR}/meshddpConfig.cmake"
-                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
+                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp
+                              PATH_VARS MESHDDP_INSTALL_INCLUDEDIR)
 write_basic_package_version_file("${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES "${PROJECT_BINARY_DIR}/meshddpConfig.cmake" "${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"
