@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Installs what meshddp needs into a project-local virtualenv (.venv): the PyPI wheel torch==2.11.0,
-# whose LibTorch (headers, libs, CMake config, c10d, torchrun, pybind11) the build uses, plus
+# whose LibTorch (headers, libs, CMake config, c10d, torchrun, pybind11) the build uses, the PyPI
+# package nlohmann-json==3.12.0 (the JSON headers checkpoint/ uses: cmake/JsonFromWheel.cmake), plus
 # scikit-build-core (builds the Python package) and pytest (its tests). Idempotent: a ready .venv is
 # reused, and pip's cache (~/.cache/pip) is reused when it is there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MESHDDP_VENV:-$root/.venv}"
 torch_version="2.11.0"
+json_version="3.12.0"
 
-python_tools="scikit-build-core>=0.10 pytest"
+python_tools="scikit-build-core>=0.10 pytest nlohmann-json==$json_version"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
-  # A .venv from before the Python package: add its build and test tools (never touching torch).
-  "$venv/bin/python" -c "import scikit_build_core, pytest" 2>/dev/null || "$venv/bin/python" -m pip install --quiet $python_tools
+  # A .venv from before the Python package or the JSON headers: add what is missing (never touching torch).
+  "$venv/bin/python" -c "import scikit_build_core, pytest, sys; from importlib.metadata import version; sys.exit(version('nlohmann-json') != '$json_version')" 2>/dev/null ||
+    "$venv/bin/python" -m pip install --quiet $python_tools
   exit 0
 fi
 echo "[setup] creating $venv with torch==$torch_version (first run only; a few minutes)" >&2
