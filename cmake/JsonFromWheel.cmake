@@ -6,10 +6,12 @@
 set(MESHDDP_JSON_VERSION "3.12.0")
 if(NOT MESHDDP_JSON_INCLUDE_DIR)
   execute_process(
-    COMMAND "${MESHDDP_PYTHON}" -c "import nlohmann_json, os; print(os.path.join(os.path.dirname(nlohmann_json.__file__), 'include'))"
+    # find_spec, not import: the package's __init__ needs importlib_resources, which an offline
+    # install (scripts/gpu_check.sh) leaves out; only the headers are wanted.
+    COMMAND "${MESHDDP_PYTHON}" -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('nlohmann_json').submodule_search_locations[0], 'include'))"
     OUTPUT_VARIABLE _json_include OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _json_rc ERROR_QUIET)
   if(NOT _json_rc EQUAL 0)
-    message(FATAL_ERROR "meshddp: '${MESHDDP_PYTHON} -c \"import nlohmann_json\"' failed: the PyPI package "
+    message(FATAL_ERROR "meshddp: '${MESHDDP_PYTHON}' finds no package nlohmann_json: the PyPI package "
                         "nlohmann-json==${MESHDDP_JSON_VERSION} is missing. Run scripts/setup.sh (it installs it), or "
                         "pass -DMESHDDP_JSON_INCLUDE_DIR=<a directory holding nlohmann/json.hpp ${MESHDDP_JSON_VERSION}>.")
   endif()
