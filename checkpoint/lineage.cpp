@@ -1,7 +1,6 @@
 #include "checkpoint/lineage.h"
 
 #include "checkpoint/manifest.h"
-#include "checkpoint/json_value.h"
 #include "checkpoint/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -50,11 +49,11 @@ std::string real_path(const std::string& dir) {
 // written before the record existed.
 std::optional<std::string> recorded_parent(const std::string& dir, int64_t step) {
   const std::string path = dir + "/" + step_name(step) + "/" + kManifest;
-  const JsonValue manifest = JsonValue::parse(read_file(path, kMaxManifestBytes, "manifest"), "'" + path + "'");
-  if (!manifest.has("parent")) return std::nullopt;
-  const JsonValue& parent = manifest.at("parent", path);
+  const Json manifest = parse_json(read_file(path, kMaxManifestBytes, "manifest"), "'" + path + "'");
+  if (!manifest.contains("parent")) return std::nullopt;
+  const Json& parent = json_at(manifest, "parent", path);
   if (parent.is_null()) return std::string();
-  const std::string& name = parent.as_string(path + ": parent");
+  const std::string& name = json_string(parent, path + ": parent");
   TORCH_CHECK(checkpoint_step_of(name) >= 0, "checkpoint: '", path, "' names parent '", name,
               "', which is not a step directory name: the manifest is damaged");
   return name;

@@ -16,7 +16,7 @@
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
-#include "checkpoint/json_value.h"
+#include "checkpoint/json.h"
 
 #include <cstdint>
 #include <map>
@@ -63,7 +63,7 @@ struct Manifest {
   int64_t step = 0;
   int64_t world_size = 1, dp_size = 1, tp_size = 1;
   CheckpointValues values;
-  JsonValue optimizer;  // null, or {"kind": "adamw" | "sgd", "step": >= 0}
+  Json optimizer;  // null, or {"kind": "adamw" | "sgd", "step": >= 0}
   std::map<std::string, ManifestFile> files;      // exactly checkpoint_file_name(0 .. world_size - 1)
   std::map<std::string, ManifestTensor> tensors;
 };
@@ -73,7 +73,7 @@ struct Manifest {
 Manifest parse_manifest(const std::string& text, const std::string& path);
 
 // `manifest` (a JSON object without manifest_crc32c) as the text to write, with its checksum.
-std::string manifest_text(const JsonValue& manifest);
+std::string manifest_text(const Json& manifest);
 
 // The checksum of a piece whose bytes have CRC32C `data_crc` (Note [Manifest and piece checksums]).
 // `tensor`'s dtype, shape, dim and tp_size and `piece`'s tp_rank, begin and end are covered.

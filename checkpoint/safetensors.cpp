@@ -1,6 +1,6 @@
 #include "checkpoint/safetensors.h"
 
-#include "checkpoint/json_value.h"
+#include "checkpoint/json.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -167,32 +167,32 @@ SafetensorsHeader parse_safetensors_header(const std::string& head, const std::s
   std::memcpy(&n, head.data(), 8);
   TORCH_CHECK(n <= head.size() - 8 && n < (100u << 20), "safetensors: '", source, "' declares a ", n,
               "-byte header but has ", head.size() - 8, " bytes after the length: truncated or not safetensors");
-  const JsonValue json = JsonValue::parse(head.substr(8, n), "the header of '" + source + "'");
+  const Json json = parse_json(head.substr(8, n), "the header of '" + source + "'");
   SafetensorsHeader h;
   h.data_start = 8 + static_cast<int64_t>(n);
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const auto& [name, value] : json.as_object("the header of '" + source + "'")) {
+  for (const auto& [name, value] : json_object(json, "the header of '" + source + "'")) {
     const std::string where = "'" + source + "' tensor '" + name + "'";
     if (name == "__metadata__") {
-      for (const auto& [k, v] : value.as_object(where)) h.metadata[k] = v.as_string(where + "." + k);
+      for (const auto& [k, v] : json_object(value, where)) h.metadata[k] = json_string(v, where + "." + k);
       continue;
     }
     SafetensorsTensor t;
     t.name = name;
-    t.dtype = value.at("dtype", where).as_string(where);
+    t.dtype = json_string(json_at(value, "dtype", where), where);
     const int64_t item = static_cast<int64_t>(c10::elementSize(scalar_type_from_safetensors(t.dtype)));
     int64_t bytes = item;  // overflow-safe: every step is checked
-    for (const auto& d : value.at("shape", where).as_array(where)) {
-      t.shape.push_back(d.as_int(where + " shape"));
+    for (const auto& d : json_array(json_at(value, "shape", where), where)) {
+      t.shape.push_back(json_int(d, where + " shape"));
       TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes),
                   "safetensors: ", where, " has a negative or too large shape");
     }
-    const auto& offsets = value.at("data_offsets", where).as_array(where);
+    const auto& offsets = json_array(json_at(value, "data_offsets", where), where);
     TORCH_CHECK(offsets.size() == 2, "safetensors: ", where, " has ", offsets.size(), " data_offsets, not 2");
-    t.begin = offsets[0].as_int(where);
-    t.end = offsets[1].as_int(where);
+    t.begin = json_int(offsets[0], where);
+    t.end = json_int(offsets[1], where);
     TORCH_CHECK(t.begin >= 0 && t.end >= t.begin && t.end - t.begin == bytes, "safetensors: ", where,
-                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ", value.at("shape", where).dump(),
+                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ", json_text(json_at(value, "shape", where)),
                 " needs ", bytes, " bytes");
     ranges.push_back({t.begin, t.end});
     h.tensors.emplace(name, std::move(t));
@@ -221,28 +221,19 @@ SafetensorsHeader read_safetensors_header(const std::string& path, int64_t bytes
 WrittenFile write_safetensors_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                    const std::map<std::string, std::string>& metadata) {
   std::vector<at::Tensor> host;
-  JsonValue header;
-  JsonValue::Object& h = header.object();
-  if (!metadata.empty()) {
-    JsonValue::Object meta;
-    for (const auto& [k, v] : metadata) meta[k] = JsonValue(v);
-    h["__metadata__"] = JsonValue(std::move(meta));
-  }
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    TORCH_CHECK(h.count(name) == 0, "safetensors: tensor name '", name, "' appears twice in '", path, "'");
+    TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' appears twice in '", path, "'");
     at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
-    JsonValue::Array shape;
-    for (int64_t d : t.sizes()) shape.push_back(JsonValue(d));
-    JsonValue::Object entry;
-    entry["dtype"] = JsonValue(safetensors_dtype(t.scalar_type()));
-    entry["shape"] = JsonValue(std::move(shape));
-    entry["data_offsets"] = JsonValue(JsonValue::Array{JsonValue(offset), JsonValue(offset + static_cast<int64_t>(t.nbytes()))});
+    header[name] = {{"dtype", safetensors_dtype(t.scalar_type())},
+                    {"shape", std::vector<int64_t>(t.sizes().begin(), t.sizes().end())},
+                    {"data_offsets", {offset, offset + static_cast<int64_t>(t.nbytes())}}};
     offset += static_cast<int64_t>(t.nbytes());
-    h[name] = JsonValue(std::move(entry));
     host.push_back(t);
   }
-  std::string json = header.dump();
+  std::string json = json_text(header);
   json.append((8 - (8 + json.size()) % 8) % 8, ' ');  // the data starts 8-aligned
   const uint64_t n = json.size();
   std::string head(8, '\0');

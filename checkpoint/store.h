@@ -26,7 +26,6 @@
 #include "mesh/placement.h"
 #include "checkpoint/lineage.h"
 #include "checkpoint/manifest.h"
-#include "checkpoint/json_value.h"
 #include "checkpoint/reshard.h"
 
 #include <ATen/core/Tensor.h>
@@ -73,7 +72,7 @@ struct CheckpointSaveOptions {
 struct CheckpointMeta {
   int64_t step = 0;           // names the directory: step-<step>
   CheckpointValues values;    // world rank 0's are saved
-  JsonValue optimizer;        // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
+  Json optimizer;             // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
 };
 
 // Collective over mesh.world. Writes <dir>/step-<meta.step>/ as in the Note and moves `latest` to
