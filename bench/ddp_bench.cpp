@@ -409,7 +409,7 @@ struct Bench {
     auto c = std::make_unique<Candidate>();
     c->name = name;
     c->timeline = timeline;
-    for (const auto& b : ddp->grad_buffer().layout().buckets) c->bucket_numels.push_back(b.numel());
+    for (const auto& b : ddp->grad_buffer()->layout().buckets) c->bucket_numels.push_back(b.numel());
     auto hooks = std::make_shared<std::vector<double>>();
     c->step = [this, model, ddp, opt, zopt, masters, timeline, hooks, self = c.get()]() {
       Phases p;
@@ -423,7 +423,7 @@ struct Bench {
       auto t2 = Clock::now();
       ddp->finish_grad_sync();  // exposed communication: end of backward -> here
       auto t3 = Clock::now();
-      hooks->push_back(static_cast<double>(ddp->grad_buffer().buckets_launched_by_hooks()));
+      hooks->push_back(static_cast<double>(ddp->grad_buffer()->stats().buckets_launched_by_hooks));
       if (zopt) {
         zopt->step();
       } else if (!masters->masters.empty()) {
@@ -441,7 +441,7 @@ struct Bench {
       Memory m;
       std::vector<at::Tensor> grads;
       for (const auto& p : model->parameters()) grads.push_back(p.grad()), m.param_bytes += p.nbytes();
-      auto& buffer = ddp->grad_buffer();
+      const meshddp::GradBuffer& buffer = ddp->grad_buffer();
       for (size_t i = 0; i < buffer.layout().buffers.size(); ++i) grads.push_back(buffer.buffer(static_cast<int64_t>(i)));
       m.grad_and_comm_bytes = distinct_storage_bytes(grads);
       if (zopt) {
@@ -455,7 +455,7 @@ struct Bench {
     };
     c->extra_json = [ddp, hooks, bucket_mb]() {
       std::ostringstream o;
-      o << "\"bucket_mb\": " << bucket_mb << ", \"buckets\": " << ddp->grad_buffer().layout().buckets.size()
+      o << "\"bucket_mb\": " << bucket_mb << ", \"buckets\": " << ddp->grad_buffer()->layout().buckets.size()
         << ", \"buckets_launched_by_hooks_median\": " << median(*hooks)
         << ", \"layout\": " << layout_json(ddp->grad_buffer());
       return o.str();

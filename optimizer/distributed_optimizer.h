@@ -89,8 +89,9 @@ struct MemoryReport {
 
 class DistributedOptimizer {
  public:
-  // `buffer` must outlive this optimizer and be built with use_distributed_optimizer.
-  DistributedOptimizer(GradBuffer& buffer, DistributedOptimizerConfig config);
+  // `buffer` (a GradBuffer, or DdpEngine::grad_buffer()) must outlive this optimizer and be built
+  // with use_distributed_optimizer.
+  DistributedOptimizer(GradBufferHandle buffer, DistributedOptimizerConfig config);
 
   // One optimizer step (see Note [Step order]). A collective: every DP rank calls it.
   StepResult step();
@@ -105,7 +106,7 @@ class DistributedOptimizer {
   void finish_param_sync();
   // Refreshes this rank's fp32 master weights from the params (the param buffer), after new values
   // were written into the params outside step(). DistributedDataParallel::load_state_dict() makes
-  // step() do this by itself (GradBuffer::notify_params_changed()); call it after writing params
+  // step() do this by itself (ParamBuffer::notify_params_changed()); call it after writing params
   // any other way. A no-op for fp32 params, whose masters are the param buffer itself. Only elements
   // whose param differs from the master rounded to the param dtype are reloaded: params not written
   // (a partial load) or written with the value they had keep their fp32 masters. load_checkpoint()
@@ -177,7 +178,8 @@ class DistributedOptimizer {
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
   void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)
 
-  GradBuffer& buffer_;
+  GradBufferHandle buffer_;
+  ParamBuffer* param_buffer_ = nullptr;  // buffer_'s, set once use_distributed_optimizer is checked
   DistributedOptimizerConfig config_;
   std::vector<BucketShard> shards_;
   std::vector<Group> groups_;
@@ -189,7 +191,7 @@ class DistributedOptimizer {
   bool fused_ = false;  // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
-  int64_t params_version_seen_ = 0;  // GradBuffer::params_version() the masters were taken at
+  int64_t params_version_seen_ = 0;  // ParamBuffer::params_version() the masters were taken at
   double lr_ = 0;
 };
 

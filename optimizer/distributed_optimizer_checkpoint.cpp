@@ -30,8 +30,8 @@ std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
 }  // namespace
 
 CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
-  const SyncGroups& g = buffer_.groups();
-  return {g.world ? g.world : g.dp, buffer_.dp_rank(), buffer_.dp_size(), g.tp_rank, g.tp_size};
+  const SyncGroups& g = buffer_->groups();
+  return {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
 }
 
 Json DistributedOptimizer::checkpoint_info() const {
@@ -48,14 +48,14 @@ void DistributedOptimizer::check_checkpoint_info(const Json& saved, const std::s
 
 std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_save) {
   finish_param_sync();
-  const auto& params = buffer_.params();
-  const int64_t tp_rank = buffer_.groups().tp_rank;
+  const auto& params = buffer_->params();
+  const int64_t tp_rank = buffer_->groups().tp_rank;
   const std::vector<std::string> names = state_names(config_.kind, num_state_tensors());
   std::vector<CheckpointTensor> out;
   for (size_t b = 0; b < shards_.size(); ++b) {
     for (const ShardSegment& seg : shards_[b].segments) {
       const NamedParam& p = params[seg.param];
-      const Placement& placement = buffer_.placement(seg.param);
+      const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
       const std::vector<int64_t> global = global_shape_of(p.param, placement);
       const TpSlice slice = tp_slice_of(placement);
@@ -79,7 +79,7 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   for (size_t i = 0; i < wanted.size(); ++i) {
     if (loaded[i].defined() && wanted[i].key.rfind("optim/master/", 0) == 0) masters_loaded.insert(wanted[i].key);
   }
-  const auto& params = buffer_.params();
+  const auto& params = buffer_->params();
   for (size_t b = 0; b < shards_.size(); ++b) {
     if (master_is_param_view_[b]) continue;
     for (const ShardSegment& seg : shards_[b].segments) {
@@ -90,10 +90,10 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   }
   step_ = step;
   write_masters_into_param_buffer();
-  buffer_.param_gather()->start(/*async=*/false);
+  param_buffer_->gather().start(/*async=*/false);
   // The masters are the checkpoint's: a load_state_dict before this one must not make step() reload
   // them from the (rounded) params.
-  params_version_seen_ = buffer_.params_version();
+  params_version_seen_ = param_buffer_->params_version();
 }
 
 std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options) {
@@ -111,7 +111,7 @@ int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optio
   try {  // a rank that fails here tells the others, which are in read()
     check_checkpoint_info(reader.meta().optimizer, reader.path());
     wanted = checkpoint_tensors(/*for_save=*/false);
-    for (const NamedParam& p : buffer_.params()) model_keys.insert("model/" + p.name);
+    for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
   } catch (const std::exception& e) {
     reader.fail(e);
   }

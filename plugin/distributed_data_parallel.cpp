@@ -192,10 +192,10 @@ void DdpEngine::before_forward() {
 void DdpEngine::maybe_check_tp_replicas() {
   const int64_t every = config_.tp_replica_check_interval;
   if (!groups_.tp || every == 0 || tp_replicated_.empty()) return;
-  const int64_t step = buffer_->syncs_completed();
+  const int64_t step = buffer_->stats().syncs_completed;
   if (step < 1 || (step - 1) % every != 0 || step == last_replica_check_) return;
   last_replica_check_ = step;
-  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // the params must be this step's
+  if (ParamGather* gather = param_gather()) gather->wait_all();  // the params must be this step's
   std::vector<NamedTensor> tensors;
   for (const auto& p : tp_replicated_) tensors.push_back({p.name, p.param});
   verify_tp_replicas_identical(*groups_.tp, tensors, step);
@@ -203,7 +203,7 @@ void DdpEngine::maybe_check_tp_replicas() {
 
 void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
   buffer_->check_no_sync_pending("DistributedDataParallel::load_state_dict");
-  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // it would overwrite what we load
+  if (ParamGather* gather = param_gather()) gather->wait_all();  // it would overwrite what we load
   std::unordered_map<std::string, at::Tensor> targets;
   std::vector<std::string> required;
   for (const auto& p : unique_params_) {
@@ -235,7 +235,7 @@ void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor
   }
   c10::NoGradGuard no_grad;
   for (const auto& item : state) targets.at(item.key()).detach().copy_(item.value());
-  buffer_->notify_params_changed();
+  if (ParamBuffer* params = buffer_->param_buffer()) params->notify_params_changed();
 }
 
 at::Tensor DdpEngine::main_grad(const std::string& name) const {

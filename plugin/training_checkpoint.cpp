@@ -20,12 +20,11 @@ Parts parts_of(const TrainingState& state) {
   TORCH_CHECK(state.module && state.ddp, "checkpoint: TrainingState needs module and ddp");
   TORCH_CHECK(!(state.distributed_optimizer && state.optimizer),
               "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
-  const GradBuffer& buffer = state.ddp->grad_buffer();
-  const SyncGroups& g = buffer.groups();
+  const SyncGroups& g = state.ddp->grad_buffer()->groups();
   Parts p;
-  p.mesh = {g.world ? g.world : g.dp, buffer.dp_rank(), buffer.dp_size(), g.tp_rank, g.tp_size};
-  p.dp_rank = buffer.dp_rank();
-  p.dp_size = buffer.dp_size();
+  p.mesh = {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
+  p.dp_rank = g.dp_rank();
+  p.dp_size = g.dp_size();
   p.tp_rank = g.tp_rank;
   return p;
 }

@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
       int64_t numel = 0;
       for (const auto& p : model->parameters()) numel += p.numel();
       std::fprintf(stderr, "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
-                  mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer().layout().buckets.size(),
+                  mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer()->layout().buckets.size(),
                   static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
     }
     examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},

@@ -58,9 +58,9 @@ double synced_grad_norm(const meshddp::GradBuffer& buffer) {
     if (!buffer.placement(i).counts_on_tp_rank(tp_rank)) continue;
     sum += at::linalg_vector_norm(buffer.main_grad(i), 2).to(at::kDouble).square().cpu();
   }
-  meshddp::all_reduce_sum_now(buffer.stats_group(), sum, "the example's gradient norm");
+  meshddp::all_reduce_sum_now(buffer.groups().stats_group(), sum, "the example's gradient norm");
   // The stats group spans DP too, where every DP rank holds the same mean: count it once.
-  return std::sqrt(sum.item<double>() / static_cast<double>(buffer.dp_size()));
+  return std::sqrt(sum.item<double>() / static_cast<double>(buffer.groups().dp_size()));
 }
 
 void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool print) {

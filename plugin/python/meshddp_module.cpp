@@ -166,36 +166,32 @@ PYBIND11_MODULE(_C, m) {
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)
-      .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer().is_last_microbatch(); })
+      .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer()->is_last_microbatch(); })
       .def("check_before_forward", &PythonDdp::check_before_forward, Release())  // TP check, buffer broadcast
       .def("open_forward_scope", &PythonDdp::open_forward_scope, Release())
       .def("mark_unused", &PythonDdp::mark_unused, Release())
       .def("main_grad", &PythonDdp::main_grad)
       .def("param_names", &PythonDdp::param_names)
-      .def("grad_buffer_bytes",
-           [](const PythonDdp& d) {
-             int64_t bytes = 0;
-             for (const auto& spec : d.grad_buffer().layout().buffers) {
-               bytes += spec.numel * static_cast<int64_t>(c10::elementSize(spec.key.grad_dtype));
-             }
-             return bytes;
-           })
-      .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer().layout().buckets.size(); })
-      .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer().buckets_launched_by_hooks(); })
-      .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer().grads_written_in_place(); })
+      .def("grad_buffer_bytes", [](const PythonDdp& d) { return d.grad_buffer()->grad_buffer_bytes(); })
+      .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
+      .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer()->stats().buckets_launched_by_hooks; })
+      .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer()->stats().grads_written_in_place; })
       // Around writing new values into the params (load_state_dict): no sync pending, pending param
       // all-gathers done first (they would overwrite what is loaded); afterwards the distributed
       // optimizer refreshes its fp32 masters before its next step.
       .def("before_params_written",
            [](PythonDdp& d, const std::string& who) {
-             d.grad_buffer().check_no_sync_pending(who.c_str());
-             if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+             d.grad_buffer()->check_no_sync_pending(who.c_str());
+             if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
            },
            Release())
-      .def("notify_params_changed", [](PythonDdp& d) { d.grad_buffer().notify_params_changed(); })
+      .def("notify_params_changed",
+           [](PythonDdp& d) {
+             if (meshddp::ParamBuffer* params = d.grad_buffer().param_buffer()) params->notify_params_changed();
+           })
       .def("pending_param_gathers",
            [](PythonDdp& d) {
-             const meshddp::ParamGather* gather = d.grad_buffer().param_gather();
+             const meshddp::ParamGather* gather = d.param_gather();
              return gather ? gather->pending() : 0;
            })
       // Before reading the params (state_dict): pending param all-gathers (ZeRO-1 with
@@ -203,7 +199,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "finish_param_gathers",
           [](PythonDdp& d) {
-            if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+            if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
           },
           Release())
       // ZeRO-1 ownership for DistributedOptimizer.state_dict(): for DP rank `dp_rank` (any, not only

@@ -233,7 +233,7 @@ TEST(Gpu, Bf16ParamsWithFp32MainGradsAreWrittenInPlaceInFp32) {
       ref_b += g.to(torch::kFloat).sum(0);
     }
     ddp.finish_grad_sync();
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2) << "weight and bias written into their fp32 slots";
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2) << "weight and bias written into their fp32 slots";
     const at::Tensor w = ddp.main_grad("fc.weight"), b = ddp.main_grad("fc.bias");
     ASSERT_EQ(w.scalar_type(), torch::kFloat);
     const double w_err = ((w - ref_w).abs().max() / ref_w.abs().max()).item<double>();

@@ -82,9 +82,9 @@ TEST(GradBuffer, LaunchesBucketsDuringBackwardWhenOverlapIsOn) {
       GradBuffer buffer(params, mesh["dp"], config);
       backward_with_grads(params, {1, 2, 3, 4}, {0, 1, 2, 3});
       // Backward has returned, finish_grad_sync() not called: with overlap, every bucket is already launched.
-      EXPECT_EQ(buffer.buckets_launched_by_hooks(), overlap ? 4 : 0) << "overlap=" << overlap;
+      EXPECT_EQ(buffer.stats().buckets_launched_by_hooks, overlap ? 4 : 0) << "overlap=" << overlap;
       buffer.finish_grad_sync();
-      EXPECT_EQ(buffer.buckets_launched(), 4);
+      EXPECT_EQ(buffer.stats().buckets_launched, 4);
       EXPECT_TRUE(at::all(buffer.main_grad(3) == 4.0).item<bool>());
     }
   });
@@ -127,7 +127,7 @@ TEST(GradBuffer, AccumulatesMicroBatchesAndSyncsOnceOnTheLast) {
     for (int m = 0; m < 4; ++m) {
       buffer.set_is_last_microbatch(m == 3);
       backward_with_grads(params, std::vector<double>(4, mesh.rank() + m), {0, 1, 2, 3});
-      EXPECT_EQ(buffer.buckets_launched(), m == 3 ? 4 : 0) << "micro-batch " << m;
+      EXPECT_EQ(buffer.stats().buckets_launched, m == 3 ? 4 : 0) << "micro-batch " << m;
     }
     buffer.finish_grad_sync();
     // sum over m of (r + m) = 4r + 6; mean over r in {0, 1} = 8 / 2 = 8.

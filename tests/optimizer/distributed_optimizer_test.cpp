@@ -196,12 +196,12 @@ TEST(DistributedOptimizer, ParamAllGatherOverlapsTheNextForwardAndItsResultIsExa
     ZeroRank rank(mesh, s, kZeroSeed);
     rank.train(0, s.steps);
     rank.opt->finish_param_sync();
-    GradBuffer& buffer = rank.ddp->grad_buffer();
-    ParamGather* gather = buffer.param_gather();
+    const GradBuffer& buffer = rank.ddp->grad_buffer();
+    ParamGather* gather = rank.ddp->param_gather();
     if (mesh.rank() == 0) {
       torch::NoGradGuard no_grad;
       for (const BucketShard& shard : rank.opt->shards()) {
-        at::Tensor full = buffer.bucket_param_data(shard.bucket);
+        at::Tensor full = buffer.param_buffer()->bucket_data(shard.bucket);
         const int64_t mine = shard.begin - buffer.layout().buckets[shard.bucket].begin;
         full.narrow(0, 0, mine).fill_(1e6);
         full.narrow(0, mine + shard.numel, full.numel() - mine - shard.numel).fill_(1e6);

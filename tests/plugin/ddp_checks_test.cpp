@@ -71,10 +71,10 @@ TEST(DistributedDataParallel, NoSyncScopeOnlyAccumulates) {
     {
       auto guard = ddp.no_sync();
       ddp.forward(x).sum().backward();
-      EXPECT_EQ(ddp.grad_buffer().buckets_launched(), 0);
+      EXPECT_EQ(ddp.grad_buffer()->stats().buckets_launched, 0);
     }
     ddp.forward(x).sum().backward();
-    EXPECT_GT(ddp.grad_buffer().buckets_launched_by_hooks(), 0);
+    EXPECT_GT(ddp.grad_buffer()->stats().buckets_launched_by_hooks, 0);
     ddp.finish_grad_sync();
   });
 }

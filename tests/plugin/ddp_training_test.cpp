@@ -98,7 +98,7 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
         // Every weight and bias of the layers this step ran went in place (none under create_graph,
         // or with the feature off), or the test is not testing the in-place path.
         const bool in_place = s.config.gradient_accumulation_fusion && !s.create_graph;
-        EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), in_place ? (use_side(s, step) ? 8 : 6) : 0)
+        EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, in_place ? (use_side(s, step) ? 8 : 6) : 0)
             << "step " << step;
       }
       opt->step();

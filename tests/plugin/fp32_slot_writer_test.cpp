@@ -86,7 +86,7 @@ std::pair<at::Tensor, int64_t> main_grad_after_two_micro_batches(SlotDtypes acce
       ddp.finish_grad_sync();
     }
     main_grad = ddp.main_grad("w").clone();
-    in_place = ddp.grad_buffer().grads_written_in_place();
+    in_place = ddp.grad_buffer()->stats().grads_written_in_place;
   });
   return {main_grad, in_place};
 }

@@ -148,7 +148,7 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       all_reduce_sum_now(*mesh[dp_dim], global_loss, "test loss");
       run.losses.push_back(global_loss.item<double>());
       ddp.finish_grad_sync();
-      run.grads_written_in_place.push_back(ddp.grad_buffer().grads_written_in_place());
+      run.grads_written_in_place.push_back(ddp.grad_buffer()->stats().grads_written_in_place);
       if (step == 0) run.first_grads = synced_grads(ddp, zero.get());
       if (zero) {
         auto result = zero->step();

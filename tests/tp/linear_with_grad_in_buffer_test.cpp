@@ -70,12 +70,12 @@ TEST(LinearWithGradInBuffer, AutogradGradReturnsTheGradientAndLeavesTheBufferAlo
     const auto got = torch::autograd::grad({loss_of(ddp.forward(x))}, {model->fc->weight, model->fc->bias});
     EXPECT_TRUE(torch::equal(got[0], golden[0])) << "autograd::grad's weight gradient:\n" << got[0];
     EXPECT_TRUE(torch::equal(got[1], golden[1])) << "autograd::grad's bias gradient:\n" << got[1];
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 0);
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 0);
     EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), torch::zeros_like(w0))) << "the slot was written";
 
     loss_of(ddp.forward(x)).backward();
     ddp.finish_grad_sync();
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // the real backward still writes in place
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2);  // the real backward still writes in place
     const double ratio = (ddp.main_grad("fc.weight").sum() / golden[0].sum()).item<double>();
     EXPECT_DOUBLE_EQ(ratio, 1.0);
     EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), golden[0]));
@@ -139,7 +139,7 @@ TEST(LinearWithGradInBuffer, UnderCpuAutocastBehavesAsFunctionalLinear) {
       EXPECT_TRUE((gb - golden->bias.grad()).abs().le(bound_b + 1e-6).all().item<bool>())
           << "step " << step << ":\n" << gb << "\nvs\n" << golden->bias.grad();
     }
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // both written in place, not through autograd
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2);  // both written in place, not through autograd
   });
 }
 
@@ -226,7 +226,7 @@ TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo)
       EXPECT_TRUE(torch::allclose(got, want, 1.0 / 32, 1.0 / 128)) << name << " on TP rank " << r << ":\n"
                                                                   << got << "\nvs\n" << want;
     }
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 3);  // fc2.bias (added after the TP sum) goes through autograd
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 3);  // fc2.bias (added after the TP sum) goes through autograd
   });
 }
 
