@@ -4,9 +4,9 @@
 // ZeRO-1 optimizer (optimizer/distributed_optimizer.cpp) and plain-DDP users (the examples, your
 // training loop) all count through norm_pieces().
 //
-// Why tp/: the rule is about TP placements (set by the TP layers of this folder) and needs the
-// GradBuffer below; the ZeRO-1 optimizer above uses it too, so it cannot live in optimizer/, and a
-// plain-DDP user should not need the optimizer for a norm. Not here: the ZeRO-1 optimizer's own
+// Why tp/ and not optimizer/: the rule is about TP placements (set by the TP layers of this folder)
+// and needs only the GradBuffer below; the ZeRO-1 optimizer above includes it, and a plain-DDP user
+// (no ZeRO) should not need the optimizer's floor for a norm. Not here: the ZeRO-1 optimizer's own
 // clipping (DistributedOptimizerConfig::clip_grad_norm), which scales its fp32 shards.
 #pragma once
 
