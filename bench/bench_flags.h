@@ -1,5 +1,7 @@
 // ddp_bench's command line: the flags, their defaults, the --preset that sets several at once, and
-// the checks (a bad flag exits 2 with the usage).
+// the checks. Values are read by the examples' strict parsers (examples/common/flags.h, header-only
+// and torch-free: the one flag parser of the programs on the top floor), so a bad flag reads as it
+// does in the examples: "error: --reps must be in [1, ...], got 0", the usage, exit 2.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +32,9 @@ struct Flags {
   std::string device = "cpu";     // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/gpu.md)
 };
 
+// Prints "error: <bad>" and the usage, exits 2.
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad);
+// The flags of argv; a bad one exits through usage_and_exit. --help / -h prints the usage, exits 0.
 Flags parse_flags(int argc, char** argv);
 
 }  // namespace bench

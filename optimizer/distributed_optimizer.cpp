@@ -5,6 +5,7 @@
 
 #include "mesh/collectives.h"
 #include "tp/glob_match.h"
+#include "tp/grad_norm.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -15,6 +16,14 @@
 
 namespace meshddp {
 namespace {
+
+// `grad` (bucket shard `shard`'s fp32 gradient) cut into the parts this rank counts toward the norm.
+NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard, const at::Tensor& grad) {
+  std::vector<GradRun> runs;
+  runs.reserve(shard.segments.size());
+  for (const ShardSegment& seg : shard.segments) runs.push_back({seg.shard_offset, seg.numel, &buffer.placement(seg.param)});
+  return norm_pieces(grad, runs, buffer.groups().tp_rank);
+}
 
 }  // namespace
 
@@ -209,9 +218,7 @@ StepResult DistributedOptimizer::step() {
   const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
-  // Each element once over the whole mesh: DP shards are disjoint; TP-sharded params count on every
-  // TP rank, replicated (and TP-summed partial) ones on TP rank 0 only.
-  const int64_t tp_rank = buffer_->groups().tp_rank;
+  // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): DP shards are disjoint.
   if (fused_) add_stats_fused(stats);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
@@ -223,15 +230,11 @@ StepResult DistributedOptimizer::step() {
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }
-    bool all_count = true;
-    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_->placement(seg.param).counts_on_tp_rank(tp_rank);
-    if (all_count) {
+    const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], g);
+    if (pieces.all_count) {
       stats[1] += norm.to(at::kDouble).square();
-      continue;
-    }
-    for (const ShardSegment& seg : shards_[b].segments) {
-      if (!buffer_->placement(seg.param).counts_on_tp_rank(tp_rank)) continue;
-      stats[1] += at::linalg_vector_norm(g.narrow(0, seg.shard_offset, seg.numel), 2).to(at::kDouble).square();
+    } else {
+      add_squared_norms(pieces.counted, stats[1]);
     }
   }
   // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
@@ -311,21 +314,14 @@ void DistributedOptimizer::update_sgd() {
 
 void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
   // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
-  // not count on this TP rank (see step()) go into a second accumulator for their count only.
+  // not count on this TP rank (Note [Gradient norm over DP x TP]) go into a second accumulator for
+  // their count only.
   const auto f64 = stats.options();
   const at::Tensor counted = at::zeros({2}, f64), others = at::zeros({2}, f64);
-  const int64_t tp_rank = buffer_->groups().tp_rank;
   for (size_t b = 0; b < grad32_.size(); ++b) {
-    bool all_count = true;
-    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_->placement(seg.param).counts_on_tp_rank(tp_rank);
-    if (all_count) {
-      fused_grad_stats(grad32_[b], counted);
-      continue;
-    }
-    for (const ShardSegment& seg : shards_[b].segments) {
-      const bool counts = buffer_->placement(seg.param).counts_on_tp_rank(tp_rank);
-      fused_grad_stats(grad32_[b].narrow(0, seg.shard_offset, seg.numel), counts ? counted : others);
-    }
+    const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], grad32_[b]);
+    for (const at::Tensor& piece : pieces.counted) fused_grad_stats(piece, counted);
+    for (const at::Tensor& piece : pieces.not_counted) fused_grad_stats(piece, others);
   }
   stats[0] += counted[1] + others[1];
   stats[1] += counted[0];

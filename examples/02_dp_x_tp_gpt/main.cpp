@@ -18,6 +18,7 @@
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
+#include "tp/grad_norm.h"
 
 #include <chrono>
 #include <cstdio>
@@ -178,7 +179,7 @@ int main(int argc, char** argv) {
         skipped.on_step(step, result, mesh.rank() == 0);
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
-        result.grad_norm = examples::synced_grad_norm(ddp.grad_buffer());
+        result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
         adamw->step();
       }
       if (!result.skipped) schedule.step();

@@ -36,12 +36,8 @@ inline bool parse_run_flag(const std::string& arg, const std::string& v, RunFlag
   else if (arg == "--lr") f.lr = parse_float_flag(arg, v, 0.0, false);
   else if (arg == "--min-lr") f.min_lr = parse_float_flag(arg, v, 0.0, true);
   else if (arg == "--warmup-steps") f.warmup_steps = parse_int_flag(arg, v, 0);
-  else if (arg == "--lr-decay-style") {
-    if (v != "constant" && v != "linear" && v != "cosine") {
-      throw FlagError(arg + ": '" + v + "' is not one of constant, linear, cosine");
-    }
-    f.lr_decay_style = v;
-  } else if (arg == "--log-interval") f.log_interval = parse_int_flag(arg, v, 1);
+  else if (arg == "--lr-decay-style") f.lr_decay_style = parse_choice_flag(arg, v, {"constant", "linear", "cosine"});
+  else if (arg == "--log-interval") f.log_interval = parse_int_flag(arg, v, 1);
   else if (arg == "--log-file") f.log_file = v;
   else if (arg == "--inject-nan") f.inject_nan = parse_step_rank_flag(arg, v);
   else if (arg == "--max-skipped-steps") f.max_skipped_steps = parse_int_flag(arg, v, 1);

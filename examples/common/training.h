@@ -1,6 +1,6 @@
 // What both examples' training loops share besides flags and the log: the mesh options and the LR
-// schedule the flags ask for, the --inject-nan gradient hook, the plain-DDP gradient norm, and the
-// ZeRO-1 skipped-step policy (--max-skipped-steps).
+// schedule the flags ask for, the --inject-nan gradient hook and the ZeRO-1 skipped-step policy
+// (--max-skipped-steps). The plain-DDP gradient norm is the library's (tp/grad_norm.h).
 #pragma once
 
 #include "examples/common/run_flags.h"
@@ -38,11 +38,6 @@ class NanInjector {
   std::string name_;
   int64_t hook_ = -1;
 };
-
-// Global L2 norm of the DP-mean gradients after finish_grad_sync() (plain DDP), each element once
-// over DP x TP (TP-sharded params on every TP rank, replicated ones on TP rank 0). One all-reduce
-// over the buffer's stats group: every rank must call it.
-double synced_grad_norm(const meshddp::GradBuffer& buffer);
 
 // Prints "<program> (rank R): <message>" to stderr in one write(2), so that the reports of ranks
 // failing at the same moment (every rank throws the same error) do not interleave mid-line.

@@ -6,6 +6,7 @@
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/training_checkpoint.h"
 #include "plugin/distributed_data_parallel.h"
+#include "tp/grad_norm.h"
 #include "tp/tp_layers.h"
 #include "tests/support/rank_threads.h"
 
@@ -154,6 +155,7 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
         auto result = zero->step();
         run.grad_norms.push_back(result.grad_norm);
       } else {
+        if (s.clip > 0) run.grad_norms.push_back(clip_grad_norm_(ddp.grad_buffer(), s.clip));
         opt->step();
       }
     }

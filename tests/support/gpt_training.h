@@ -14,7 +14,7 @@ struct GptScenario {
   int64_t dp = 2, tp = 2;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
-  double clip = 0.0;  // with the distributed optimizer
+  double clip = 0.0;  // max_norm: DistributedOptimizerConfig::clip_grad_norm, or meshddp::clip_grad_norm_ in plain DDP
   int steps = 6;
   int micro_batches = 1;
   int64_t global_batch = 8;
