@@ -16,7 +16,7 @@
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
-#include "checkpoint/json.h"
+#include "json.h"
 
 #include <cstdint>
 #include <map>

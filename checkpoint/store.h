@@ -23,10 +23,10 @@
 // every rank succeeded.
 #pragma once
 
-#include "mesh/placement.h"
-#include "checkpoint/lineage.h"
-#include "checkpoint/manifest.h"
-#include "checkpoint/reshard.h"
+#include "../mesh/placement.h"
+#include "lineage.h"
+#include "manifest.h"
+#include "reshard.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

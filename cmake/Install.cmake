@@ -1,5 +1,8 @@
 # The C++ package: `cmake --install build --prefix P` installs the headers under P/include/meshddp/
-# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>), the
+# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>; only
+# P/include is on a consumer's include path, and the headers include each other by relative path
+# ("../checkpoint/store.h"), so a consumer's own folders named mesh/, checkpoint/, ... cannot
+# shadow them), the
 # static libraries under P/lib, and P/lib/cmake/meshddp/ with meshddpConfig.cmake + its version file,
 # exporting meshddp::meshddp (docs/building.md "Using meshddp from another CMake project"). The
 # engine is built position-independent, so the archives link into executables and shared objects.
@@ -29,7 +32,7 @@ configure_file("${PROJECT_SOURCE_DIR}/cmake/version.h.in" "${PROJECT_BINARY_DIR}
 
 install(TARGETS meshddp_torch ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp ${CMAKE_INSTALL_INCLUDEDIR})
+        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 foreach(_dir mesh checkpoint grad_buffer tp optimizer plugin)
   install(DIRECTORY "${PROJECT_SOURCE_DIR}/${_dir}/" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/${_dir}
           FILES_MATCHING PATTERN "*.h" PATTERN "python" EXCLUDE)

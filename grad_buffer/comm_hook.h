@@ -47,7 +47,7 @@
 //   all run on the caller's current stream: keep backward and finish_grad_sync() on one stream).
 #pragma once
 
-#include "mesh/collectives.h"
+#include "../mesh/collectives.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

@@ -21,12 +21,12 @@
 // reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
-#include "grad_buffer/grad_in_place.h"
-#include "grad_buffer/nonfinite_count.h"
-#include "grad_buffer/comm_hook.h"
-#include "grad_buffer/param_buffer.h"
-#include "mesh/placement.h"
+#include "bucket_layout.h"
+#include "grad_in_place.h"
+#include "nonfinite_count.h"
+#include "comm_hook.h"
+#include "param_buffer.h"
+#include "../mesh/placement.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

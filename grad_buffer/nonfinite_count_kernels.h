@@ -4,7 +4,7 @@
 // Private to grad_buffer/: callers use nonfinite_count.h.
 #pragma once
 
-#include "grad_buffer/host_device.h"
+#include "host_device.h"
 
 #include <cstddef>
 #include <cstdint>

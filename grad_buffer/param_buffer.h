@@ -5,8 +5,8 @@
 // params (the distributed optimizer's fp32 masters) compares to know when to refresh them.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
-#include "grad_buffer/param_gather.h"
+#include "bucket_layout.h"
+#include "param_gather.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

@@ -5,7 +5,7 @@
 // collectives go through mesh/collectives.h.
 #pragma once
 
-#include "mesh/reduction_groups.h"
+#include "reduction_groups.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

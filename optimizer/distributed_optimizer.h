@@ -20,9 +20,9 @@
 //   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
-#include "grad_buffer/grad_buffer.h"
-#include "checkpoint/store.h"
-#include "optimizer/shard_layout.h"
+#include "../grad_buffer/grad_buffer.h"
+#include "../checkpoint/store.h"
+#include "shard_layout.h"
 
 #include <ATen/core/Tensor.h>
 

@@ -17,7 +17,7 @@
 //   test on a GPU (ATen's CUDA foreach kernels let nvcc contract freely).
 #pragma once
 
-#include "grad_buffer/host_device.h"
+#include "../grad_buffer/host_device.h"
 
 #include <cstdint>
 #include <cstring>

@@ -5,8 +5,8 @@
 // static_assert below says so. Also the text of the enum and group-rule fields.
 #pragma once
 
-#include "mesh/config_fields.h"
-#include "optimizer/distributed_optimizer.h"
+#include "../mesh/config_fields.h"
+#include "distributed_optimizer.h"
 
 #include <span>
 #include <string>

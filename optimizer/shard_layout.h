@@ -7,7 +7,7 @@
 // one param with one rank's range.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
+#include "../grad_buffer/bucket_layout.h"
 
 #include <cstdint>
 #include <vector>

@@ -4,8 +4,8 @@
 // added to DdpConfig or GradBufferConfig must be added here: the static_assert below says so.
 #pragma once
 
-#include "mesh/config_fields.h"
-#include "plugin/distributed_data_parallel.h"
+#include "../mesh/config_fields.h"
+#include "distributed_data_parallel.h"
 
 #include <tuple>
 

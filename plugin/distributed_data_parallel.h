@@ -14,9 +14,9 @@
 //   optimizer.step();
 #pragma once
 
-#include "grad_buffer/grad_buffer.h"
-#include "mesh/device_mesh.h"
-#include "plugin/model_sync.h"
+#include "../grad_buffer/grad_buffer.h"
+#include "../mesh/device_mesh.h"
+#include "model_sync.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>

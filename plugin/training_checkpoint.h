@@ -9,9 +9,9 @@
 //   auto loaded = meshddp::load_checkpoint(state, "ckpt");             // latest complete; loaded.step
 #pragma once
 
-#include "checkpoint/store.h"
-#include "optimizer/distributed_optimizer.h"
-#include "plugin/distributed_data_parallel.h"
+#include "../checkpoint/store.h"
+#include "../optimizer/distributed_optimizer.h"
+#include "distributed_data_parallel.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>

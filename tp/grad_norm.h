@@ -10,8 +10,8 @@
 // clipping (DistributedOptimizerConfig::clip_grad_norm), which scales its fp32 shards.
 #pragma once
 
-#include "grad_buffer/grad_buffer.h"
-#include "mesh/placement.h"
+#include "../grad_buffer/grad_buffer.h"
+#include "../mesh/placement.h"
 
 #include <ATen/core/Tensor.h>
 

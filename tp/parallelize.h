@@ -20,7 +20,7 @@
 // DDP's TP-replica check (DdpConfig::tp_replica_check_interval) names any that slip through.
 #pragma once
 
-#include "mesh/device_mesh.h"
+#include "../mesh/device_mesh.h"
 
 #include <torch/nn/module.h>
 
