@@ -17,12 +17,12 @@ namespace bench {
 
 // What a meshddp candidate varies (DdpConfig fields, and the optimizer that goes with them).
 struct MeshddpSetup {
-  bool zero1 = false;            // use_distributed_optimizer, stepped by meshddp's DistributedOptimizer
-  bool overlap = true;           // overlap_grad_reduce
-  bool grads_in_buffer = true;   // linear_with_grad_in_buffer + gradient_accumulation_fusion
+  bool zero1 = false;           // use_distributed_optimizer, stepped by meshddp's DistributedOptimizer
+  bool overlap = true;          // overlap_grad_reduce
+  bool grads_in_buffer = true;  // linear_with_grad_in_buffer + gradient_accumulation_fusion
   std::string comm_hook = meshddp::kNoCommHook;
-  bool fp32_grads = false;       // grad_reduce_in_fp32: bf16 params get fp32 main grads (and, without
-                                 // zero1, fp32 masters: Fp32Masters); same as meshddp for fp32 params
+  bool fp32_grads = false;  // grad_reduce_in_fp32: bf16 params get fp32 main grads (and, without
+                            // zero1, fp32 masters: Fp32Masters); same as meshddp for fp32 params
 };
 
 // The model options --model, --layers, ... --dtype, --device ask for.
@@ -34,7 +34,7 @@ struct Bench {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   int64_t world = 1, rank = 0;
   ModelOptions model_opts;
-  Batch batch;      // this rank's fixed input and target
+  Batch batch;  // this rank's fixed input and target
   int64_t param_numel = 0;
 
   Bench(Flags f, meshddp::DeviceMesh m);

@@ -58,29 +58,52 @@ Flags parse_flags(int argc, char** argv) {
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     try {
-      if (arg == "--mode") f.mode = parse_choice_flag(arg, v, {"main", "sweep"});
-      else if (arg == "--preset") continue;
-      else if (arg == "--model") f.model = parse_choice_flag(arg, v, {"mlp", "gpt"});
-      else if (arg == "--dtype") f.dtype = parse_choice_flag(arg, v, {"fp32", "bf16"});
-      else if (arg == "--layers") f.layers = parse_int_flag(arg, v, 1);
-      else if (arg == "--hidden") f.hidden = parse_int_flag(arg, v, 1);
-      else if (arg == "--heads") f.heads = parse_int_flag(arg, v, 1);
-      else if (arg == "--seq") f.seq = parse_int_flag(arg, v, 1);
-      else if (arg == "--vocab") f.vocab = parse_int_flag(arg, v, 2);
-      else if (arg == "--batch") f.batch = parse_int_flag(arg, v, 1);
-      else if (arg == "--warmup") f.warmup = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
-      else if (arg == "--reps") f.reps = static_cast<int>(parse_int_flag(arg, v, 1, kIntMax));
-      else if (arg == "--bucket-mb") f.bucket_mb = parse_float_flag(arg, v, 0.0, true);
-      else if (arg == "--reducer-first-bucket-mb") f.reducer_first_bucket_mb = parse_float_flag(arg, v, 0.0, true);
-      else if (arg == "--candidates") f.candidates = v;
-      else if (arg == "--sweep-mb") f.sweep_mb = v;
-      else if (arg == "--collective-reps") f.collective_reps = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
-      else if (arg == "--threads") f.threads = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
-      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
-      else if (arg == "--json") f.json = v;
-      else if (arg == "--optimizer") f.optimizer = parse_choice_flag(arg, v, {"sgd", "adamw"});
-      else if (arg == "--device") f.device = parse_choice_flag(arg, v, {"cpu", "cuda"});
-      else usage_and_exit(argv[0], "unknown flag " + arg);
+      if (arg == "--mode")
+        f.mode = parse_choice_flag(arg, v, {"main", "sweep"});
+      else if (arg == "--preset")
+        continue;
+      else if (arg == "--model")
+        f.model = parse_choice_flag(arg, v, {"mlp", "gpt"});
+      else if (arg == "--dtype")
+        f.dtype = parse_choice_flag(arg, v, {"fp32", "bf16"});
+      else if (arg == "--layers")
+        f.layers = parse_int_flag(arg, v, 1);
+      else if (arg == "--hidden")
+        f.hidden = parse_int_flag(arg, v, 1);
+      else if (arg == "--heads")
+        f.heads = parse_int_flag(arg, v, 1);
+      else if (arg == "--seq")
+        f.seq = parse_int_flag(arg, v, 1);
+      else if (arg == "--vocab")
+        f.vocab = parse_int_flag(arg, v, 2);
+      else if (arg == "--batch")
+        f.batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--warmup")
+        f.warmup = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--reps")
+        f.reps = static_cast<int>(parse_int_flag(arg, v, 1, kIntMax));
+      else if (arg == "--bucket-mb")
+        f.bucket_mb = parse_float_flag(arg, v, 0.0, true);
+      else if (arg == "--reducer-first-bucket-mb")
+        f.reducer_first_bucket_mb = parse_float_flag(arg, v, 0.0, true);
+      else if (arg == "--candidates")
+        f.candidates = v;
+      else if (arg == "--sweep-mb")
+        f.sweep_mb = v;
+      else if (arg == "--collective-reps")
+        f.collective_reps = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--threads")
+        f.threads = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--seed")
+        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      else if (arg == "--json")
+        f.json = v;
+      else if (arg == "--optimizer")
+        f.optimizer = parse_choice_flag(arg, v, {"sgd", "adamw"});
+      else if (arg == "--device")
+        f.device = parse_choice_flag(arg, v, {"cpu", "cuda"});
+      else
+        usage_and_exit(argv[0], "unknown flag " + arg);
     } catch (const FlagError& e) {
       usage_and_exit(argv[0], e.what());
     }

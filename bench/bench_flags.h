@@ -11,21 +11,22 @@ namespace bench {
 
 struct Flags {
   std::string mode = "main";
-  std::string preset;         // "" or gpt1b (set_preset)
-  std::string model = "mlp";  // mlp or gpt (bench/bench_models.h)
-  std::string dtype = "fp32"; // fp32 or bf16: the params, and the float inputs
+  std::string preset;          // "" or gpt1b (set_preset)
+  std::string model = "mlp";   // mlp or gpt (bench/bench_models.h)
+  std::string dtype = "fp32";  // fp32 or bf16: the params, and the float inputs
   int64_t layers = 24;
   int64_t hidden = 1024;
   int64_t heads = 16, seq = 1024, vocab = 32000;  // gpt only
-  int64_t batch = 32;  // per rank: MLP rows, GPT sequences
+  int64_t batch = 32;                             // per rank: MLP rows, GPT sequences
   int warmup = 3;
   int reps = 10;
   double bucket_mb = 40;               // meshddp and the Reducer's bucket cap
   double reducer_first_bucket_mb = 1;  // torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
-  std::string candidates = "local,meshddp,meshddp_autograd,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
+  std::string candidates =
+      "local,meshddp,meshddp_autograd,meshddp_no_overlap,meshddp_zero1,reducer_view,reducer_copy,naive";
   std::string sweep_mb = "1,2,5,10,20,40,100";
   int collective_reps = 5;  // 0: no standalone collectives (no "collectives" in the JSON)
-  int threads = 0;  // 0: cores / local ranks
+  int threads = 0;          // 0: cores / local ranks
   std::string json;
   uint64_t seed = 0;
   std::string optimizer = "sgd";  // sgd (momentum 0.9) or adamw

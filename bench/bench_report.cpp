@@ -31,17 +31,18 @@ double median_total(const std::vector<Phases>& v) {
 // The run's settings, as the JSON file's first fields.
 void write_json_settings(std::ostream& out, const Bench& bench, const RunReport& r) {
   const Flags& flags = bench.flags;
-  out << "{\n\"mode\": \"" << flags.mode << "\",\n\"world\": " << bench.world << ",\n\"threads_per_rank\": "
-      << r.threads << ",\n\"device\": \"" << bench.mesh.device() << "\",\n\"preset\": \"" << flags.preset
-      << "\",\n\"model\": \"" << flags.model << "\",\n\"dtype\": \"" << flags.dtype << "\",\n\"layers\": "
-      << flags.layers << ",\n\"hidden\": " << flags.hidden;
-  if (flags.model == "gpt") out << ",\n\"heads\": " << flags.heads << ",\n\"seq\": " << flags.seq << ",\n\"vocab\": " << flags.vocab;
-  out
-      << ",\n\"batch_per_rank\": " << flags.batch << ",\n\"params\": " << bench.param_numel << ",\n\"warmup\": " << flags.warmup
-      << ",\n\"reps\": " << flags.reps << ",\n\"optimizer\": \"" << flags.optimizer << "\"" << ",\n\"bucket_mb\": " << flags.bucket_mb
+  out << "{\n\"mode\": \"" << flags.mode << "\",\n\"world\": " << bench.world
+      << ",\n\"threads_per_rank\": " << r.threads << ",\n\"device\": \"" << bench.mesh.device() << "\",\n\"preset\": \""
+      << flags.preset << "\",\n\"model\": \"" << flags.model << "\",\n\"dtype\": \"" << flags.dtype
+      << "\",\n\"layers\": " << flags.layers << ",\n\"hidden\": " << flags.hidden;
+  if (flags.model == "gpt")
+    out << ",\n\"heads\": " << flags.heads << ",\n\"seq\": " << flags.seq << ",\n\"vocab\": " << flags.vocab;
+  out << ",\n\"batch_per_rank\": " << flags.batch << ",\n\"params\": " << bench.param_numel
+      << ",\n\"warmup\": " << flags.warmup << ",\n\"reps\": " << flags.reps << ",\n\"optimizer\": \"" << flags.optimizer
+      << "\"" << ",\n\"bucket_mb\": " << flags.bucket_mb
       << ",\n\"reducer_first_bucket_mb\": " << flags.reducer_first_bucket_mb << ",\n\"loadavg_start\": \""
-      << r.loadavg_start << "\",\n\"loadavg_end\": \"" << r.loadavg_end << "\",\n\"hardware_concurrency\": "
-      << std::thread::hardware_concurrency() << ",\n";
+      << r.loadavg_start << "\",\n\"loadavg_end\": \"" << r.loadavg_end
+      << "\",\n\"hardware_concurrency\": " << std::thread::hardware_concurrency() << ",\n";
 }
 
 }  // namespace
@@ -90,13 +91,14 @@ void print_header(const Bench& bench, int threads, const std::string& loadavg_st
   const Flags& flags = bench.flags;
   const int64_t numel = bench.param_numel;
   const bool gpt = flags.model == "gpt";
-  std::printf("# meshddp bench (%s%s%s): %s, %s = %lld params (%.1f MB), batch %lld %s per rank, %s, %d intra-op "
-              "thread(s) per rank, %d warm-up + %d reps\n# loadavg at start: %s\n",
-              flags.mode.c_str(), flags.preset.empty() ? "" : ", preset ", flags.preset.c_str(),
-              bench.mesh.describe().c_str(), describe(bench.model_opts).c_str(), static_cast<long long>(numel),
-              numel * c10::elementSize(bench.model_opts.dtype) / 1e6, static_cast<long long>(flags.batch),
-              gpt ? ("sequences of " + std::to_string(flags.seq) + " tokens").c_str() : "rows", flags.optimizer.c_str(),
-              threads, flags.warmup, flags.reps, loadavg_start.c_str());
+  std::printf(
+      "# meshddp bench (%s%s%s): %s, %s = %lld params (%.1f MB), batch %lld %s per rank, %s, %d intra-op "
+      "thread(s) per rank, %d warm-up + %d reps\n# loadavg at start: %s\n",
+      flags.mode.c_str(), flags.preset.empty() ? "" : ", preset ", flags.preset.c_str(), bench.mesh.describe().c_str(),
+      describe(bench.model_opts).c_str(), static_cast<long long>(numel),
+      numel * c10::elementSize(bench.model_opts.dtype) / 1e6, static_cast<long long>(flags.batch),
+      gpt ? ("sequences of " + std::to_string(flags.seq) + " tokens").c_str() : "rows", flags.optimizer.c_str(),
+      threads, flags.warmup, flags.reps, loadavg_start.c_str());
   std::fflush(stdout);
 }
 
@@ -145,8 +147,8 @@ void write_json(const Bench& bench, const std::vector<std::unique_ptr<Candidate>
   out << r.collectives.json();
   for (const auto* tl : {&local_timeline, &meshddp_timeline}) {
     if (tl->steps.empty()) continue;
-    out << "\"" << (tl == &local_timeline ? "local" : "meshddp") << "_grad_ready_ms\": {\"names\": "
-        << json_str_list(tl->names) << ", \"numels\": " << json_int_list(tl->numels)
+    out << "\"" << (tl == &local_timeline ? "local" : "meshddp")
+        << "_grad_ready_ms\": {\"names\": " << json_str_list(tl->names) << ", \"numels\": " << json_int_list(tl->numels)
         << ", \"ready_ms\": " << json_num_list(tl->medians()) << "},\n";
   }
   out << "\"candidates\": [\n";

@@ -2,7 +2,6 @@
 // order rotated per repetition with a barrier before each step; the phases reduced over ranks (a
 // step's total as the max, its phases as the mean); and standalone collectives timed alone.
 #include "bench/bench.h"
-
 #include "mesh/collectives.h"
 
 #include <cstdio>

@@ -97,7 +97,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
     return std::make_shared<torch::optim::AdamW>(std::move(params),
                                                  torch::optim::AdamWOptions(kAdamLr).weight_decay(kAdamWd));
   }
-  return std::make_shared<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(kSgdLr).momentum(kSgdMomentum));
+  return std::make_shared<torch::optim::SGD>(std::move(params),
+                                             torch::optim::SGDOptions(kSgdLr).momentum(kSgdMomentum));
 }
 
 void ReadyTimeline::attach(torch::nn::Module& module) {

@@ -60,9 +60,9 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
 // Records when each parameter's gradient arrives (a tensor hook runs just before accumulation),
 // relative to the start of backward.
 struct ReadyTimeline {
-  Clock::time_point bwd_start;  // host times: the hooks must not wait for the GPU
-  std::vector<double> current;              // ms, this step
-  std::vector<std::vector<double>> steps;   // every recorded step
+  Clock::time_point bwd_start;             // host times: the hooks must not wait for the GPU
+  std::vector<double> current;             // ms, this step
+  std::vector<std::vector<double>> steps;  // every recorded step
   std::vector<std::string> names;
   std::vector<int64_t> numels;
   bool recording = false;
@@ -81,8 +81,8 @@ struct Candidate {
   std::function<std::string()> extra_json;  // "" or `"key": value, ...`
   std::vector<Phases> timed;                // one per repetition (this rank)
   ReadyTimeline* timeline = nullptr;
-  std::vector<int64_t> bucket_numels;       // meshddp: the layout's buckets in launch order
-  at::Tensor last_loss;                     // this rank's loss of the last step (read once, at the end)
+  std::vector<int64_t> bucket_numels;  // meshddp: the layout's buckets in launch order
+  at::Tensor last_loss;                // this rank's loss of the last step (read once, at the end)
 };
 
 }  // namespace bench

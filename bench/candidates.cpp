@@ -3,7 +3,6 @@
 // phases, and whose memory reports what it holds. Also PyTorch's bf16 compression hook for the C++
 // Reducer and the fp32 masters of meshddp_fp32_grads.
 #include "bench/bench.h"
-
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
@@ -134,8 +133,8 @@ std::shared_ptr<c10d::Reducer> make_c10d_reducer(BenchModel& model, const c10::i
   // torch DDP (find_unused_parameters=False): the first iteration uses one bucket (limit SIZE_MAX);
   // rebuild_buckets() before the second forward re-buckets in gradient-ready order with caps
   // [first_bucket_bytes_cap, bucket_bytes_cap]. Bucket lists are passed reversed.
-  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
-      params, {std::numeric_limits<size_t>::max()}, std::vector<bool>(params.size(), false));
+  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {std::numeric_limits<size_t>::max()},
+                                                                   std::vector<bool>(params.size(), false));
   std::reverse(indices.begin(), indices.end());
   const int64_t cap = static_cast<int64_t>(bucket_mb * (1 << 20));
   const int64_t first_cap = static_cast<int64_t>(first_bucket_mb * (1 << 20));
@@ -188,7 +187,8 @@ std::unique_ptr<Candidate> Bench::make_meshddp(const std::string& name, double b
                                                ReadyTimeline* timeline) {
   auto model = make_model();
   model->grads_in_buffer = setup.grads_in_buffer;
-  auto ddp = std::make_shared<meshddp::DistributedDataParallel<BenchModel>>(model, mesh, "dp", ddp_config(setup, bucket_mb));
+  auto ddp =
+      std::make_shared<meshddp::DistributedDataParallel<BenchModel>>(model, mesh, "dp", ddp_config(setup, bucket_mb));
   std::shared_ptr<torch::optim::Optimizer> opt;
   std::shared_ptr<meshddp::DistributedOptimizer> zopt;
   auto masters = std::make_shared<Fp32Masters>();
@@ -232,7 +232,9 @@ std::unique_ptr<Candidate> Bench::make_meshddp(const std::string& name, double b
     p.total = ms_since(t0, t4);
     return p;
   };
-  c->memory = [model, ddp, opt, zopt, masters]() { return meshddp_memory(*model, *ddp, opt.get(), zopt.get(), *masters); };
+  c->memory = [model, ddp, opt, zopt, masters]() {
+    return meshddp_memory(*model, *ddp, opt.get(), zopt.get(), *masters);
+  };
   c->extra_json = [ddp, hooks, bucket_mb]() {
     std::ostringstream o;
     o << "\"bucket_mb\": " << bucket_mb << ", \"buckets\": " << ddp->grad_buffer()->layout().buckets.size()

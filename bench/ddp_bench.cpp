@@ -100,7 +100,8 @@ std::unique_ptr<Candidate> make_candidate(bench::Bench& bench, const std::string
   // before issue 14: torch's Linear, gradients added by autograd, zeroing pass
   if (name == "meshddp_autograd") return bench.make_meshddp(name, mb, {.grads_in_buffer = false}, nullptr);
   if (name == "meshddp_fp32_grads") return bench.make_meshddp(name, mb, {.fp32_grads = true}, nullptr);
-  if (name == "meshddp_zero1_fp32_grads") return bench.make_meshddp(name, mb, {.zero1 = true, .fp32_grads = true}, nullptr);
+  if (name == "meshddp_zero1_fp32_grads")
+    return bench.make_meshddp(name, mb, {.zero1 = true, .fp32_grads = true}, nullptr);
   if (name == "reducer_view") return bench.make_reducer(true);
   if (name == "reducer_copy") return bench.make_reducer(false);
   if (name == "naive") return bench.make_naive();

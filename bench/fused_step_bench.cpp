@@ -70,11 +70,16 @@ int main(int argc, char** argv) {
     if (i + 1 >= argc) examples::exit_with_usage(argv[0], "flag " + arg + " needs a value", usage);
     const std::string v = argv[++i];
     try {
-      if (arg == "--device") device_name = examples::parse_choice_flag(arg, v, {"cpu", "cuda"});
-      else if (arg == "--numel") numels = v;
-      else if (arg == "--warmup") warmup = static_cast<int>(examples::parse_int_flag(arg, v, 0, INT32_MAX));
-      else if (arg == "--reps") reps = static_cast<int>(examples::parse_int_flag(arg, v, 1, INT32_MAX));
-      else examples::exit_with_usage(argv[0], "unknown flag " + arg, usage);
+      if (arg == "--device")
+        device_name = examples::parse_choice_flag(arg, v, {"cpu", "cuda"});
+      else if (arg == "--numel")
+        numels = v;
+      else if (arg == "--warmup")
+        warmup = static_cast<int>(examples::parse_int_flag(arg, v, 0, INT32_MAX));
+      else if (arg == "--reps")
+        reps = static_cast<int>(examples::parse_int_flag(arg, v, 1, INT32_MAX));
+      else
+        examples::exit_with_usage(argv[0], "unknown flag " + arg, usage);
     } catch (const examples::FlagError& e) {
       examples::exit_with_usage(argv[0], e.what(), usage);
     }
@@ -131,8 +136,8 @@ int main(int argc, char** argv) {
     });
     const double stats_fused_ms = best_ms(device, warmup, reps, [&] { meshddp::fused_grad_stats(g, out); });
     std::cout << n << "," << foreach_ms << "," << aten_fused_ms << "," << fused_ms << ","
-              << 30.0 * static_cast<double>(n) / (fused_ms * 1e6) << "," << stats_aten_ms << "," << stats_fused_ms << ","
-              << 4.0 * static_cast<double>(n) / (stats_fused_ms * 1e6) << "\n";
+              << 30.0 * static_cast<double>(n) / (fused_ms * 1e6) << "," << stats_aten_ms << "," << stats_fused_ms
+              << "," << 4.0 * static_cast<double>(n) / (stats_fused_ms * 1e6) << "\n";
   }
   return 0;
 }

@@ -18,7 +18,8 @@ class StrictChecker : public nlohmann::json_sax<Json> {
   bool boolean(bool) override { return true; }
   bool number_integer(number_integer_t) override { return true; }
   bool number_unsigned(number_unsigned_t v) override {
-    if (v > static_cast<number_unsigned_t>(INT64_MAX)) refuse("integer " + std::to_string(v) + " out of range (not an int64)");
+    if (v > static_cast<number_unsigned_t>(INT64_MAX))
+      refuse("integer " + std::to_string(v) + " out of range (not an int64)");
     return true;
   }
   bool number_float(number_float_t, const string_t& text) override {
@@ -55,8 +56,10 @@ class StrictChecker : public nlohmann::json_sax<Json> {
     // e.what(): "[json.exception.parse_error.101] parse error at line 1, column 12: syntax error ..."
     // or "[json.exception.out_of_range.406] number overflow parsing '1e999'": the part after the location.
     std::string what = e.what();
-    if (what.rfind("[json.exception.", 0) == 0 && what.find("] ") != std::string::npos) what = what.substr(what.find("] ") + 2);
-    if (what.rfind("parse error at line ", 0) == 0 && what.find(": ") != std::string::npos) what = what.substr(what.find(": ") + 2);
+    if (what.rfind("[json.exception.", 0) == 0 && what.find("] ") != std::string::npos)
+      what = what.substr(what.find("] ") + 2);
+    if (what.rfind("parse error at line ", 0) == 0 && what.find(": ") != std::string::npos)
+      what = what.substr(what.find(": ") + 2);
     // nlohmann counts the byte it stopped after; name the byte it stopped at (0-based, as an editor's offset).
     TORCH_CHECK(false, "JSON: ", what, " at byte ", position > 0 ? position - 1 : 0, " of ", source_);
   }
@@ -98,15 +101,23 @@ std::string json_text(const Json& v, int indent, bool lossy) {
 
 std::string json_kind(const Json& v) {
   switch (v.type()) {
-    case Json::value_t::null: return "null";
-    case Json::value_t::boolean: return "bool";
+    case Json::value_t::null:
+      return "null";
+    case Json::value_t::boolean:
+      return "bool";
     case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "integer";
-    case Json::value_t::number_float: return "number";
-    case Json::value_t::string: return "string";
-    case Json::value_t::array: return "array";
-    case Json::value_t::object: return "object";
-    default: return "binary";
+    case Json::value_t::number_unsigned:
+      return "integer";
+    case Json::value_t::number_float:
+      return "number";
+    case Json::value_t::string:
+      return "string";
+    case Json::value_t::array:
+      return "array";
+    case Json::value_t::object:
+      return "object";
+    default:
+      return "binary";
   }
 }
 

@@ -46,8 +46,8 @@ class ManifestChecker {
   }
   int64_t integer(const Json& v, const std::string& field, int64_t lo, int64_t hi) const {
     if (!v.is_number_integer()) {
-      fail(field, "is " + json_kind(v) + " " + json_text(v, -1, true) + "; expected an integer in [" + std::to_string(lo) +
-                      ", " + std::to_string(hi) + "]");
+      fail(field, "is " + json_kind(v) + " " + json_text(v, -1, true) + "; expected an integer in [" +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "]");
     }
     const int64_t i = json_int(v, field);
     if (i < lo || i > hi) {
@@ -58,8 +58,10 @@ class ManifestChecker {
   }
   uint32_t crc(const Json& v, const std::string& field) const {
     const std::string& s = string(v, field);
-    const bool ok = s.size() == 10 && s.compare(0, 2, "0x") == 0 &&
-                    std::all_of(s.begin() + 2, s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) && !std::isupper(static_cast<unsigned char>(c)); });
+    const bool ok =
+        s.size() == 10 && s.compare(0, 2, "0x") == 0 && std::all_of(s.begin() + 2, s.end(), [](char c) {
+          return std::isxdigit(static_cast<unsigned char>(c)) && !std::isupper(static_cast<unsigned char>(c));
+        });
     if (!ok) fail(field, "is '" + s + "'; expected a CRC32C written as 0x and 8 lowercase hex digits");
     return static_cast<uint32_t>(std::stoul(s.substr(2), nullptr, 16));
   }
@@ -77,14 +79,16 @@ size_t checksum_position(const std::string& text, const ManifestChecker& check) 
   if (text.find(kChecksumKey, first + 1) != std::string::npos) check.fail("manifest_crc32c", "appears more than once");
   size_t pos = first + std::char_traits<char>::length(kChecksumKey);
   auto skip_space = [&] {
-    while (pos < text.size() && (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\t' || text[pos] == '\r')) ++pos;
+    while (pos < text.size() && (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\t' || text[pos] == '\r'))
+      ++pos;
   };
   skip_space();
   if (pos >= text.size() || text[pos] != ':') check.fail("manifest_crc32c", "is not followed by ':'");
   ++pos;
   skip_space();
   if (text.compare(pos, 3, "\"0x") != 0 || pos + 12 > text.size() || text[pos + 11] != '"' ||
-      !std::all_of(text.begin() + pos + 3, text.begin() + pos + 11, [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+      !std::all_of(text.begin() + pos + 3, text.begin() + pos + 11,
+                   [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
     check.fail("manifest_crc32c", "is not a string of 0x and 8 hex digits");
   }
   return pos + 3;
@@ -105,7 +109,8 @@ CheckpointValues parse_values(const Json& json, const ManifestChecker& check) {
     } else if (v.is_string()) {
       values[k] = json_string(v, k);
     } else {
-      check.fail("values[" + json_quoted(k) + "]", "is " + json_kind(v) + "; expected an integer, a number or a string");
+      check.fail("values[" + json_quoted(k) + "]",
+                 "is " + json_kind(v) + "; expected an integer, a number or a string");
     }
   }
   return values;
@@ -156,9 +161,11 @@ ManifestTensor parse_tensor(const Json& json, const std::string& field, const Ma
     ManifestPiece p;
     p.file = check.string(check.member(pieces[i], pf, "file"), pf + ".file");
     if (m.files.count(p.file) == 0) {
-      check.fail(pf + ".file", "is " + json_quoted(p.file) + ", which is not one of the checkpoint's files (rank00000.safetensors ...)");
+      check.fail(pf + ".file", "is " + json_quoted(p.file) +
+                                   ", which is not one of the checkpoint's files (rank00000.safetensors ...)");
     }
-    if (!files_used.insert(p.file).second) check.fail(pf + ".file", "names " + p.file + " for a second piece of this tensor");
+    if (!files_used.insert(p.file).second)
+      check.fail(pf + ".file", "names " + p.file + " for a second piece of this tensor");
     p.tp_rank = check.integer(check.member(pieces[i], pf, "tp_rank"), pf + ".tp_rank", 0, t.tp_size - 1);
     p.begin = check.integer(check.member(pieces[i], pf, "begin"), pf + ".begin", 0, chunk_numel);
     p.end = check.integer(check.member(pieces[i], pf, "end"), pf + ".end", p.begin, chunk_numel);
@@ -177,8 +184,8 @@ ManifestTensor parse_tensor(const Json& json, const std::string& field, const Ma
       if (p.begin != covered) {
         check.fail(field + ".pieces", std::string(p.begin < covered ? "overlap" : "leave a gap") + " in TP chunk " +
                                           std::to_string(chunk) + ": a piece in " + p.file + " is [" +
-                                          std::to_string(p.begin) + ", " + std::to_string(p.end) + ") but the pieces before it end at " +
-                                          std::to_string(covered));
+                                          std::to_string(p.begin) + ", " + std::to_string(p.end) +
+                                          ") but the pieces before it end at " + std::to_string(covered));
       }
       covered = p.end;
     }
@@ -203,8 +210,9 @@ uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std
   std::string shape;
   for (size_t d = 0; d < tensor.shape.size(); ++d) shape += (d ? "," : "") + std::to_string(tensor.shape[d]);
   std::string label = save_id;
-  for (const std::string& part : {key, tensor.dtype, shape, std::to_string(tensor.dim), std::to_string(tensor.tp_size),
-                                  std::to_string(piece.tp_rank), std::to_string(piece.begin), std::to_string(piece.end)}) {
+  for (const std::string& part :
+       {key, tensor.dtype, shape, std::to_string(tensor.dim), std::to_string(tensor.tp_size),
+        std::to_string(piece.tp_rank), std::to_string(piece.begin), std::to_string(piece.end)}) {
     label += '\0';
     label += part;
   }
@@ -231,7 +239,8 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
     const uint32_t stored = static_cast<uint32_t>(std::stoul(text.substr(digits, 8), nullptr, 16));
     const uint32_t actual = content_checksum(text, digits);
     if (stored != actual) {
-      check.fail("manifest_crc32c", "is " + crc_hex(stored) + " but the manifest's content has CRC32C " + crc_hex(actual));
+      check.fail("manifest_crc32c",
+                 "is " + crc_hex(stored) + " but the manifest's content has CRC32C " + crc_hex(actual));
     }
   }
   const Json json = parse_json(text, "manifest '" + path + "'");
@@ -244,7 +253,8 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   if (digits == std::string::npos) check.fail("the manifest", "has no manifest_crc32c");
 
   const std::string& id = check.string(check.member(json, "the manifest", "save_id"), "save_id");
-  if (id.size() != 16 || !std::all_of(id.begin(), id.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+  if (id.size() != 16 ||
+      !std::all_of(id.begin(), id.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
     check.fail("save_id", "is '" + id + "'; expected 16 hex digits");
   }
   m.save_id = id;

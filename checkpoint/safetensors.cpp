@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <csignal>
 #include <dirent.h>
 #include <fcntl.h>
 #include <mutex>
@@ -81,7 +81,7 @@ class IgnoreFileSizeSignal {
   IgnoreFileSizeSignal() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (writers_++ > 0) return;
-    struct sigaction ignore {};
+    struct sigaction ignore{};
     ignore.sa_handler = SIG_IGN;
     sigemptyset(&ignore.sa_mask);
     ::sigaction(SIGXFSZ, &ignore, &previous_);
@@ -96,7 +96,7 @@ class IgnoreFileSizeSignal {
  private:
   inline static std::mutex mutex_;
   inline static int writers_ = 0;
-  inline static struct sigaction previous_ {};
+  inline static struct sigaction previous_{};
 };
 
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
@@ -132,17 +132,28 @@ std::string crc_hex(uint32_t crc) {
 
 std::string safetensors_dtype(c10::ScalarType type) {
   switch (type) {
-    case at::kFloat: return "F32";
-    case at::kDouble: return "F64";
-    case at::kHalf: return "F16";
-    case at::kBFloat16: return "BF16";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    default: TORCH_CHECK(false, "safetensors: no dtype for ", c10::toString(type));
+    case at::kFloat:
+      return "F32";
+    case at::kDouble:
+      return "F64";
+    case at::kHalf:
+      return "F16";
+    case at::kBFloat16:
+      return "BF16";
+    case at::kLong:
+      return "I64";
+    case at::kInt:
+      return "I32";
+    case at::kShort:
+      return "I16";
+    case at::kChar:
+      return "I8";
+    case at::kByte:
+      return "U8";
+    case at::kBool:
+      return "BOOL";
+    default:
+      TORCH_CHECK(false, "safetensors: no dtype for ", c10::toString(type));
   }
 }
 
@@ -184,16 +195,16 @@ SafetensorsHeader parse_safetensors_header(const std::string& head, const std::s
     int64_t bytes = item;  // overflow-safe: every step is checked
     for (const auto& d : json_array(json_at(value, "shape", where), where)) {
       t.shape.push_back(json_int(d, where + " shape"));
-      TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes),
-                  "safetensors: ", where, " has a negative or too large shape");
+      TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes), "safetensors: ", where,
+                  " has a negative or too large shape");
     }
     const auto& offsets = json_array(json_at(value, "data_offsets", where), where);
     TORCH_CHECK(offsets.size() == 2, "safetensors: ", where, " has ", offsets.size(), " data_offsets, not 2");
     t.begin = json_int(offsets[0], where);
     t.end = json_int(offsets[1], where);
     TORCH_CHECK(t.begin >= 0 && t.end >= t.begin && t.end - t.begin == bytes, "safetensors: ", where,
-                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ", json_text(json_at(value, "shape", where)),
-                " needs ", bytes, " bytes");
+                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ",
+                json_text(json_at(value, "shape", where)), " needs ", bytes, " bytes");
     ranges.push_back({t.begin, t.end});
     h.tensors.emplace(name, std::move(t));
   }
@@ -218,7 +229,8 @@ SafetensorsHeader read_safetensors_header(const std::string& path, int64_t bytes
   return h;
 }
 
-WrittenFile write_safetensors_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+WrittenFile write_safetensors_file(const std::string& path,
+                                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                    const std::map<std::string, std::string>& metadata) {
   std::vector<at::Tensor> host;
   Json header = Json::object();
@@ -261,14 +273,14 @@ WrittenFile write_safetensors_file(const std::string& path, const std::vector<st
   TORCH_CHECK(::close(fd) == 0, "checkpoint: closing '", path, "' failed: ", error_text());
   expected.bytes = static_cast<int64_t>(head.size()) + offset;
   const WrittenFile actual = checksum_file(path);
-  TORCH_CHECK(actual.bytes == expected.bytes && actual.crc == expected.crc, "checkpoint: '", path,
-              "' reads back as ", actual.bytes, " bytes with CRC32C ", crc_hex(actual.crc), " but ", expected.bytes,
-              " bytes with CRC32C ", crc_hex(expected.crc), " were written: the storage is failing");
+  TORCH_CHECK(actual.bytes == expected.bytes && actual.crc == expected.crc, "checkpoint: '", path, "' reads back as ",
+              actual.bytes, " bytes with CRC32C ", crc_hex(actual.crc), " but ", expected.bytes, " bytes with CRC32C ",
+              crc_hex(expected.crc), " were written: the storage is failing");
   return expected;
 }
 
 bool path_exists(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0;
 }
 
@@ -293,7 +305,7 @@ void check_regular(const struct stat& st, const std::string& path) {
 int open_regular_file(const std::string& path, int64_t* bytes = nullptr) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     const std::string err = error_text();
     ::close(fd);
@@ -307,7 +319,7 @@ int open_regular_file(const std::string& path, int64_t* bytes = nullptr) {
 }  // namespace
 
 int64_t file_bytes(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "': ", error_text());
   check_regular(st, path);
   return static_cast<int64_t>(st.st_size);
@@ -336,7 +348,7 @@ std::vector<std::string> list_directory(const std::string& dir) {
 }
 
 void remove_tree(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   if (::lstat(path.c_str(), &st) != 0) return;
   if (S_ISDIR(st.st_mode)) {
     for (const std::string& name : list_directory(path)) remove_tree(path + "/" + name);
@@ -360,8 +372,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   const IgnoreFileSizeSignal ignore_sigxfsz;
   // A leftover temp file (a crash mid-write) or anything planted there (a symlink to a file outside
   // the directory) is removed, never written through: the new one is created exclusively.
-  TORCH_CHECK(::unlink(tmp.c_str()) == 0 || errno == ENOENT, "checkpoint: cannot remove the stale '", tmp, "': ",
-              error_text());
+  TORCH_CHECK(::unlink(tmp.c_str()) == 0 || errno == ENOENT, "checkpoint: cannot remove the stale '", tmp,
+              "': ", error_text());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot create '", tmp, "': ", error_text());
   try {
@@ -372,8 +384,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     throw;
   }
   ::close(fd);
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '", tmp, "' to '", path, "': ",
-              error_text());
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '", tmp, "' to '", path,
+              "': ", error_text());
   const size_t slash = path.rfind('/');
   fsync_path(slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash));
 }

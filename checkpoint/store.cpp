@@ -1,7 +1,7 @@
 #include "checkpoint/store.h"
 
-#include "mesh/collectives.h"
 #include "checkpoint/safetensors.h"
+#include "mesh/collectives.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -132,11 +132,15 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
     return who + " is from another save (save id " + meta("save_id") + ", step " + meta("step") +
            ") than this checkpoint's (save id " + m.save_id + ", step " + std::to_string(m.step) + ")";
   }
-  if (meta("rank") != std::to_string(f.rank)) return who + " says it was written by rank " + meta("rank") + " (renamed?)";
-  if (meta("step") != std::to_string(m.step)) return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
+  if (meta("rank") != std::to_string(f.rank))
+    return who + " says it was written by rank " + meta("rank") + " (renamed?)";
+  if (meta("step") != std::to_string(m.step))
+    return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
   if (f.rank == 0) {  // rank 0's file also records the values and the optimizer's state summary
-    for (const auto& [key, saved] : {std::pair{"values", json_text(values_to_json(m.values))}, std::pair{"optimizer", json_text(m.optimizer)}}) {
-      if (rewritten(meta(key)) != saved) return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
+    for (const auto& [key, saved] :
+         {std::pair{"values", json_text(values_to_json(m.values))}, std::pair{"optimizer", json_text(m.optimizer)}}) {
+      if (rewritten(meta(key)) != saved)
+        return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
     }
   }
   struct Expected {
@@ -150,7 +154,8 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
     for (const ManifestPiece& p : t.pieces) {
       if (p.file != name) continue;
       auto it = h.tensors.find(key);
-      if (it == h.tensors.end()) return who + " has no tensor '" + key + "' though the manifest puts a piece of it there";
+      if (it == h.tensors.end())
+        return who + " has no tensor '" + key + "' though the manifest puts a piece of it there";
       const SafetensorsTensor& st = it->second;
       if (st.dtype != t.dtype || st.shape != std::vector<int64_t>{p.end - p.begin}) {
         return who + " holds '" + key + "' as " + st.dtype + " " + shape_str(st.shape) + " but the manifest says " +
@@ -168,14 +173,17 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   for (const Expected& e : pieces) ranges.push_back({e.begin, e.end});
   const WrittenFile actual = checksum_file(path, ranges);
   if (actual.crc != f.crc) {
-    return who + " has CRC32C " + crc_hex(actual.crc) + " but the manifest says " + crc_hex(f.crc) + ": its bytes are corrupt";
+    return who + " has CRC32C " + crc_hex(actual.crc) + " but the manifest says " + crc_hex(f.crc) +
+           ": its bytes are corrupt";
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
     const ManifestPiece& p = *pieces[i].piece;
     if (piece_checksum(actual.tensor_crcs[i], m.save_id, *pieces[i].key, *pieces[i].tensor, p) != p.crc) {
-      return who + ": its bytes of '" + *pieces[i].key + "' do not have the checksum the manifest gives for elements [" +
-             std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
-             " (a piece relabelled or moved to another range, rank or tensor, or its tensor's dtype, shape, dim or tp_size " +
+      return who + ": its bytes of '" + *pieces[i].key +
+             "' do not have the checksum the manifest gives for elements [" + std::to_string(p.begin) + ", " +
+             std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
+             " (a piece relabelled or moved to another range, rank or tensor, or its tensor's dtype, shape, dim or "
+             "tp_size " +
              "edited)";
     }
   }
@@ -191,8 +199,13 @@ struct Save {
   std::string name, step_dir;  // step-<N>, <dir>/step-<N>
 
   Save(const CheckpointMesh& m, const std::string& d, const CheckpointMeta& mt)
-      : mesh(m), dir(d), meta(mt), rank(m.world->getRank()), world_size(m.world->getSize()),
-        name(step_name(mt.step)), step_dir(d + "/" + name) {}
+      : mesh(m),
+        dir(d),
+        meta(mt),
+        rank(m.world->getRank()),
+        world_size(m.world->getSize()),
+        name(step_name(mt.step)),
+        step_dir(d + "/" + name) {}
 
   // Every rank's status, after each rank sets its own (`work` throwing makes it an error status).
   std::vector<Json> agree_after(const std::string& what, const std::function<void(Json&)>& work) const {
@@ -257,9 +270,11 @@ void write_rank_file(const Save& s, const std::string& save_id, const std::vecto
                       {"begin", t.begin},
                       {"end", t.end}});
   }
-  std::map<std::string, std::string> metadata = {
-      {"format", kCheckpointFormat}, {"save_id", save_id}, {"step", std::to_string(s.meta.step)},
-      {"rank", std::to_string(s.rank)}, {"world_size", std::to_string(s.world_size)}};
+  std::map<std::string, std::string> metadata = {{"format", kCheckpointFormat},
+                                                 {"save_id", save_id},
+                                                 {"step", std::to_string(s.meta.step)},
+                                                 {"rank", std::to_string(s.rank)},
+                                                 {"world_size", std::to_string(s.world_size)}};
   if (s.rank == 0) {  // the manifest's too; a load compares them (file_problem): bound by this file's CRC
     metadata["values"] = json_text(values_to_json(s.meta.values));
     metadata["optimizer"] = json_text(s.meta.optimizer);
@@ -279,8 +294,12 @@ void write_rank_file(const Save& s, const std::string& save_id, const std::vecto
     pieces[i]["crc32c"] = crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key, as_listed, piece));
   }
   if (options.after_file_written) options.after_file_written(s.step_dir + "/" + file);
-  status["file"] = {{"name", file}, {"rank", s.rank}, {"dp_rank", s.mesh.dp_rank},
-                    {"tp_rank", s.mesh.tp_rank}, {"bytes", written.bytes}, {"crc32c", crc_hex(written.crc)}};
+  status["file"] = {{"name", file},
+                    {"rank", s.rank},
+                    {"dp_rank", s.mesh.dp_rank},
+                    {"tp_rank", s.mesh.tp_rank},
+                    {"bytes", written.bytes},
+                    {"crc32c", crc_hex(written.crc)}};
   status["pieces"] = std::move(pieces);
 }
 
@@ -314,8 +333,10 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
         TORCH_CHECK(json_text(listed[field]) == json_text(entry[field]), "tensor '", key, "' has ", field, " ",
                     json_text(entry[field]), " on rank ", r, " but ", json_text(listed[field]), " on a lower rank");
       }
-      listed["pieces"].push_back({{"file", checkpoint_file_name(r)}, {"tp_rank", json_at(p, "tp_rank", key)},
-                                  {"begin", json_at(p, "begin", key)}, {"end", json_at(p, "end", key)},
+      listed["pieces"].push_back({{"file", checkpoint_file_name(r)},
+                                  {"tp_rank", json_at(p, "tp_rank", key)},
+                                  {"begin", json_at(p, "begin", key)},
+                                  {"end", json_at(p, "end", key)},
                                   {"crc32c", json_at(p, "crc32c", key)}});
     }
   }
@@ -368,7 +389,8 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
   for (int64_t r = 0; r < s.world_size; ++r) {
     const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
     TORCH_CHECK(step == meta.step, "checkpoint save of step ", meta.step, " to '", s.step_dir, "' failed: rank ", r,
-                " saves step ", step, " but rank ", s.rank, " step ", meta.step, "; every rank must save the same step");
+                " saves step ", step, " but rank ", s.rank, " step ", meta.step,
+                "; every rank must save the same step");
   }
   const std::string save_id = json_string(json_at(statuses[0], "save_id", "rank 0's status"), "save_id");
 
@@ -422,7 +444,8 @@ std::optional<std::string> agree_on_checkpoint(const CheckpointMesh& mesh, const
                                                      " is missing or holds no complete step)"
                                                : json_string(json_at(statuses[r], "found", "status"), "found"));
     }
-    TORCH_CHECK(false, "checkpoint load from '", dir, "': the ranks found different checkpoints; nothing was loaded on ",
+    TORCH_CHECK(false, "checkpoint load from '", dir,
+                "': the ranks found different checkpoints; nothing was loaded on ",
                 "any rank. Every rank must see the same checkpoint directory (a filesystem shared by every node, the ",
                 "same path on every rank). What each rank found:", found);
   }
@@ -442,7 +465,8 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
     manifest_ = parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path);
     const std::string dir_name = path_.substr(path_.rfind('/') + 1);
     TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_.step, "checkpoint: '", path, "' holds step ", manifest_.step,
-                " but its directory is named '", dir_name, "' (a step directory renamed or copied under another name?); ",
+                " but its directory is named '", dir_name,
+                "' (a step directory renamed or copied under another name?); ",
                 "a step directory holds the step it is named after: rename it to step-", manifest_.step,
                 " or pick another checkpoint");
     meta_.step = manifest_.step;
@@ -456,7 +480,8 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   const std::string errors = errors_of(statuses);
   TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
   std::string ids;
-  for (size_t r = 0; r < statuses.size(); ++r) ids += "\n  rank " + std::to_string(r) + ": " + json_text(statuses[r], -1, true);
+  for (size_t r = 0; r < statuses.size(); ++r)
+    ids += "\n  rank " + std::to_string(r) + ": " + json_text(statuses[r], -1, true);
   for (const Json& s : statuses) {
     TORCH_CHECK(s == statuses[0], "checkpoint load from '", path_, "': the ranks read manifests of ",
                 "different saves (a directory that differs between nodes); nothing was loaded on any rank. Every ",
@@ -498,8 +523,9 @@ void check_model_against_manifest(const Manifest& m, const std::vector<Checkpoin
   for (const CheckpointTensor& w : wanted) {
     auto it = m.tensors.find(w.key);
     if (it == m.tensors.end()) {
-      if (!w.optional) problems.add("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
-                                    " here): the model or the optimizer differs from the saved one");
+      if (!w.optional)
+        problems.add("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
+                     " here): the model or the optimizer differs from the saved one");
       continue;
     }
     if (it->second.shape != w.global_shape) {

@@ -485,7 +485,8 @@ at::Tensor GradBuffer::bucket_shard(int64_t b) const {
 
 at::Tensor GradBuffer::local_nonfinite_counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(config_.use_distributed_optimizer, "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
+  TORCH_CHECK(config_.use_distributed_optimizer,
+              "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
   if (buckets_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
   std::vector<at::Tensor> totals;
   for (const Bucket& bucket : buckets_) {
@@ -507,8 +508,8 @@ std::string GradBuffer::bucket_description(int64_t b) const {
   const BufferKey& key = layout_.buffers[span.buffer].key;
   std::ostringstream out;
   out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from "
-      << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype << " elements on "
-      << key.device << ")";
+      << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype
+      << " elements on " << key.device << ")";
   return out.str();
 }
 
@@ -520,7 +521,8 @@ void GradBuffer::check_trainable_params_unchanged(const char* who) const {
     const BufferKey& key = layout_.buffers[slot.buffer].key;
     TORCH_CHECK(p.param.scalar_type() == key.param_dtype && p.param.device() == key.device, "GradBuffer::", who,
                 ": parameter ", describe_param_name(p), " is now ", p.param.scalar_type(), " on ", p.param.device(),
-                " but was ", key.param_dtype, " on ", key.device, " when the model was wrapped (converted or moved after ",
+                " but was ", key.param_dtype, " on ", key.device,
+                " when the model was wrapped (converted or moved after ",
                 "wrapping: model.double(), model.to(...), param.data = ...). Its gradient slot is fixed when ",
                 "DistributedDataParallel is built: convert and move the model before wrapping (re-wrap it, with a new ",
                 "optimizer, to change it)");
@@ -535,11 +537,12 @@ void GradBuffer::check_trainable_params_unchanged(const char* who) const {
                 "optimizer, to change it)");
   }
   for (const NamedParam& p : frozen_params_) {
-    TORCH_CHECK(!p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
-                " was frozen (requires_grad=False) when the model was wrapped but now requires grad (unfrozen after ",
-                "wrapping). It has no slot in the gradient buffer, so its gradient would not be averaged across ranks. ",
-                "Which params train is fixed when DistributedDataParallel is built: set requires_grad before wrapping ",
-                "(re-wrap the model, with a new optimizer, to change it)");
+    TORCH_CHECK(
+        !p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
+        " was frozen (requires_grad=False) when the model was wrapped but now requires grad (unfrozen after ",
+        "wrapping). It has no slot in the gradient buffer, so its gradient would not be averaged across ranks. ",
+        "Which params train is fixed when DistributedDataParallel is built: set requires_grad before wrapping ",
+        "(re-wrap the model, with a new optimizer, to change it)");
   }
 }
 

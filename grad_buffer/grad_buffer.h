@@ -21,12 +21,12 @@
 // reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
 #pragma once
 
+#include "../mesh/placement.h"
 #include "bucket_layout.h"
+#include "comm_hook.h"
 #include "grad_in_place.h"
 #include "nonfinite_count.h"
-#include "comm_hook.h"
 #include "param_buffer.h"
-#include "../mesh/placement.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -47,44 +47,44 @@ namespace meshddp {
 
 struct GradBufferConfig {
   size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one bucket per parameter
-  bool overlap_grad_reduce = true;   // launch bucket collectives from the hooks during backward;
-                                     // false = all of them in finish_grad_sync()
-  bool grad_reduce_in_fp32 = false;  // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
+  bool overlap_grad_reduce = true;            // launch bucket collectives from the hooks during backward;
+                                              // false = all of them in finish_grad_sync()
+  bool grad_reduce_in_fp32 = false;           // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
                                      // fp32); param.grad() is released after each hook. No effect on fp32 params
-  bool pad_for_reduce_scatter = false;  // pad buckets to a multiple of the DP size (see bucket_layout.h)
-  bool find_unused_parameters = false;  // after each forward, walk the autograd graph from its outputs;
-                                        // params it cannot reach are marked ready at once (gradient 0),
-                                        // so the buckets after them still launch during backward. Costs
-                                        // one graph walk per forward; off: such params block overlap of
-                                        // their bucket and every later one (still correct)
-  bool use_distributed_optimizer = false;  // ZeRO-1: implies the padding; each bucket is reduce-scattered
-                                           // (DP rank r keeps the mean of its 1/DP shard of every bucket),
-                                           // params become views of a flat param buffer laid out like the
-                                           // grad buffer, and each bucket's local non-finite count is kept
+  bool pad_for_reduce_scatter = false;       // pad buckets to a multiple of the DP size (see bucket_layout.h)
+  bool find_unused_parameters = false;       // after each forward, walk the autograd graph from its outputs;
+                                             // params it cannot reach are marked ready at once (gradient 0),
+                                             // so the buckets after them still launch during backward. Costs
+                                             // one graph walk per forward; off: such params block overlap of
+                                             // their bucket and every later one (still correct)
+  bool use_distributed_optimizer = false;    // ZeRO-1: implies the padding; each bucket is reduce-scattered
+                                             // (DP rank r keeps the mean of its 1/DP shard of every bucket),
+                                             // params become views of a flat param buffer laid out like the
+                                             // grad buffer, and each bucket's local non-finite count is kept
   bool gradient_accumulation_fusion = true;  // (Megatron's name) layers that write a param's gradient straight
                                              // into its slot (grad_buffer/grad_in_place.h: meshddp::tp::Linear,
                                              // meshddp::linear_with_grad_in_buffer) may do so; such slots are
                                              // then overwritten on the first micro-batch instead of being
                                              // zeroed by zero_grad_buffer(). false: every gradient goes through
                                              // autograd and every slot is zeroed (for comparison and debugging)
-  bool check_for_nan_in_grad = false;  // (Megatron's name) count each bucket's NaN/Inf before its collective;
-                                       // finish_grad_sync() then throws on every rank, naming the param(s),
-                                       // the rank(s) that produced them and the step. Costs one count per
-                                       // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
-                                       // per step
-  std::string comm_hook = kNoCommHook;  // how each bucket is reduced (grad_buffer/comm_hook.h): "none" = SUM in
-                                        // the buffer's dtype; "bf16_compress" / "fp16_compress" = cast the
-                                        // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
-                                        // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
-                                        // and TP-partial buckets alike
+  bool check_for_nan_in_grad = false;        // (Megatron's name) count each bucket's NaN/Inf before its collective;
+                                             // finish_grad_sync() then throws on every rank, naming the param(s),
+                                             // the rank(s) that produced them and the step. Costs one count per
+                                             // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
+                                             // per step
+  std::string comm_hook = kNoCommHook;       // how each bucket is reduced (grad_buffer/comm_hook.h): "none" = SUM in
+                                             // the buffer's dtype; "bf16_compress" / "fp16_compress" = cast the
+                                             // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
+                                             // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
+                                             // and TP-partial buckets alike
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
 };
 
 struct NamedParam {
-  std::string name;  // module path, e.g. "blocks.3.mlp.fc1.weight"
-  at::Tensor param;  // a leaf that requires grad
+  std::string name;                       // module path, e.g. "blocks.3.mlp.fc1.weight"
+  at::Tensor param;                       // a leaf that requires grad
   std::vector<std::string> aliases = {};  // other names the same tensor is registered under (tied
                                           // weights); filled by GradBuffer, which keeps one entry per tensor
 };
@@ -134,8 +134,7 @@ class GradBuffer {
   // Which params train is fixed here: freezing or unfreezing one later makes zero_grad_buffer() and
   // finish_grad_sync() throw naming it (re-wrap the model after changing requires_grad). Params
   // must be dense tensors with storage (not sparse, not on the meta device): an error names any other.
-  GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
-             GradBufferConfig config);
+  GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group, GradBufferConfig config);
   // Same, with the TP-aware groups (placements are read from the registry, mesh/placement.h).
   GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config);
   // Replaces the communication hook (the config's comm_hook until then) with `hook`, PyTorch DDP's

@@ -18,11 +18,13 @@ std::vector<at::Tensor> allocate(const BucketLayout& layout) {
 
 std::vector<at::Tensor> bucket_ranges(const BucketLayout& layout, const std::vector<at::Tensor>& buffers) {
   std::vector<at::Tensor> ranges;
-  for (const BucketSpan& span : layout.buckets) ranges.push_back(buffers[span.buffer].narrow(0, span.begin, span.numel()));
+  for (const BucketSpan& span : layout.buckets)
+    ranges.push_back(buffers[span.buffer].narrow(0, span.begin, span.numel()));
   return ranges;
 }
 
-std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& ranges, const c10d::ProcessGroup& dp_group,
+std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& ranges,
+                                                const c10d::ProcessGroup& dp_group,
                                                 const std::vector<std::string>& bucket_names) {
   std::vector<ParamGather::Bucket> buckets;
   for (size_t b = 0; b < ranges.size(); ++b) {

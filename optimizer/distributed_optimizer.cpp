@@ -1,9 +1,8 @@
 #include "optimizer/distributed_optimizer.h"
 
+#include "mesh/collectives.h"
 #include "optimizer/fused_step.h"
 #include "optimizer/optimizer_config_fields.h"
-
-#include "mesh/collectives.h"
 #include "tp/glob_match.h"
 #include "tp/grad_norm.h"
 
@@ -21,7 +20,8 @@ namespace {
 NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard, const at::Tensor& grad) {
   std::vector<GradRun> runs;
   runs.reserve(shard.segments.size());
-  for (const ShardSegment& seg : shard.segments) runs.push_back({seg.shard_offset, seg.numel, &buffer.placement(seg.param)});
+  for (const ShardSegment& seg : shard.segments)
+    runs.push_back({seg.shard_offset, seg.numel, &buffer.placement(seg.param)});
   return norm_pieces(grad, runs, buffer.groups().tp_rank);
 }
 
@@ -121,7 +121,8 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
 
   // The fused kernels write fp32 and bf16 params; fp16 (or a build without CUDA kernels) keeps ATen.
   bool fusable = !master_.empty() && fused_kernels_available(master_.front().device());
-  std::string why_not = master_.empty() ? "" : "no fused kernels for " + master_.front().device().str() + " in this build";
+  std::string why_not =
+      master_.empty() ? "" : "no fused kernels for " + master_.front().device().str() + " in this build";
   for (size_t b = 0; b < shards_.size() && fusable; ++b) {
     const at::ScalarType t = param_shard(b).scalar_type();
     if (t != at::kFloat && t != at::kBFloat16) {
@@ -238,7 +239,8 @@ StepResult DistributedOptimizer::step() {
     }
   }
   // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
-  all_reduce_sum_now(buffer_->groups().stats_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
+  all_reduce_sum_now(buffer_->groups().stats_group(), stats,
+                     "the optimizer's gradient checks (non-finite count, norm)");
   const at::Tensor host = stats.cpu();
   const double nonfinite = host[0].item<double>();
   StepResult result;
@@ -346,8 +348,9 @@ void DistributedOptimizer::update_fused(double grad_scale) {
       auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, offset, numel) : at::Tensor(); };
       const Group& g = groups_[group];
       if (adamw) {
-        fused_adamw_step(part(grad32_[b]), part(state1_[b]), part(state2_[b]), part(master_[b]), part(param),
-                         adamw_scalars(g.lr, g.weight_decay, config_.beta1, config_.beta2, config_.eps, step_, grad_scale));
+        fused_adamw_step(
+            part(grad32_[b]), part(state1_[b]), part(state2_[b]), part(master_[b]), part(param),
+            adamw_scalars(g.lr, g.weight_decay, config_.beta1, config_.beta2, config_.eps, step_, grad_scale));
       } else {
         fused_sgd_step(part(grad32_[b]), part(state1_[b]), part(master_[b]), part(param),
                        sgd_scalars(g.lr, g.weight_decay, config_.momentum, grad_scale));
@@ -359,7 +362,8 @@ void DistributedOptimizer::update_fused(double grad_scale) {
 
 at::Tensor DistributedOptimizer::param_shard(size_t b) const {
   const BucketShard& shard = shards_[b];
-  return param_buffer_->bucket_data(shard.bucket).narrow(0, shard.begin - buffer_->layout().buckets[shard.bucket].begin, shard.numel);
+  return param_buffer_->bucket_data(shard.bucket)
+      .narrow(0, shard.begin - buffer_->layout().buckets[shard.bucket].begin, shard.numel);
 }
 
 void DistributedOptimizer::write_masters_into_param_buffer() {
@@ -384,7 +388,8 @@ std::string DistributedOptimizer::nonfinite_report() {
   for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
     for (int64_t p : buffer_->layout().buckets[b].params) {
       if (produced[p] == 0) continue;
-      mine << "  DP rank " << buffer_->groups().dp_rank() << " produced " << produced[p] << " non-finite value(s) in its local "
+      mine << "  DP rank " << buffer_->groups().dp_rank() << " produced " << produced[p]
+           << " non-finite value(s) in its local "
            << "gradient of parameter '" << params[p].name << "' (" << buffer_->main_grad(p).numel()
            << " elements, bucket " << b << ")\n";
     }
@@ -400,7 +405,8 @@ std::string DistributedOptimizer::nonfinite_report() {
   // Gather every rank's lines so every rank reports the same.
   std::ostringstream report;
   report << "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n";
-  for (const std::string& lines : all_gather_strings(*buffer_->groups().dp, mine.str(), "the non-finite report")) report << lines;
+  for (const std::string& lines : all_gather_strings(*buffer_->groups().dp, mine.str(), "the non-finite report"))
+    report << lines;
   return report.str();
 }
 
@@ -412,7 +418,8 @@ MemoryReport DistributedOptimizer::memory() const {
     if (!master_is_param_view_[b]) m.master_weight_bytes += master_[b].nbytes();
     if (state1_[b].defined()) m.optimizer_state_bytes += state1_[b].nbytes();
     if (state2_[b].defined()) m.optimizer_state_bytes += state2_[b].nbytes();
-    if (grad32_[b].data_ptr() != buffer_->bucket_shard(shards_[b].bucket).data_ptr()) m.grad_scratch_bytes += grad32_[b].nbytes();
+    if (grad32_[b].data_ptr() != buffer_->bucket_shard(shards_[b].bucket).data_ptr())
+      m.grad_scratch_bytes += grad32_[b].nbytes();
   }
   return m;
 }

@@ -20,8 +20,8 @@
 //   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
-#include "../grad_buffer/grad_buffer.h"
 #include "../checkpoint/store.h"
+#include "../grad_buffer/grad_buffer.h"
 #include "shard_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -52,15 +52,15 @@ struct ParamGroupRule {
 
 struct DistributedOptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  double lr = 1e-3;            // > 0
-  double weight_decay = 0.0;   // AdamW: decoupled (p *= 1 - lr * wd); SGD: L2 added to the gradient
-  double beta1 = 0.9;          // AdamW, in [0, 1)
-  double beta2 = 0.999;        // AdamW, in [0, 1)
-  double eps = 1e-8;           // AdamW, > 0
-  double momentum = 0.0;       // SGD, >= 0 (0 = plain SGD)
-  std::vector<ParamGroupRule> groups;  // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
-  double clip_grad_norm = 0.0;         // > 0: clip the global gradient L2 norm to this; 0 = off
-  bool overlap_param_gather = false;   // all-gathers complete during the next forward (DDP::forward)
+  double lr = 1e-3;                         // > 0
+  double weight_decay = 0.0;                // AdamW: decoupled (p *= 1 - lr * wd); SGD: L2 added to the gradient
+  double beta1 = 0.9;                       // AdamW, in [0, 1)
+  double beta2 = 0.999;                     // AdamW, in [0, 1)
+  double eps = 1e-8;                        // AdamW, > 0
+  double momentum = 0.0;                    // SGD, >= 0 (0 = plain SGD)
+  std::vector<ParamGroupRule> groups;       // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
+  double clip_grad_norm = 0.0;              // > 0: clip the global gradient L2 norm to this; 0 = off
+  bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
 
   // Every field is listed once in optimizer/optimizer_config_fields.h (ranges, cross-rank agreement,
@@ -69,10 +69,10 @@ struct DistributedOptimizerConfig {
 };
 
 struct StepResult {
-  bool skipped = false;    // true: a non-finite gradient was found; nothing was updated
-  double grad_norm = 0;    // global L2 norm of the gradients before clipping (inf/nan when skipped)
-  bool clipped = false;    // the gradients were scaled down
-  std::string report;      // when skipped: which parameters, which DP ranks
+  bool skipped = false;  // true: a non-finite gradient was found; nothing was updated
+  double grad_norm = 0;  // global L2 norm of the gradients before clipping (inf/nan when skipped)
+  bool clipped = false;  // the gradients were scaled down
+  std::string report;    // when skipped: which parameters, which DP ranks
 };
 
 // Bytes held per rank, by component.
@@ -135,11 +135,11 @@ class DistributedOptimizer {
   double group_weight_decay(int64_t group) const;
   double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
 
-  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
-  // params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree);
-  // returns that directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP;
-  // checks everything on every rank before changing anything; then all-gathers the params; returns
-  // the step loaded. Module buffers, frozen params and user values: plugin/training_checkpoint.h.
+  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this
+  // optimizer's params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree); returns that
+  // directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP; checks everything on every rank
+  // before changing anything; then all-gathers the params; returns the step loaded. Module buffers, frozen params and
+  // user values: plugin/training_checkpoint.h.
   std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
   int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
   // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this
@@ -188,7 +188,7 @@ class DistributedOptimizer {
   std::vector<at::Tensor> grad32_;  // per bucket shard, fp32 view or scratch
   std::vector<at::Tensor> state1_, state2_;
   std::vector<bool> master_is_param_view_;
-  bool fused_ = false;  // config.fused_step resolved for these shards' device and dtypes
+  bool fused_ = false;               // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
   int64_t params_version_seen_ = 0;  // ParamBuffer::params_version() the masters were taken at

@@ -1,10 +1,10 @@
 #include "plugin/distributed_data_parallel.h"
 
 #include "mesh/collectives.h"
-#include "plugin/ddp_config_fields.h"
-#include "plugin/tp_dim.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
+#include "plugin/ddp_config_fields.h"
+#include "plugin/tp_dim.h"
 
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
@@ -39,8 +39,9 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only
     ++count;
     std::ostringstream v;
     v << span.numel() << " x " << key.grad_dtype << ", "
-      << (key.tp_partial ? "all-reduce over the mesh"
-                         : buffer.config().use_distributed_optimizer ? "reduce-scatter" : "all-reduce")
+      << (key.tp_partial                              ? "all-reduce over the mesh"
+          : buffer.config().use_distributed_optimizer ? "reduce-scatter"
+                                                      : "all-reduce")
       << ", first param '" << buffer.params()[span.params.front()].name << "'";
     out.push_back({"bucket " + std::to_string(b), v.str()});
   }
@@ -54,7 +55,8 @@ std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vect
                       const std::string& dp_dim) {
   TORCH_INTERNAL_ASSERT(dim_names.size() == dim_sizes.size());
   std::string all;
-  for (size_t d = 0; d < dim_names.size(); ++d) all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
+  for (size_t d = 0; d < dim_names.size(); ++d)
+    all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
   TORCH_CHECK(std::find(dim_names.begin(), dim_names.end(), dp_dim) != dim_names.end(),
               "DistributedDataParallel: the mesh (", all, ") has no dim named '", dp_dim, "' (the DP dim)");
   std::vector<std::string> others;
@@ -141,9 +143,10 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
       failed_ranks = verdict.item<int64_t>();
     }
     TORCH_CHECK(mismatch.empty(), mismatch);
-    TORCH_CHECK(failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
-                "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
-                "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
+    TORCH_CHECK(
+        failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+        "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
+        "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
   std::vector<NamedTensor> state, tp_replicated_state;
   for (const auto& p : unique_params_) {

@@ -33,12 +33,12 @@ struct DdpConfig : GradBufferConfig {
   // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), find_unused_parameters (false),
   // use_distributed_optimizer (false: set it to pair with DistributedOptimizer, which then owns the
   // param update and all-gather).
-  bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers,
-                                      // then every TP rank takes TP rank 0's replicated (non-sharded) ones
-  bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
-  bool broadcast_buffers = true;      // PyTorch DDP's default: before each training forward (grad mode on,
-                                      // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
-                                      // (one flat broadcast per dtype). Nothing is done when the model has none
+  bool broadcast_from_rank0 = true;         // at construction, every DP rank takes DP rank 0's params and buffers,
+                                            // then every TP rank takes TP rank 0's replicated (non-sharded) ones
+  bool verify_model_across_ranks = true;    // at construction, check every DP rank has the same parameters
+  bool broadcast_buffers = true;            // PyTorch DDP's default: before each training forward (grad mode on,
+                                            // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
+                                            // (one flat broadcast per dtype). Nothing is done when the model has none
   int64_t tp_replica_check_interval = 100;  // with TP > 1: at the first forward of step 1 and of every N-th
                                             // step after (1, 1+N, ...), compare a bit-exact checksum of each
                                             // TP-replicated param across the TP group and name the first one
@@ -107,9 +107,7 @@ class DdpEngine {
   // read-only but for finish_grad_sync(), and its ZeRO-1 param buffer.
   GradBufferHandle grad_buffer() const { return *buffer_; }
   // The param all-gather of the distributed optimizer (null without use_distributed_optimizer).
-  ParamGather* param_gather() const {
-    return buffer_->param_buffer() ? &buffer_->param_buffer()->gather() : nullptr;
-  }
+  ParamGather* param_gather() const { return buffer_->param_buffer() ? &buffer_->param_buffer()->gather() : nullptr; }
   c10d::ProcessGroup& dp_group() const { return *dp_group_; }
   const DdpConfig& config() const { return config_; }
 

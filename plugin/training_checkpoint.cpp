@@ -1,10 +1,9 @@
 #include "plugin/training_checkpoint.h"
 
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <set>
 
@@ -18,8 +17,9 @@ struct Parts {
 
 Parts parts_of(const TrainingState& state) {
   TORCH_CHECK(state.module && state.ddp, "checkpoint: TrainingState needs module and ddp");
-  TORCH_CHECK(!(state.distributed_optimizer && state.optimizer),
-              "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
+  TORCH_CHECK(
+      !(state.distributed_optimizer && state.optimizer),
+      "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
   const SyncGroups& g = state.ddp->grad_buffer()->groups();
   Parts p;
   p.mesh = {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
@@ -135,7 +135,8 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
     module_count = wanted.size();
     if (state.distributed_optimizer) {
       state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
-      for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
+      for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false))
+        wanted.push_back(std::move(t));
       optimizer_step = json_int(json_at(saved_optimizer, "step", reader.path()), "optimizer.step");
     } else if (state.optimizer) {
       const TorchOptimizerState kind = torch_kind(*state.optimizer);

@@ -47,10 +47,11 @@ void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& 
 namespace {
 
 void check_plain_ddp(const GradBuffer& buffer, const char* who) {
-  TORCH_CHECK(!buffer.config().use_distributed_optimizer, "meshddp::", who, ": the grad buffer is sharded for the ",
-              "ZeRO-1 distributed optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of ",
-              "its shard only; set DistributedOptimizerConfig::clip_grad_norm instead (its step() clips and reports ",
-              "StepResult::grad_norm)");
+  TORCH_CHECK(
+      !buffer.config().use_distributed_optimizer, "meshddp::", who, ": the grad buffer is sharded for the ",
+      "ZeRO-1 distributed optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of ",
+      "its shard only; set DistributedOptimizerConfig::clip_grad_norm instead (its step() clips and reports ",
+      "StepResult::grad_norm)");
 }
 
 // "'a.weight', 'b.bias'": this rank's params whose gradient has a NaN or Inf (for the error).

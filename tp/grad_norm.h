@@ -32,7 +32,7 @@ namespace meshddp {
 
 // A run of a flat gradient (e.g. a ZeRO-1 bucket shard) that belongs to one param.
 struct GradRun {
-  int64_t offset = 0;                  // into the flat tensor
+  int64_t offset = 0;  // into the flat tensor
   int64_t numel = 0;
   const Placement* placement = nullptr;  // the param's; not null
 };
@@ -40,9 +40,9 @@ struct GradRun {
 // The parts of a gradient this rank counts toward the mesh-wide norm, and the parts it does not
 // (for callers that also need every element, e.g. a non-finite count).
 struct NormPieces {
-  bool all_count = true;                 // every run counts: `counted` is the whole flat tensor, one piece
-  std::vector<at::Tensor> counted;       // in run order
-  std::vector<at::Tensor> not_counted;   // in run order
+  bool all_count = true;                // every run counts: `counted` is the whole flat tensor, one piece
+  std::vector<at::Tensor> counted;      // in run order
+  std::vector<at::Tensor> not_counted;  // in run order
 };
 
 // `flat` cut by `runs` for TP rank `tp_rank`: when every run counts, the whole of `flat` as one

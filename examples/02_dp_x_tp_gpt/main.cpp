@@ -9,9 +9,9 @@
 // summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
 // tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
-#include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
@@ -36,18 +36,21 @@ struct Flags {
   int64_t global_batch = 16;
   uint64_t seed = 0;
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
 
 std::string usage_line() {
-  return std::string("--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
-                     "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+  return std::string(
+             "--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
+             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
-[[noreturn]] void usage(const char* prog, const std::string& error) { examples::exit_with_usage(prog, error, usage_line()); }
+[[noreturn]] void usage(const char* prog, const std::string& error) {
+  examples::exit_with_usage(prog, error, usage_line());
+}
 
 // Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
 void validate(const Flags& f) {
@@ -55,9 +58,12 @@ void validate(const Flags& f) {
   const auto& m = f.model;
   const auto n = [](int64_t v) { return std::to_string(v); };
   if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
-  if (m.heads % f.tp != 0) throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
-  if (m.vocab % f.tp != 0) throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % f.dp != 0) throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
+  if (m.heads % f.tp != 0)
+    throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
+  if (m.vocab % f.tp != 0)
+    throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
+  if (f.global_batch % f.dp != 0)
+    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
   if (f.sequence_parallel && m.seq_len % f.tp != 0) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) + " with --sequence-parallel");
   }
@@ -69,27 +75,42 @@ Flags parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
-    if (arg == "--sequence-parallel") { f.sequence_parallel = true; continue; }
-    if (arg == "--distributed-optimizer") { f.distributed_optimizer = true; continue; }
+    if (arg == "--sequence-parallel") {
+      f.sequence_parallel = true;
+      continue;
+    }
+    if (arg == "--distributed-optimizer") {
+      f.distributed_optimizer = true;
+      continue;
+    }
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     using examples::parse_int_flag;
     try {
-      if (arg == "--dp") f.dp = parse_int_flag(arg, v, 1);
-      else if (arg == "--tp") f.tp = parse_int_flag(arg, v, 1);
-      else if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, v, 1);
-      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      if (arg == "--dp")
+        f.dp = parse_int_flag(arg, v, 1);
+      else if (arg == "--tp")
+        f.tp = parse_int_flag(arg, v, 1);
+      else if (arg == "--global-batch")
+        f.global_batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--seed")
+        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {
         if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
         f.optimizer = v;
-      }
-      else if (arg == "--layers") f.model.layers = parse_int_flag(arg, v, 1);
-      else if (arg == "--dim") f.model.dim = parse_int_flag(arg, v, 1);
-      else if (arg == "--heads") f.model.heads = parse_int_flag(arg, v, 1);
-      else if (arg == "--seq-len") f.model.seq_len = parse_int_flag(arg, v, 1);
-      else if (arg == "--vocab") f.model.vocab = parse_int_flag(arg, v, 1);
-      else if (!examples::parse_run_flag(arg, v, f.run)) usage(argv[0], "unknown flag " + arg);
+      } else if (arg == "--layers")
+        f.model.layers = parse_int_flag(arg, v, 1);
+      else if (arg == "--dim")
+        f.model.dim = parse_int_flag(arg, v, 1);
+      else if (arg == "--heads")
+        f.model.heads = parse_int_flag(arg, v, 1);
+      else if (arg == "--seq-len")
+        f.model.seq_len = parse_int_flag(arg, v, 1);
+      else if (arg == "--vocab")
+        f.model.vocab = parse_int_flag(arg, v, 1);
+      else if (!examples::parse_run_flag(arg, v, f.run))
+        usage(argv[0], "unknown flag " + arg);
     } catch (const examples::FlagError& e) {
       usage(argv[0], e.what());
     }
@@ -108,8 +129,8 @@ int main(int argc, char** argv) {
   const Flags f = parse(argc, argv);
   try {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
-                                                        std::max(1, local_world ? std::atoi(local_world) : 1))));
+    at::set_num_threads(static_cast<int>(
+        std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
     meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
@@ -135,7 +156,8 @@ int main(int argc, char** argv) {
       if (sgd) {
         adamw = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(f.run.lr));
       } else {
-        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(),
+                                                      torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
       }
       schedule.attach(*adamw);
     }
@@ -149,15 +171,17 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
-      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n", mesh.describe().c_str(),
-                   f.sequence_parallel ? ", sequence parallel" : "", f.distributed_optimizer ? ", ZeRO-1" : "",
-                   static_cast<long long>(n), static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
+      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
+                   mesh.describe().c_str(), f.sequence_parallel ? ", sequence parallel" : "",
+                   f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
+                   static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
     checkpoints.track(schedule);
     const int64_t first_step = checkpoints.resume();
-    examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(), mesh.rank() == 0);
+    examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(),
+                                mesh.rank() == 0);
     examples::SkippedSteps skipped(f.run.max_skipped_steps);
     const auto named = model->named_parameters();
     const auto first_param = named.begin();

@@ -56,8 +56,9 @@ void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool
   }
   ++consecutive_;
   if (print) {
-    std::fprintf(stderr, "step %lld skipped (%lld in a row, --max-skipped-steps %lld): %s\n", static_cast<long long>(step),
-                 static_cast<long long>(consecutive_), static_cast<long long>(max_), result.report.c_str());
+    std::fprintf(stderr, "step %lld skipped (%lld in a row, --max-skipped-steps %lld): %s\n",
+                 static_cast<long long>(step), static_cast<long long>(consecutive_), static_cast<long long>(max_),
+                 result.report.c_str());
     std::fflush(stderr);
   }
   TORCH_CHECK(consecutive_ < max_, "stopping: ", consecutive_, " consecutive steps skipped for non-finite gradients ",

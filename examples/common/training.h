@@ -26,7 +26,8 @@ meshddp::LrScheduleConfig lr_schedule(const RunFlags& f);
 // collective).
 class NanInjector {
  public:
-  NanInjector(StepRank at, at::Tensor param, std::string name) : at_(at), param_(std::move(param)), name_(std::move(name)) {}
+  NanInjector(StepRank at, at::Tensor param, std::string name)
+      : at_(at), param_(std::move(param)), name_(std::move(name)) {}
   // Call before backward: arms the hook if this is the step and the rank.
   void before_backward(int64_t step, int64_t rank);
   // Call after backward: disarms it.

@@ -59,12 +59,13 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     const size_t which = relays_.size();
     relay->key = relay->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, grads, index, which](const torch::autograd::variable_list& outputs,
-                                     const torch::autograd::variable_list&) {
+                                    const torch::autograd::variable_list&) {
           const DtensorParam& d = dtensors_[which];
-          TORCH_CHECK(which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
-                      "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",
-                      ".grad was not its slot in meshddp's buffer (was it set to None, e.g. by optimizer.zero_grad()?); ",
-                      "this gradient missed the buffer. Call ddp.zero_grad_buffer() between steps instead");
+          TORCH_CHECK(
+              which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
+              "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",
+              ".grad was not its slot in meshddp's buffer (was it set to None, e.g. by optimizer.zero_grad()?); ",
+              "this gradient missed the buffer. Call ddp.zero_grad_buffer() between steps instead");
           grads->on_grad_accumulated(index);
           return outputs;
         }));

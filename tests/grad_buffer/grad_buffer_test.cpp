@@ -1,9 +1,10 @@
 // GradBuffer on real Gloo groups (ranks as threads): which group it reduces over, when buckets
 // launch, in what order, and the errors for misuse.
-#include "tests/support/error_of.h"
 #include "grad_buffer/grad_buffer.h"
+
 #include "mesh/placement.h"
 #include "mesh/switches.h"
+#include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -102,7 +103,8 @@ TEST(GradBuffer, LaunchesInBucketOrderWhateverOrderHooksFireIn) {
     buffer.finish_grad_sync();
     for (size_t i = 0; i < params.size(); ++i) {
       const double expected = (i + 1) * (1 + 2) / 2.0;
-      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>()) << params[i].name << ": " << buffer.main_grad(i);
+      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>())
+          << params[i].name << ": " << buffer.main_grad(i);
     }
   });
 }
@@ -257,7 +259,8 @@ TEST(GradBuffer, DebugSyncModeNamesACommHookRegisteredOnOneRankOnly) {
   });
   override_switch_for_testing(Switch::kDebugSync, std::nullopt);
   for (const auto& e : errors) {
-    EXPECT_THAT(e, HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
+    EXPECT_THAT(e,
+                HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
   }
 }
 

@@ -79,12 +79,28 @@ std::vector<Json*> all_pieces(Json& m) {
 
 // Values of every JSON kind, including ones that are valid elsewhere in a manifest.
 Json some_value(std::mt19937_64& gen, const Json& old) {
-  const std::vector<Json> values = {
-      Json(int64_t{-1}), Json(int64_t{0}), Json(int64_t{1}), Json(int64_t{3}),
-      Json(int64_t{1} << 31), Json(INT64_MAX), Json(INT64_MIN), Json(1.5), Json(2.0),
-      Json("0"), Json(""), Json("F16"), Json("I64"), Json("../rank00000.safetensors"),
-      Json("/etc/passwd"), Json("rank00001.safetensors"), Json("0x00000000"), Json(),
-      Json(true), Json::array(), Json::array({int64_t{2}}), Json::object()};
+  const std::vector<Json> values = {Json(int64_t{-1}),
+                                    Json(int64_t{0}),
+                                    Json(int64_t{1}),
+                                    Json(int64_t{3}),
+                                    Json(int64_t{1} << 31),
+                                    Json(INT64_MAX),
+                                    Json(INT64_MIN),
+                                    Json(1.5),
+                                    Json(2.0),
+                                    Json("0"),
+                                    Json(""),
+                                    Json("F16"),
+                                    Json("I64"),
+                                    Json("../rank00000.safetensors"),
+                                    Json("/etc/passwd"),
+                                    Json("rank00001.safetensors"),
+                                    Json("0x00000000"),
+                                    Json(),
+                                    Json(true),
+                                    Json::array(),
+                                    Json::array({int64_t{2}}),
+                                    Json::object()};
   if (old.is_number_integer() && gen() % 3 == 0) return Json(json_int(old, "v") + static_cast<int64_t>(gen() % 5) - 2);
   return values[gen() % values.size()];
 }
@@ -192,7 +208,8 @@ TEST(CheckpointFuzz, EveryDamagedCheckpointIsRefusedByNameOrLoadsExactlyTheOrigi
       } catch (const c10::Error& e) {
         ++refused;
         EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("checkpoint"));
-        EXPECT_TRUE(same(state_of(rank), baseline)) << "a refused load changed the state: " << e.what_without_backtrace();
+        EXPECT_TRUE(same(state_of(rank), baseline))
+            << "a refused load changed the state: " << e.what_without_backtrace();
       }
     }
   });

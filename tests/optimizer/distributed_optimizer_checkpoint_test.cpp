@@ -15,11 +15,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <optional>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,11 +31,11 @@ namespace {
 
 std::string scratch_dir(const std::string& name) { return test::fresh_dir("ckpt-" + name); }
 bool exists(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0;
 }
 int64_t size_of(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   ::stat(path.c_str(), &st);
   return st.st_size;
 }
@@ -92,7 +92,8 @@ std::vector<std::string> load_errors(const ZeroScenario& s, int dp, const std::s
       messages[mesh.rank()] = e.what_without_backtrace();
     }
     auto after = rank.params();
-    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "rank " << mesh.rank() << " param " << i;
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(torch::equal(before[i], after[i])) << "rank " << mesh.rank() << " param " << i;
     EXPECT_EQ(rank.opt->steps_taken(), 0) << "nothing is half-loaded";
   });
   return messages;
@@ -117,7 +118,8 @@ TEST(Checkpoint, RoundTripAtTheSameDpSizeContinuesBitExactly) {
     latest >> name;
     EXPECT_EQ(name, "step-6");
     auto resumed = load_and_continue(s, 4, dir);
-    for (size_t i = 0; i < uninterrupted.size(); ++i) EXPECT_TRUE(torch::equal(uninterrupted[i], resumed[i])) << "param " << i;
+    for (size_t i = 0; i < uninterrupted.size(); ++i)
+      EXPECT_TRUE(torch::equal(uninterrupted[i], resumed[i])) << "param " << i;
     remove_dir(dir);
   }
 }
@@ -323,11 +325,14 @@ TEST(CheckpointManifest, RefusesPieceFilesThatAreNotThisCheckpointsOwn) {
         << bad;
   }
   // A file entry renamed to reach outside the directory.
-  const std::string text = edited_manifest(dir, [&](Json& m) {
-    auto& files = m["files"];
-    files["../rank00000.safetensors"] = files["rank00000.safetensors"];
-    files.erase("rank00000.safetensors");
-  }, true);
+  const std::string text = edited_manifest(
+      dir,
+      [&](Json& m) {
+        auto& files = m["files"];
+        files["../rank00000.safetensors"] = files["rank00000.safetensors"];
+        files.erase("rank00000.safetensors");
+      },
+      true);
   EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
               HasSubstr("files[\"../rank00000.safetensors\"] is rank 0's file, whose name is rank00000.safetensors"));
   remove_dir(dir);
@@ -346,10 +351,11 @@ TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
   // Today's attack: a second copy of piece 0 in the other file, the first moved to a negative begin
   // (the sizes still sum to the tensor's).
   EXPECT_THAT(error_after([&](Json& m) {
-    const int64_t n = json_int(piece(m, key, 0)["end"], "e") - json_int(piece(m, key, 0)["begin"], "b");
-    piece(m, key, 0)["begin"] = Json(-n);
-    piece(m, key, 0)["end"] = Json(int64_t{0});
-  }), HasSubstr(".pieces[0].begin is -"));
+                const int64_t n = json_int(piece(m, key, 0)["end"], "e") - json_int(piece(m, key, 0)["begin"], "b");
+                piece(m, key, 0)["begin"] = Json(-n);
+                piece(m, key, 0)["end"] = Json(int64_t{0});
+              }),
+              HasSubstr(".pieces[0].begin is -"));
   EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["end"] = Json(json_int(piece(m, key, 0)["end"], "e") - 1); }),
               HasSubstr(".pieces leave a gap in TP chunk 0"));
   EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["end"] = Json(json_int(piece(m, key, 0)["end"], "e") + 1); }),
@@ -357,9 +363,10 @@ TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
   EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 1)["end"] = Json(int64_t{1} << 40); }),
               HasSubstr(".pieces[1].end is 1099511627776; expected an integer in ["));
   EXPECT_THAT(error_after([&](Json& m) {
-    auto& pieces = m["tensors"][key]["pieces"].get_ref<Json::array_t&>();
-    pieces.push_back(pieces[0]);
-  }), HasSubstr("for a second piece of this tensor"));
+                auto& pieces = m["tensors"][key]["pieces"].get_ref<Json::array_t&>();
+                pieces.push_back(pieces[0]);
+              }),
+              HasSubstr("for a second piece of this tensor"));
   EXPECT_THAT(error_after([&](Json& m) { m["tensors"][key]["pieces"].get_ref<Json::array_t&>().pop_back(); }),
               HasSubstr(".pieces cover "));
   EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["begin"] = Json(1.5); }),
@@ -407,23 +414,28 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
   }
   const std::string param = key.substr(std::string("model/").size());
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](Json& m) {
-    auto& t = m["tensors"];
-    std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
-  }, true));
+  write_text(path, edited_manifest(
+                       dir,
+                       [&](Json& m) {
+                         auto& t = m["tensors"];
+                         std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
+                       },
+                       true));
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](Json& m) {
-    m["tensors"]["optim/exp_avg/" + param]["dtype"] = Json("I32");
-  }, true));
+  write_text(path, edited_manifest(
+                       dir, [&](Json& m) { m["tensors"]["optim/exp_avg/" + param]["dtype"] = Json("I32"); }, true));
   expect_every_rank_says(load_errors(s, 2, dir), "holds 'optim/exp_avg/" + param + "' as F32 [");
   // The tensor's shape edited (same element count, so the pieces still tile it): the piece checksum
   // covers it. Before: the file checks passed and the model check spoke of a reshaped tensor.
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](Json& m) {
-    auto& shape = m["tensors"][key]["shape"].get_ref<Json::array_t&>();
-    std::reverse(shape.begin(), shape.end());
-  }, true));
+  write_text(path, edited_manifest(
+                       dir,
+                       [&](Json& m) {
+                         auto& shape = m["tensors"][key]["shape"].get_ref<Json::array_t&>();
+                         std::reverse(shape.begin(), shape.end());
+                       },
+                       true));
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
@@ -485,11 +497,14 @@ TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
 
   write_text(rank1, rank1_bytes + std::string(8, '\0'));  // appended, and the manifest re-signed to match
   const WrittenFile appended = checksum_file(rank1);
-  write_text(manifest, edited_manifest(dir, [&](Json& m) {
-    auto& f = m["files"]["rank00001.safetensors"];
-    f["bytes"] = Json(appended.bytes);
-    f["crc32c"] = Json(crc_hex(appended.crc));
-  }, true));
+  write_text(manifest, edited_manifest(
+                           dir,
+                           [&](Json& m) {
+                             auto& f = m["files"]["rank00001.safetensors"];
+                             f["bytes"] = Json(appended.bytes);
+                             f["crc32c"] = Json(crc_hex(appended.crc));
+                           },
+                           true));
   expect_every_rank_says(load_errors(s, 2, dir), "but its header ends its data at byte " +
                                                      std::to_string(rank1_bytes.size()) + " (bytes appended");
   write_text(rank1, rank1_bytes);
@@ -503,4 +518,3 @@ TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
   remove_dir(dir);
 }
-

@@ -89,11 +89,14 @@ void check(bool find_unused) {
       ddp.zero_grad_buffer();
       auto [x, y] = batch(step, kWorld);
       const int64_t rows = kBatch / kWorld;
-      torch::mse_loss(ddp.forward(x.narrow(0, mesh.rank() * rows, rows)), y.narrow(0, mesh.rank() * rows, rows)).backward();
+      torch::mse_loss(ddp.forward(x.narrow(0, mesh.rank() * rows, rows)), y.narrow(0, mesh.rank() * rows, rows))
+          .backward();
       if (find_unused) {
-        EXPECT_EQ(ddp.grad_buffer()->stats().buckets_launched, buckets) << "every bucket launched before finish_grad_sync()";
+        EXPECT_EQ(ddp.grad_buffer()->stats().buckets_launched, buckets)
+            << "every bucket launched before finish_grad_sync()";
       } else if (mesh.rank() == 1) {
-        EXPECT_LT(ddp.grad_buffer()->stats().buckets_launched, buckets) << "without the walk, unused experts block overlap";
+        EXPECT_LT(ddp.grad_buffer()->stats().buckets_launched, buckets)
+            << "without the walk, unused experts block overlap";
       }
       ddp.finish_grad_sync();
       auto params = model->parameters();

@@ -4,11 +4,11 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
-#include "plugin/training_checkpoint.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/training_checkpoint.h"
+#include "tests/support/rank_threads.h"
 #include "tp/grad_norm.h"
 #include "tp/tp_layers.h"
-#include "tests/support/rank_threads.h"
 
 #include <cmath>
 #include <mutex>
@@ -41,7 +41,9 @@ std::vector<torch::Tensor> synced_grads(DdpEngine& ddp, const DistributedOptimiz
     for (const BucketShard& shard : zero->shards()) {
       const at::Tensor data = buffer.bucket_shard(shard.bucket);
       for (const ShardSegment& seg : shard.segments) {
-        by_buffer_index[seg.param].view({-1}).narrow(0, seg.param_offset, seg.numel)
+        by_buffer_index[seg.param]
+            .view({-1})
+            .narrow(0, seg.param_offset, seg.numel)
             .copy_(data.narrow(0, seg.shard_offset, seg.numel));
       }
     }

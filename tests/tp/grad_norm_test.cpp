@@ -8,11 +8,12 @@
 // the norms differ by at most an fp32 rounding of the sum, and the gradients by that in the scale:
 // measured 2.0e-8 (norm) and 1.1e-7 (gradients, one fp32 ulp), relative; asserted within 4 fp32 ulps
 // (4.8e-7). A wrong coefficient (no clamp, a missing 1e-6) is off by far more.
+#include "tp/grad_norm.h"
+
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
-#include "tp/grad_norm.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -103,7 +104,8 @@ TEST(ClipGradNorm, NonFiniteNormIsHandledAsTorchDoes) {
       const std::string msg = error_of([&] { clip_grad_norm_(r.buffer(), 1.0, /*error_if_nonfinite=*/true); });
       EXPECT_THAT(msg, HasSubstr("meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is non-finite"));
       EXPECT_THAT(msg, HasSubstr("Params with non-finite gradients on DP rank 0, TP rank 0: 'fc2.weight'"));
-      EXPECT_THAT(error_of([&] { torch::nn::utils::clip_grad_norm_(before, 1.0, 2.0, true); }), HasSubstr("non-finite"));
+      EXPECT_THAT(error_of([&] { torch::nn::utils::clip_grad_norm_(before, 1.0, 2.0, true); }),
+                  HasSubstr("non-finite"));
       EXPECT_EQ(max_rel_grad_diff(r.buffer(), before), 0.0) << "an error must leave the gradients unscaled";
 
       auto golden = r.torch_params();
@@ -124,7 +126,8 @@ TEST(ClipGradNorm, RefusesTheDistributedOptimizersBuffer) {
     config.use_distributed_optimizer = true;
     DistributedDataParallel<MlpImpl> ddp(model.ptr(), mesh, "dp", config);
     const std::string msg = error_of([&] { clip_grad_norm_(ddp.grad_buffer(), 1.0); });
-    EXPECT_THAT(msg, HasSubstr("meshddp::clip_grad_norm_: the grad buffer is sharded for the ZeRO-1 distributed optimizer"));
+    EXPECT_THAT(msg,
+                HasSubstr("meshddp::clip_grad_norm_: the grad buffer is sharded for the ZeRO-1 distributed optimizer"));
     EXPECT_THAT(msg, HasSubstr("set DistributedOptimizerConfig::clip_grad_norm instead"));
   });
 }
