@@ -5,11 +5,10 @@
 // device, on TP shards, and on sequence shards.
 #pragma once
 
-#include "tp/tp_layers.h"
-
 #include <torch/torch.h>
 
 #include <cmath>
+#include <meshddp/meshddp.h>
 
 namespace gpt {
 

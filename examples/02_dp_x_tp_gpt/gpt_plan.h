@@ -3,7 +3,8 @@
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt.h"
-#include "tp/parallelize.h"
+
+#include <meshddp/meshddp.h>
 
 namespace gpt {
 

@@ -15,16 +15,13 @@
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
-#include "mesh/collectives.h"
-#include "optimizer/distributed_optimizer.h"
-#include "plugin/distributed_data_parallel.h"
-#include "tp/grad_norm.h"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <meshddp/meshddp.h>
 #include <string>
 #include <thread>
 

@@ -16,16 +16,13 @@
 // global batch are saved as user values; resuming with another seed or global batch is refused.
 #pragma once
 
-#include "checkpoint/safetensors.h"
-#include "optimizer/lr_scheduler.h"
-#include "plugin/training_checkpoint.h"
-
 #include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
 

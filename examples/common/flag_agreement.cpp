@@ -1,10 +1,9 @@
 #include "examples/common/flag_agreement.h"
 
-#include "mesh/collectives.h"
-
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <meshddp/meshddp.h>
 #include <sstream>
 
 namespace examples {

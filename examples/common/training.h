@@ -4,13 +4,10 @@
 #pragma once
 
 #include "examples/common/run_flags.h"
-#include "grad_buffer/grad_buffer.h"
-#include "mesh/device_mesh.h"
-#include "optimizer/distributed_optimizer.h"
-#include "optimizer/lr_scheduler.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <meshddp/meshddp.h>
 #include <string>
 
 namespace examples {
