@@ -16,6 +16,7 @@ foreach(_lib IN LISTS _meshddp_libs)
   set_target_properties(${_lib} PROPERTIES EXPORT_NAME ${_short})
 endforeach()
 set_target_properties(meshddp_torch PROPERTIES EXPORT_NAME torch)
+set_target_properties(meshddp_json PROPERTIES EXPORT_NAME json)
 
 # The headers are C++20: a consumer linking any meshddp target gets at least that.
 target_compile_features(meshddp_torch INTERFACE cxx_std_20)
@@ -30,7 +31,7 @@ target_include_directories(meshddp_meshddp INTERFACE "$<BUILD_INTERFACE:${PROJEC
 # <meshddp/version.h>: the package's version and the torch it was built against.
 configure_file("${PROJECT_SOURCE_DIR}/cmake/version.h.in" "${PROJECT_BINARY_DIR}/include/meshddp/version.h" @ONLY)
 
-install(TARGETS meshddp_torch ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
+install(TARGETS meshddp_torch meshddp_json ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 foreach(_dir mesh checkpoint grad_buffer tp optimizer plugin)
@@ -41,6 +42,9 @@ install(FILES "${PROJECT_SOURCE_DIR}/include/meshddp/meshddp.h" "${PROJECT_BINAR
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/third_party/gloo/include/"
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/gloo)
+# nlohmann-json (MIT; the checkpoint manifest's header includes it): the pinned headers go with the
+# package, so a consumer needs neither the venv nor its own copy.
+install(DIRECTORY "${MESHDDP_JSON_INCLUDE_DIR}/nlohmann" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/json)
 install(EXPORT meshddpTargets NAMESPACE meshddp:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
 
 # The installed meshddp::torch is given its interface by the config, from what this build used.

@@ -36,6 +36,7 @@ endif()
 message(STATUS "meshddp: nlohmann-json ${_json_found_version} at ${MESHDDP_JSON_INCLUDE_DIR}")
 add_library(meshddp_json INTERFACE)
 add_library(meshddp::json ALIAS meshddp_json)
-target_include_directories(meshddp_json SYSTEM INTERFACE "${MESHDDP_JSON_INCLUDE_DIR}")
+# Build tree only; the installed package carries its own copy of the headers (cmake/Install.cmake).
+target_include_directories(meshddp_json SYSTEM INTERFACE "$<BUILD_INTERFACE:${MESHDDP_JSON_INCLUDE_DIR}>")
 # No implicit `std::string s = json;`: every read says the type it expects (checkpoint/json.h).
 target_compile_definitions(meshddp_json INTERFACE JSON_USE_IMPLICIT_CONVERSIONS=0)

@@ -66,27 +66,27 @@ std::string nonfinite_params(const GradBuffer& buffer) {
 
 }  // namespace
 
-double grad_norm(const GradBuffer& buffer) {
-  check_plain_ddp(buffer, "grad_norm");
+double grad_norm(GradBufferHandle buffer) {
+  check_plain_ddp(*buffer, "grad_norm");
   buffer.finish_grad_sync();
   // On the host, as the sum over the mesh is read there anyway (CPU fp64: one element).
   at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  const NormPieces pieces = norm_pieces(buffer);
+  const NormPieces pieces = norm_pieces(*buffer);
   for (const at::Tensor& g : pieces.counted) sum += at::linalg_vector_norm(g, 2).to(at::kDouble).square().cpu();
-  all_reduce_sum_now(buffer.stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
+  all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
   // The stats group spans DP too, where every DP rank holds the same mean: count it once.
-  return std::sqrt(sum.item<double>() / static_cast<double>(buffer.dp_size()));
+  return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().dp_size()));
 }
 
-double clip_grad_norm_(const GradBuffer& buffer, double max_norm, bool error_if_nonfinite) {
-  check_plain_ddp(buffer, "clip_grad_norm_");
+double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {
+  check_plain_ddp(*buffer, "clip_grad_norm_");
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "meshddp::clip_grad_norm_: max_norm must be positive and ",
               "finite, got ", max_norm);
   const double norm = grad_norm(buffer);
   if (error_if_nonfinite) {
     TORCH_CHECK(std::isfinite(norm), "meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is ",
                 "non-finite (", norm, "), so it cannot be clipped. Params with non-finite gradients on DP rank ",
-                buffer.dp_rank(), ", TP rank ", buffer.groups().tp_rank, ": ", nonfinite_params(buffer),
+                buffer->groups().dp_rank(), ", TP rank ", buffer->groups().tp_rank, ": ", nonfinite_params(*buffer),
                 ". Nothing was scaled; skip this step (zero_grad_buffer()), or pass error_if_nonfinite=false to ",
                 "scale by the non-finite norm as torch does");
   }
@@ -94,8 +94,8 @@ double clip_grad_norm_(const GradBuffer& buffer, double max_norm, bool error_if_
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return norm;
   c10::NoGradGuard no_grad;
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer.params().size()); ++i) {
-    at::Tensor g = buffer.main_grad(i);
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+    at::Tensor g = buffer->main_grad(i);
     g.mul_(coef);
   }
   return norm;

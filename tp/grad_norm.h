@@ -61,7 +61,7 @@ void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& 
 // mean, TP shards joined, each element once: Note [Gradient norm over DP x TP]). Finishes the
 // gradient sync first if it has not (a no-op after finish_grad_sync()). One all-reduce over the
 // mesh: every rank must call it; every rank gets the same value. NaN or Inf if any gradient element is.
-double grad_norm(const GradBuffer& buffer);
+double grad_norm(GradBufferHandle buffer);
 
 // torch.nn.utils.clip_grad_norm_(params, max_norm, 2.0, error_if_nonfinite) for plain DDP over a
 // DP x TP mesh: the norm of grad_norm(), then every main gradient (param.grad() is a view of it)
@@ -73,6 +73,6 @@ double grad_norm(const GradBuffer& buffer);
 // Returns the norm before clipping. Every rank must call it, after backward, before the optimizer.
 // Throws if the buffer is sharded for the ZeRO-1 optimizer (use DistributedOptimizerConfig::
 // clip_grad_norm there) or max_norm is not positive and finite.
-double clip_grad_norm_(const GradBuffer& buffer, double max_norm, bool error_if_nonfinite = false);
+double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite = false);
 
 }  // namespace meshddp

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
@@ -160,7 +161,9 @@ class ExampleCheckpoints {
     const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values, options);
     if (rank_ == 0) {
       int64_t bytes = 0;
-      for (const std::string& name : meshddp::list_directory(path)) bytes += meshddp::file_bytes(path + "/" + name);
+      for (const auto& entry : std::filesystem::directory_iterator(path)) {
+        if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+      }
       std::fprintf(stderr, "# saved '%s' (%lld bytes) in %.0f ms\n", path.c_str(), static_cast<long long>(bytes),
                    ms_since(start));
     }

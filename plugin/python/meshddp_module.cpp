@@ -209,10 +209,10 @@ PYBIND11_MODULE(_C, m) {
       .def("zero1_segments",
            [](const PythonDdp& d, int64_t dp_rank) {
              const meshddp::GradBuffer& buffer = d.grad_buffer();
-             TORCH_CHECK(dp_rank >= 0 && dp_rank < buffer.dp_size(), "meshddp: dp_rank ", dp_rank, " is not in [0, ",
-                         buffer.dp_size(), ")");
+             TORCH_CHECK(dp_rank >= 0 && dp_rank < buffer.groups().dp_size(), "meshddp: dp_rank ", dp_rank, " is not in [0, ",
+                         buffer.groups().dp_size(), ")");
              std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> out;
-             for (const auto& shard : meshddp::shard_buckets(buffer.layout(), dp_rank, buffer.dp_size())) {
+             for (const auto& shard : meshddp::shard_buckets(buffer.layout(), dp_rank, buffer.groups().dp_size())) {
                for (const auto& seg : shard.segments) {
                  const meshddp::NamedParam& p = buffer.params()[seg.param];
                  out.emplace_back(p.name, seg.param_offset, seg.numel, p.param.numel());

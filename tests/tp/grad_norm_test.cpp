@@ -41,13 +41,13 @@ struct OneRank {
     torch::mse_loss(ddp->forward(x), y).backward();
     ddp->finish_grad_sync();
   }
-  GradBuffer& buffer() { return ddp->grad_buffer(); }
+  GradBufferHandle buffer() { return ddp->grad_buffer(); }
   // Leaf copies of the params whose .grad() are copies of the buffer's gradients: torch's input.
   std::vector<torch::Tensor> torch_params() {
     std::vector<torch::Tensor> out;
-    for (int64_t i = 0; i < static_cast<int64_t>(buffer().params().size()); ++i) {
-      auto p = buffer().params()[i].param.detach().clone();
-      p.mutable_grad() = buffer().main_grad(i).clone();
+    for (int64_t i = 0; i < static_cast<int64_t>(buffer()->params().size()); ++i) {
+      auto p = buffer()->params()[i].param.detach().clone();
+      p.mutable_grad() = buffer()->main_grad(i).clone();
       out.push_back(p);
     }
     return out;
@@ -55,7 +55,7 @@ struct OneRank {
 };
 
 // max |a - b| / max |b| over every gradient (NaN in the same places counts as equal).
-double max_rel_grad_diff(GradBuffer& buffer, const std::vector<torch::Tensor>& golden) {
+double max_rel_grad_diff(const GradBuffer& buffer, const std::vector<torch::Tensor>& golden) {
   double diff = 0;
   for (size_t i = 0; i < golden.size(); ++i) {
     const auto& got = buffer.main_grad(static_cast<int64_t>(i));
@@ -99,7 +99,7 @@ TEST(ClipGradNorm, NonFiniteNormIsHandledAsTorchDoes) {
   run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
     for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
       OneRank r(mesh);
-      r.buffer().main_grad(2).view(-1)[1] = bad;
+      r.buffer()->main_grad(2).view(-1)[1] = bad;
       const auto before = r.torch_params();
       const std::string msg = error_of([&] { clip_grad_norm_(r.buffer(), 1.0, /*error_if_nonfinite=*/true); });
       EXPECT_THAT(msg, HasSubstr("meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is non-finite"));
