@@ -36,12 +36,13 @@ fi
 grep -q "holds torch 9.9.9" "$work/other.log" || { cat "$work/other.log"; exit 1; }
 echo "a torch of another version is refused at configure time: $(grep -o 'meshddp was built against torch [^,]*' "$work/other.log" | head -1)"
 
-# The same major.minor with another patch release is accepted (configure only): a copy of the torch
-# dir made of links, with its own version.py.
+# The same major.minor and +flavour with another patch release is accepted (configure only): a copy of
+# the torch dir made of links, with its own version.py.
 real_torch="$("$python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
 mkdir -p "$work/patch_torch"
 for f in "$real_torch"/*; do [ "$(basename "$f")" = version.py ] || ln -s "$f" "$work/patch_torch/"; done
-echo "__version__ = '2.11.9'" > "$work/patch_torch/version.py"
+flavour="$("$python" -c 'import torch; v = torch.__version__; print(v[v.index("+"):] if "+" in v else "")')"
+echo "__version__ = '2.11.9$flavour'" > "$work/patch_torch/version.py"
 cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer_patch" -DCMAKE_PREFIX_PATH="$work/prefix" \
       -DMESHDDP_TORCH_DIR="$work/patch_torch" > "$work/patch.log" 2>&1 || { cat "$work/patch.log"; exit 1; }
-echo "a torch of the same major.minor (2.11.9) is accepted"
+echo "a torch of the same major.minor and flavour (2.11.9$flavour) is accepted"
