@@ -48,6 +48,15 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only
   return out;
 }
 
+// The group gradients are averaged over: one dim's group (mesh[dim] names an unknown dim, as
+// always), or the flattened group of several (DP x CP), checked first by tp_dim_of so that an unknown
+// or extra dim is named as DDP's.
+c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims) {
+  if (dp_dims.size() == 1) return mesh[dp_dims.front()];
+  (void)tp_dim_of(mesh.names(), mesh.sizes(), dp_dims);
+  return mesh.flattened(dp_dims);
+}
+
 }  // namespace
 
 std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
@@ -90,8 +99,7 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh,
                      const std::vector<std::string>& dp_dims, DdpConfig config)
-    // One dim: its group (mesh[dim] names an unknown dim); several: their flattened group (DP x CP).
-    : dp_group_(dp_dims.size() == 1 ? mesh[dp_dims.front()] : mesh.flattened(dp_dims)), config_(config) {
+    : dp_group_(dp_group_over(mesh, dp_dims)), config_(config) {
   groups_.dp = dp_group_;
   groups_.world = mesh.world();
   if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dims); !tp_dim.empty()) {

@@ -123,3 +123,12 @@ TEST(DistributedDataParallelOverDpAndCp, TpIsTheOneDimOutsideEveryDpDim) {
   EXPECT_THAT(error_of([] { tp_dim_of({"dp", "cp", "tp"}, {2, 2, 2}, std::vector<std::string>{"dp", "cq"}); }),
               testing::HasSubstr("the mesh (dp=2, cp=2, tp=2) has no dim named 'cq' (one of the DP dims 'dp', 'cq')"));
 }
+
+TEST(DistributedDataParallelOverDpAndCp, RefusesAnUnknownDpDimNamingItBeforeAnyCollective) {
+  run_on_mesh({2, 2, 1}, {"dp", "cp", "tp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kSeed, kIn, kHidden, kOut);
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, {"dp", "cq"}); }),
+                testing::HasSubstr("DistributedDataParallel: the mesh (dp=2, cp=2, tp=1) has no dim named 'cq' "
+                                   "(one of the DP dims 'dp', 'cq')"));
+  });
+}
