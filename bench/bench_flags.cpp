@@ -1,19 +1,30 @@
 #include "bench/bench_flags.h"
 
-#include <cstdlib>
-#include <iostream>
-#include <stdexcept>
+#include "examples/common/flags.h"
+
+#include <limits>
 
 namespace bench {
 
-[[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
-  std::cerr << "error: " << bad << "\nusage: " << prog
-            << " [--mode main|sweep] [--preset gpt1b] [--model mlp|gpt] [--dtype fp32|bf16] [--layers N] [--hidden N]"
-               " [--heads N] [--seq N] [--vocab N] [--batch N] [--warmup N] [--reps N]"
-               " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
-               " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--json PATH]\n";
-  std::exit(2);
+using examples::exit_with_help;
+using examples::exit_with_usage;
+using examples::FlagError;
+using examples::parse_choice_flag;
+using examples::parse_float_flag;
+using examples::parse_int_flag;
+
+namespace {
+
+const char* usage() {
+  return "[--mode main|sweep] [--preset gpt1b] [--model mlp|gpt] [--dtype fp32|bf16] [--layers N] [--hidden N]"
+         " [--heads N] [--seq N] [--vocab N] [--batch N] [--warmup N] [--reps N]"
+         " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
+         " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--json PATH]";
 }
+
+}  // namespace
+
+[[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) { exit_with_usage(prog, bad, usage()); }
 
 // --preset gpt1b: issue 10's "~1B-parameter bf16 transformer" at world size 1 on one 80 GB GPU.
 // 18 blocks of hidden 2048: 18 x (12 h^2 + 13 h) = 906.4M, + token and position embeddings (65.5M +
@@ -40,47 +51,66 @@ Flags parse_flags(int argc, char** argv) {
     set_preset(f, argv[i + 1]);
     if (f.preset.empty()) usage_and_exit(argv[0], std::string("unknown --preset '") + argv[i + 1] + "' (known: gpt1b)");
   }
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") exit_with_help(argv[0], usage());
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     try {
-      if (arg == "--mode") f.mode = v;
-      else if (arg == "--preset") continue;
-      else if (arg == "--model") f.model = v;
-      else if (arg == "--dtype") f.dtype = v;
-      else if (arg == "--layers") f.layers = std::stoll(v);
-      else if (arg == "--hidden") f.hidden = std::stoll(v);
-      else if (arg == "--heads") f.heads = std::stoll(v);
-      else if (arg == "--seq") f.seq = std::stoll(v);
-      else if (arg == "--vocab") f.vocab = std::stoll(v);
-      else if (arg == "--batch") f.batch = std::stoll(v);
-      else if (arg == "--warmup") f.warmup = std::stoi(v);
-      else if (arg == "--reps") f.reps = std::stoi(v);
-      else if (arg == "--bucket-mb") f.bucket_mb = std::stod(v);
-      else if (arg == "--reducer-first-bucket-mb") f.reducer_first_bucket_mb = std::stod(v);
-      else if (arg == "--candidates") f.candidates = v;
-      else if (arg == "--sweep-mb") f.sweep_mb = v;
-      else if (arg == "--collective-reps") f.collective_reps = std::stoi(v);
-      else if (arg == "--threads") f.threads = std::stoi(v);
-      else if (arg == "--seed") f.seed = std::stoull(v);
-      else if (arg == "--json") f.json = v;
-      else if (arg == "--optimizer") f.optimizer = v;
-      else if (arg == "--device") f.device = v;
-      else usage_and_exit(argv[0], "unknown flag " + arg);
-    } catch (const std::logic_error&) {
-      usage_and_exit(argv[0], "flag " + arg + " has a bad value '" + v + "'");
+      if (arg == "--mode")
+        f.mode = parse_choice_flag(arg, v, {"main", "sweep"});
+      else if (arg == "--preset")
+        continue;
+      else if (arg == "--model")
+        f.model = parse_choice_flag(arg, v, {"mlp", "gpt"});
+      else if (arg == "--dtype")
+        f.dtype = parse_choice_flag(arg, v, {"fp32", "bf16"});
+      else if (arg == "--layers")
+        f.layers = parse_int_flag(arg, v, 1);
+      else if (arg == "--hidden")
+        f.hidden = parse_int_flag(arg, v, 1);
+      else if (arg == "--heads")
+        f.heads = parse_int_flag(arg, v, 1);
+      else if (arg == "--seq")
+        f.seq = parse_int_flag(arg, v, 1);
+      else if (arg == "--vocab")
+        f.vocab = parse_int_flag(arg, v, 2);
+      else if (arg == "--batch")
+        f.batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--warmup")
+        f.warmup = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--reps")
+        f.reps = static_cast<int>(parse_int_flag(arg, v, 1, kIntMax));
+      else if (arg == "--bucket-mb")
+        f.bucket_mb = parse_float_flag(arg, v, 0.0, true);
+      else if (arg == "--reducer-first-bucket-mb")
+        f.reducer_first_bucket_mb = parse_float_flag(arg, v, 0.0, true);
+      else if (arg == "--candidates")
+        f.candidates = v;
+      else if (arg == "--sweep-mb")
+        f.sweep_mb = v;
+      else if (arg == "--collective-reps")
+        f.collective_reps = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--threads")
+        f.threads = static_cast<int>(parse_int_flag(arg, v, 0, kIntMax));
+      else if (arg == "--seed")
+        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      else if (arg == "--json")
+        f.json = v;
+      else if (arg == "--optimizer")
+        f.optimizer = parse_choice_flag(arg, v, {"sgd", "adamw"});
+      else if (arg == "--device")
+        f.device = parse_choice_flag(arg, v, {"cpu", "cuda"});
+      else
+        usage_and_exit(argv[0], "unknown flag " + arg);
+    } catch (const FlagError& e) {
+      usage_and_exit(argv[0], e.what());
     }
   }
-  if (f.optimizer != "sgd" && f.optimizer != "adamw") usage_and_exit(argv[0], "--optimizer must be sgd or adamw");
-  if (f.mode != "main" && f.mode != "sweep") usage_and_exit(argv[0], "--mode must be main or sweep");
-  if (f.device != "cpu" && f.device != "cuda") usage_and_exit(argv[0], "--device must be cpu or cuda");
-  if (f.model != "mlp" && f.model != "gpt") usage_and_exit(argv[0], "--model must be mlp or gpt");
-  if (f.dtype != "fp32" && f.dtype != "bf16") usage_and_exit(argv[0], "--dtype must be fp32 or bf16");
-  if (f.reps < 1 || f.warmup < 0 || f.layers < 1 || f.hidden < 1 || f.batch < 1) usage_and_exit(argv[0], "bad sizes");
-  if (f.model == "gpt" && (f.heads < 1 || f.hidden % f.heads != 0 || f.seq < 1 || f.vocab < 2)) {
+  if (f.model == "gpt" && f.hidden % f.heads != 0) {
     usage_and_exit(argv[0], "GPT sizes: --heads must divide --hidden (" + std::to_string(f.hidden) + " % " +
-                                std::to_string(f.heads) + "), --seq >= 1, --vocab >= 2");
+                                std::to_string(f.heads) + " != 0)");
   }
   return f;
 }

@@ -14,7 +14,8 @@ namespace {
 // runs one addmm on the flattened input; with fc.forward, local's bf16 GPT loss differed from
 // meshddp's at the first step (4.6656647 vs 4.6657729).
 at::Tensor apply_linear(const at::Tensor& x, torch::nn::LinearImpl& fc, bool grads_in_buffer) {
-  return grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc.weight, fc.bias) : at::linear(x, fc.weight, fc.bias);
+  return grads_in_buffer ? meshddp::linear_with_grad_in_buffer(x, fc.weight, fc.bias)
+                         : at::linear(x, fc.weight, fc.bias);
 }
 
 }  // namespace
@@ -103,8 +104,8 @@ class Gpt : public BenchModel {
     head_ = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(o.hidden, o.vocab).bias(false)));
   }
   at::Tensor forward(const at::Tensor& tokens) override {
-    TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= pos_->weight.size(0), "ddp_bench: GPT input must be [batch, seq<=",
-                pos_->weight.size(0), "], got ", tokens.sizes());
+    TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= pos_->weight.size(0),
+                "ddp_bench: GPT input must be [batch, seq<=", pos_->weight.size(0), "], got ", tokens.sizes());
     auto positions = at::arange(tokens.size(1), tokens.options());
     at::Tensor x = tok_->forward(tokens) + pos_->forward(positions);
     for (auto& block : blocks_) x = block->forward(x, grads_in_buffer);

@@ -12,16 +12,16 @@
 namespace bench {
 
 struct ModelOptions {
-  std::string kind = "mlp";   // "mlp" or "gpt"
-  int64_t layers = 24;        // MLP: Linear layers; GPT: transformer blocks
-  int64_t hidden = 1024;      // MLP: width; GPT: model width (heads x head dim)
-  int64_t heads = 16;         // GPT only; divides hidden
-  int64_t seq = 1024;         // GPT only: tokens per sequence (also the position table's size)
-  int64_t vocab = 32000;      // GPT only
-  int64_t batch = 32;         // per rank: MLP rows, GPT sequences
+  std::string kind = "mlp";            // "mlp" or "gpt"
+  int64_t layers = 24;                 // MLP: Linear layers; GPT: transformer blocks
+  int64_t hidden = 1024;               // MLP: width; GPT: model width (heads x head dim)
+  int64_t heads = 16;                  // GPT only; divides hidden
+  int64_t seq = 1024;                  // GPT only: tokens per sequence (also the position table's size)
+  int64_t vocab = 32000;               // GPT only
+  int64_t batch = 32;                  // per rank: MLP rows, GPT sequences
   c10::ScalarType dtype = at::kFloat;  // params, and the float inputs (kFloat or kBFloat16)
   c10::Device device = at::kCPU;
-  uint64_t seed = 0;          // every candidate builds its model from this seed: the same weights
+  uint64_t seed = 0;  // every candidate builds its model from this seed: the same weights
 };
 
 // The candidates' view of a model. forward(input) gives the output that loss() reduces to a scalar.

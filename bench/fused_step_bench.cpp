@@ -10,6 +10,7 @@
 // stats: 4 B/element) divided by its time, for the fraction of the device's memory bandwidth.
 //   build/bench/fused_step_bench --device cpu --numel 1000000,10000000
 //   build/bench/fused_step_bench --device cuda --numel 10000000,100000000,1000000000
+#include "examples/common/flags.h"
 #include "optimizer/fused_step.h"
 
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <iostream>
 #include <sstream>
@@ -52,7 +54,7 @@ double best_ms(const at::Device& device, int warmup, int reps, const std::functi
 std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoll(item));
+  for (std::string item; std::getline(in, item, ',');) out.push_back(examples::parse_int_flag("--numel", item, 1));
   return out;
 }
 
@@ -61,15 +63,25 @@ std::vector<int64_t> parse_list(const std::string& s) {
 int main(int argc, char** argv) {
   std::string device_name = "cpu", numels = "1000000,10000000";
   int warmup = 2, reps = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string arg = argv[i], v = argv[i + 1];
-    if (arg == "--device") device_name = v;
-    else if (arg == "--numel") numels = v;
-    else if (arg == "--warmup") warmup = std::stoi(v);
-    else if (arg == "--reps") reps = std::stoi(v);
-    else {
-      std::cerr << "usage: " << argv[0] << " [--device cpu|cuda] [--numel a,b,...] [--warmup N] [--reps N]\n";
-      return 2;
+  const std::string usage = "[--device cpu|cuda] [--numel a,b,...] [--warmup N] [--reps N]";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage);
+    if (i + 1 >= argc) examples::exit_with_usage(argv[0], "flag " + arg + " needs a value", usage);
+    const std::string v = argv[++i];
+    try {
+      if (arg == "--device")
+        device_name = examples::parse_choice_flag(arg, v, {"cpu", "cuda"});
+      else if (arg == "--numel")
+        numels = v;
+      else if (arg == "--warmup")
+        warmup = static_cast<int>(examples::parse_int_flag(arg, v, 0, INT32_MAX));
+      else if (arg == "--reps")
+        reps = static_cast<int>(examples::parse_int_flag(arg, v, 1, INT32_MAX));
+      else
+        examples::exit_with_usage(argv[0], "unknown flag " + arg, usage);
+    } catch (const examples::FlagError& e) {
+      examples::exit_with_usage(argv[0], e.what(), usage);
     }
   }
   const at::Device device(device_name == "cuda" ? at::kCUDA : at::kCPU);
@@ -124,8 +136,8 @@ int main(int argc, char** argv) {
     });
     const double stats_fused_ms = best_ms(device, warmup, reps, [&] { meshddp::fused_grad_stats(g, out); });
     std::cout << n << "," << foreach_ms << "," << aten_fused_ms << "," << fused_ms << ","
-              << 30.0 * static_cast<double>(n) / (fused_ms * 1e6) << "," << stats_aten_ms << "," << stats_fused_ms << ","
-              << 4.0 * static_cast<double>(n) / (stats_fused_ms * 1e6) << "\n";
+              << 30.0 * static_cast<double>(n) / (fused_ms * 1e6) << "," << stats_aten_ms << "," << stats_fused_ms
+              << "," << 4.0 * static_cast<double>(n) / (stats_fused_ms * 1e6) << "\n";
   }
   return 0;
 }

@@ -1,7 +1,6 @@
 #include "checkpoint/lineage.h"
 
 #include "checkpoint/manifest.h"
-#include "checkpoint/json_value.h"
 #include "checkpoint/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -25,7 +24,7 @@ std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
 bool is_complete(const std::string& step_dir) { return path_exists(step_dir + "/" + kManifest); }
 
 bool is_directory(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
@@ -50,11 +49,11 @@ std::string real_path(const std::string& dir) {
 // written before the record existed.
 std::optional<std::string> recorded_parent(const std::string& dir, int64_t step) {
   const std::string path = dir + "/" + step_name(step) + "/" + kManifest;
-  const JsonValue manifest = JsonValue::parse(read_file(path, kMaxManifestBytes, "manifest"), "'" + path + "'");
-  if (!manifest.has("parent")) return std::nullopt;
-  const JsonValue& parent = manifest.at("parent", path);
+  const Json manifest = parse_json(read_file(path, kMaxManifestBytes, "manifest"), "'" + path + "'");
+  if (!manifest.contains("parent")) return std::nullopt;
+  const Json& parent = json_at(manifest, "parent", path);
   if (parent.is_null()) return std::string();
-  const std::string& name = parent.as_string(path + ": parent");
+  const std::string& name = json_string(parent, path + ": parent");
   TORCH_CHECK(checkpoint_step_of(name) >= 0, "checkpoint: '", path, "' names parent '", name,
               "', which is not a step directory name: the manifest is damaged");
   return name;
@@ -141,8 +140,9 @@ bool holds_no_checkpoint(const std::string& dir) {
 std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> step) {
   TORCH_CHECK(path_exists(dir), "checkpoint: directory '", dir, "' does not exist");
   const CheckpointListing listing = list_checkpoints(dir);
-  const std::string choose = "; load one of the complete steps explicitly (load_checkpoint(..., step); the examples: "
-                             "--resume-step N)";
+  const std::string choose =
+      "; load one of the complete steps explicitly (load_checkpoint(..., step); the examples: "
+      "--resume-step N)";
   std::string name;
   if (step) {
     name = step_name(*step);
@@ -157,7 +157,8 @@ std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> st
       TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "/latest' names '", name,
                   "', which does not exist", listing.describe(), choose);
     } else {
-      TORCH_CHECK(!listing.complete.empty(), "checkpoint: '", dir, "' holds no complete checkpoint", listing.describe());
+      TORCH_CHECK(!listing.complete.empty(), "checkpoint: '", dir, "' holds no complete checkpoint",
+                  listing.describe());
       // No `latest` (a crash between a manifest and the pointer): the live run's head, the one
       // complete step no other names as its parent (Note [The live run]).
       std::set<std::string> parents;

@@ -27,37 +27,41 @@ class ManifestChecker {
                 " (the manifest is damaged or was edited; load another step, or save again)");
   }
 
-  const JsonValue& member(const JsonValue& object, const std::string& field, const std::string& key) const {
-    if (!object.is_object()) fail(field, "is " + object.kind() + "; expected an object");
-    if (!object.has(key)) fail(field, "has no member '" + key + "'");
-    return object.at(key, field);
+  const Json& member(const Json& object, const std::string& field, const std::string& key) const {
+    if (!object.is_object()) fail(field, "is " + json_kind(object) + "; expected an object");
+    if (!object.contains(key)) fail(field, "has no member '" + key + "'");
+    return json_at(object, key, field);
   }
-  const JsonValue::Object& object(const JsonValue& v, const std::string& field) const {
-    if (!v.is_object()) fail(field, "is " + v.kind() + "; expected an object");
-    return v.as_object(field);
+  const Json::object_t& object(const Json& v, const std::string& field) const {
+    if (!v.is_object()) fail(field, "is " + json_kind(v) + "; expected an object");
+    return json_object(v, field);
   }
-  const JsonValue::Array& array(const JsonValue& v, const std::string& field) const {
-    if (!v.is_array()) fail(field, "is " + v.kind() + "; expected an array");
-    return v.as_array(field);
+  const Json::array_t& array(const Json& v, const std::string& field) const {
+    if (!v.is_array()) fail(field, "is " + json_kind(v) + "; expected an array");
+    return json_array(v, field);
   }
-  const std::string& string(const JsonValue& v, const std::string& field) const {
-    if (!v.is_string()) fail(field, "is " + v.kind() + "; expected a string");
-    return v.as_string(field);
+  const std::string& string(const Json& v, const std::string& field) const {
+    if (!v.is_string()) fail(field, "is " + json_kind(v) + "; expected a string");
+    return json_string(v, field);
   }
-  int64_t integer(const JsonValue& v, const std::string& field, int64_t lo, int64_t hi) const {
-    if (!v.is_int()) fail(field, "is " + v.kind() + " " + v.dump() + "; expected an integer in [" + std::to_string(lo) +
-                                     ", " + std::to_string(hi) + "]");
-    const int64_t i = v.as_int(field);
+  int64_t integer(const Json& v, const std::string& field, int64_t lo, int64_t hi) const {
+    if (!v.is_number_integer()) {
+      fail(field, "is " + json_kind(v) + " " + json_text(v, -1, true) + "; expected an integer in [" +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    }
+    const int64_t i = json_int(v, field);
     if (i < lo || i > hi) {
       fail(field, "is " + std::to_string(i) + "; expected an integer in [" + std::to_string(lo) + ", " +
                       std::to_string(hi) + "]");
     }
     return i;
   }
-  uint32_t crc(const JsonValue& v, const std::string& field) const {
+  uint32_t crc(const Json& v, const std::string& field) const {
     const std::string& s = string(v, field);
-    const bool ok = s.size() == 10 && s.compare(0, 2, "0x") == 0 &&
-                    std::all_of(s.begin() + 2, s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) && !std::isupper(static_cast<unsigned char>(c)); });
+    const bool ok =
+        s.size() == 10 && s.compare(0, 2, "0x") == 0 && std::all_of(s.begin() + 2, s.end(), [](char c) {
+          return std::isxdigit(static_cast<unsigned char>(c)) && !std::isupper(static_cast<unsigned char>(c));
+        });
     if (!ok) fail(field, "is '" + s + "'; expected a CRC32C written as 0x and 8 lowercase hex digits");
     return static_cast<uint32_t>(std::stoul(s.substr(2), nullptr, 16));
   }
@@ -66,7 +70,7 @@ class ManifestChecker {
   std::string path_;
 };
 
-std::string json_quoted(const std::string& key) { return JsonValue(key).dump(); }
+std::string json_quoted(const std::string& key) { return json_text(Json(key), -1, /*lossy=*/true); }
 
 // The stored checksum's position in `text` (the first of its 8 hex digits), or npos when absent.
 size_t checksum_position(const std::string& text, const ManifestChecker& check) {
@@ -75,14 +79,16 @@ size_t checksum_position(const std::string& text, const ManifestChecker& check) 
   if (text.find(kChecksumKey, first + 1) != std::string::npos) check.fail("manifest_crc32c", "appears more than once");
   size_t pos = first + std::char_traits<char>::length(kChecksumKey);
   auto skip_space = [&] {
-    while (pos < text.size() && (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\t' || text[pos] == '\r')) ++pos;
+    while (pos < text.size() && (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\t' || text[pos] == '\r'))
+      ++pos;
   };
   skip_space();
   if (pos >= text.size() || text[pos] != ':') check.fail("manifest_crc32c", "is not followed by ':'");
   ++pos;
   skip_space();
   if (text.compare(pos, 3, "\"0x") != 0 || pos + 12 > text.size() || text[pos + 11] != '"' ||
-      !std::all_of(text.begin() + pos + 3, text.begin() + pos + 11, [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+      !std::all_of(text.begin() + pos + 3, text.begin() + pos + 11,
+                   [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
     check.fail("manifest_crc32c", "is not a string of 0x and 8 hex digits");
   }
   return pos + 3;
@@ -93,30 +99,31 @@ uint32_t content_checksum(std::string text, size_t digits) {
   return crc32c(text.data(), text.size());
 }
 
-CheckpointValues parse_values(const JsonValue& json, const ManifestChecker& check) {
+CheckpointValues parse_values(const Json& json, const ManifestChecker& check) {
   CheckpointValues values;
   for (const auto& [k, v] : check.object(json, "values")) {
-    if (v.is_int()) {
-      values[k] = v.as_int(k);
+    if (v.is_number_integer()) {
+      values[k] = json_int(v, k);
     } else if (v.is_number()) {
-      values[k] = v.as_double(k);
+      values[k] = json_double(v, k);
     } else if (v.is_string()) {
-      values[k] = v.as_string(k);
+      values[k] = json_string(v, k);
     } else {
-      check.fail("values[" + json_quoted(k) + "]", "is " + v.kind() + "; expected an integer, a number or a string");
+      check.fail("values[" + json_quoted(k) + "]",
+                 "is " + json_kind(v) + "; expected an integer, a number or a string");
     }
   }
   return values;
 }
 
-void check_optimizer(const JsonValue& json, const ManifestChecker& check) {
+void check_optimizer(const Json& json, const ManifestChecker& check) {
   if (json.is_null()) return;
   const std::string& kind = check.string(check.member(json, "optimizer", "kind"), "optimizer.kind");
   if (kind != "adamw" && kind != "sgd") check.fail("optimizer.kind", "is '" + kind + "'; expected 'adamw' or 'sgd'");
   check.integer(check.member(json, "optimizer", "step"), "optimizer.step", 0, INT64_MAX);
 }
 
-ManifestTensor parse_tensor(const JsonValue& json, const std::string& field, const Manifest& m,
+ManifestTensor parse_tensor(const Json& json, const std::string& field, const Manifest& m,
                             const ManifestChecker& check) {
   ManifestTensor t;
   t.dtype = check.string(check.member(json, field, "dtype"), field + ".dtype");
@@ -126,7 +133,7 @@ ManifestTensor parse_tensor(const JsonValue& json, const std::string& field, con
   } catch (const c10::Error&) {
     check.fail(field + ".dtype", "is '" + t.dtype + "', not a dtype this build reads");
   }
-  const JsonValue::Array& shape = check.array(check.member(json, field, "shape"), field + ".shape");
+  const Json::array_t& shape = check.array(check.member(json, field, "shape"), field + ".shape");
   if (shape.size() > 64) check.fail(field + ".shape", "has " + std::to_string(shape.size()) + " dims; at most 64");
   int64_t numel = 1;
   for (size_t d = 0; d < shape.size(); ++d) {
@@ -148,15 +155,17 @@ ManifestTensor parse_tensor(const JsonValue& json, const std::string& field, con
   }
   const int64_t chunk_numel = numel / t.tp_size;
   std::set<std::string> files_used;
-  const JsonValue::Array& pieces = check.array(check.member(json, field, "pieces"), field + ".pieces");
+  const Json::array_t& pieces = check.array(check.member(json, field, "pieces"), field + ".pieces");
   for (size_t i = 0; i < pieces.size(); ++i) {
     const std::string pf = field + ".pieces[" + std::to_string(i) + "]";
     ManifestPiece p;
     p.file = check.string(check.member(pieces[i], pf, "file"), pf + ".file");
     if (m.files.count(p.file) == 0) {
-      check.fail(pf + ".file", "is " + json_quoted(p.file) + ", which is not one of the checkpoint's files (rank00000.safetensors ...)");
+      check.fail(pf + ".file", "is " + json_quoted(p.file) +
+                                   ", which is not one of the checkpoint's files (rank00000.safetensors ...)");
     }
-    if (!files_used.insert(p.file).second) check.fail(pf + ".file", "names " + p.file + " for a second piece of this tensor");
+    if (!files_used.insert(p.file).second)
+      check.fail(pf + ".file", "names " + p.file + " for a second piece of this tensor");
     p.tp_rank = check.integer(check.member(pieces[i], pf, "tp_rank"), pf + ".tp_rank", 0, t.tp_size - 1);
     p.begin = check.integer(check.member(pieces[i], pf, "begin"), pf + ".begin", 0, chunk_numel);
     p.end = check.integer(check.member(pieces[i], pf, "end"), pf + ".end", p.begin, chunk_numel);
@@ -175,8 +184,8 @@ ManifestTensor parse_tensor(const JsonValue& json, const std::string& field, con
       if (p.begin != covered) {
         check.fail(field + ".pieces", std::string(p.begin < covered ? "overlap" : "leave a gap") + " in TP chunk " +
                                           std::to_string(chunk) + ": a piece in " + p.file + " is [" +
-                                          std::to_string(p.begin) + ", " + std::to_string(p.end) + ") but the pieces before it end at " +
-                                          std::to_string(covered));
+                                          std::to_string(p.begin) + ", " + std::to_string(p.end) +
+                                          ") but the pieces before it end at " + std::to_string(covered));
       }
       covered = p.end;
     }
@@ -201,18 +210,19 @@ uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std
   std::string shape;
   for (size_t d = 0; d < tensor.shape.size(); ++d) shape += (d ? "," : "") + std::to_string(tensor.shape[d]);
   std::string label = save_id;
-  for (const std::string& part : {key, tensor.dtype, shape, std::to_string(tensor.dim), std::to_string(tensor.tp_size),
-                                  std::to_string(piece.tp_rank), std::to_string(piece.begin), std::to_string(piece.end)}) {
+  for (const std::string& part :
+       {key, tensor.dtype, shape, std::to_string(tensor.dim), std::to_string(tensor.tp_size),
+        std::to_string(piece.tp_rank), std::to_string(piece.begin), std::to_string(piece.end)}) {
     label += '\0';
     label += part;
   }
   return crc32c(label.data(), label.size(), data_crc);
 }
 
-std::string manifest_text(const JsonValue& manifest) {
-  JsonValue m = manifest;
-  m.object()["manifest_crc32c"] = JsonValue("0x00000000");
-  std::string text = m.dump(1) + "\n";
+std::string manifest_text(const Json& manifest) {
+  Json m = manifest;
+  m["manifest_crc32c"] = "0x00000000";
+  std::string text = json_text(m, 1) + "\n";
   ManifestChecker check("(being written)");
   const size_t digits = checksum_position(text, check);
   TORCH_INTERNAL_ASSERT(digits != std::string::npos);
@@ -229,10 +239,11 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
     const uint32_t stored = static_cast<uint32_t>(std::stoul(text.substr(digits, 8), nullptr, 16));
     const uint32_t actual = content_checksum(text, digits);
     if (stored != actual) {
-      check.fail("manifest_crc32c", "is " + crc_hex(stored) + " but the manifest's content has CRC32C " + crc_hex(actual));
+      check.fail("manifest_crc32c",
+                 "is " + crc_hex(stored) + " but the manifest's content has CRC32C " + crc_hex(actual));
     }
   }
-  const JsonValue json = JsonValue::parse(text, "manifest '" + path + "'");
+  const Json json = parse_json(text, "manifest '" + path + "'");
   Manifest m;
   const std::string& format = check.string(check.member(json, "the manifest", "format"), "format");
   const int64_t version = check.integer(check.member(json, "the manifest", "version"), "version", 0, INT64_MAX);
@@ -242,12 +253,13 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   if (digits == std::string::npos) check.fail("the manifest", "has no manifest_crc32c");
 
   const std::string& id = check.string(check.member(json, "the manifest", "save_id"), "save_id");
-  if (id.size() != 16 || !std::all_of(id.begin(), id.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+  if (id.size() != 16 ||
+      !std::all_of(id.begin(), id.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
     check.fail("save_id", "is '" + id + "'; expected 16 hex digits");
   }
   m.save_id = id;
   m.step = check.integer(check.member(json, "the manifest", "step"), "step", 0, INT64_MAX);
-  const JsonValue& mesh = check.member(json, "the manifest", "mesh");
+  const Json& mesh = check.member(json, "the manifest", "mesh");
   m.world_size = check.integer(check.member(mesh, "mesh", "world_size"), "mesh.world_size", 1, 1 << 24);
   m.dp_size = check.integer(check.member(mesh, "mesh", "dp_size"), "mesh.dp_size", 1, m.world_size);
   m.tp_size = check.integer(check.member(mesh, "mesh", "tp_size"), "mesh.tp_size", 1, m.world_size);
@@ -259,12 +271,12 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   m.optimizer = check.member(json, "the manifest", "optimizer");
   check_optimizer(m.optimizer, check);
   // The live run's link (Note [The live run], checkpoint/lineage.h): null or a step directory name.
-  if (json.has("parent") && !json.at("parent", "the manifest").is_null()) {
-    const std::string& parent = check.string(json.at("parent", "the manifest"), "parent");
+  if (json.contains("parent") && !json_at(json, "parent", "the manifest").is_null()) {
+    const std::string& parent = check.string(json_at(json, "parent", "the manifest"), "parent");
     if (checkpoint_step_of(parent) < 0) check.fail("parent", "is '" + parent + "'; expected null or step-<N>");
   }
 
-  const JsonValue::Object& files = check.object(check.member(json, "the manifest", "files"), "files");
+  const Json::object_t& files = check.object(check.member(json, "the manifest", "files"), "files");
   for (const auto& [name, entry] : files) {
     const std::string field = "files[" + json_quoted(name) + "]";
     ManifestFile f;

@@ -16,7 +16,7 @@
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
-#include "checkpoint/json_value.h"
+#include "json.h"
 
 #include <cstdint>
 #include <map>
@@ -39,16 +39,16 @@ using CheckpointValues = std::map<std::string, CheckpointValue>;
 std::string checkpoint_file_name(int64_t rank);
 
 struct ManifestPiece {
-  std::string file;           // a name in Manifest::files
-  int64_t tp_rank = 0;        // which TP chunk of the tensor
+  std::string file;            // a name in Manifest::files
+  int64_t tp_rank = 0;         // which TP chunk of the tensor
   int64_t begin = 0, end = 0;  // flat element range of that chunk
-  uint32_t crc = 0;           // piece_checksum() of its bytes
+  uint32_t crc = 0;            // piece_checksum() of its bytes
 };
 
 struct ManifestTensor {
-  std::string dtype;            // safetensors dtype ("F32", ...)
-  std::vector<int64_t> shape;   // global shape
-  int64_t dim = -1, tp_size = 1;  // sharded on `dim` into tp_size chunks; dim -1: not sharded (tp_size 1)
+  std::string dtype;                  // safetensors dtype ("F32", ...)
+  std::vector<int64_t> shape;         // global shape
+  int64_t dim = -1, tp_size = 1;      // sharded on `dim` into tp_size chunks; dim -1: not sharded (tp_size 1)
   std::vector<ManifestPiece> pieces;  // tile every chunk exactly: sorted by (tp_rank, begin)
 };
 
@@ -63,8 +63,8 @@ struct Manifest {
   int64_t step = 0;
   int64_t world_size = 1, dp_size = 1, tp_size = 1;
   CheckpointValues values;
-  JsonValue optimizer;  // null, or {"kind": "adamw" | "sgd", "step": >= 0}
-  std::map<std::string, ManifestFile> files;      // exactly checkpoint_file_name(0 .. world_size - 1)
+  Json optimizer;                             // null, or {"kind": "adamw" | "sgd", "step": >= 0}
+  std::map<std::string, ManifestFile> files;  // exactly checkpoint_file_name(0 .. world_size - 1)
   std::map<std::string, ManifestTensor> tensors;
 };
 
@@ -73,7 +73,7 @@ struct Manifest {
 Manifest parse_manifest(const std::string& text, const std::string& path);
 
 // `manifest` (a JSON object without manifest_crc32c) as the text to write, with its checksum.
-std::string manifest_text(const JsonValue& manifest);
+std::string manifest_text(const Json& manifest);
 
 // The checksum of a piece whose bytes have CRC32C `data_crc` (Note [Manifest and piece checksums]).
 // `tensor`'s dtype, shape, dim and tp_size and `piece`'s tp_rank, begin and end are covered.

@@ -12,7 +12,8 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape, const TpSlice& slice, const std::string& what) {
+std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape, const TpSlice& slice,
+                                 const std::string& what) {
   if (slice.dim < 0 || slice.tp_size == 1) return global_shape;
   TORCH_CHECK(slice.dim < static_cast<int64_t>(global_shape.size()), what, ": sharded on dim ", slice.dim,
               " but has only ", global_shape.size(), " dims");

@@ -19,14 +19,15 @@
 namespace meshddp {
 
 struct TpSlice {
-  int64_t dim = -1;     // the sharded dim; -1: the whole tensor (Replicate, PartialGrad, or TP 1)
+  int64_t dim = -1;  // the sharded dim; -1: the whole tensor (Replicate, PartialGrad, or TP 1)
   int64_t tp_size = 1;
   int64_t tp_rank = 0;
   bool operator==(const TpSlice& o) const { return dim == o.dim && tp_size == o.tp_size && tp_rank == o.tp_rank; }
 };
 
 // The local tensor's shape; throws naming `what` if dim is out of range or does not divide.
-std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape, const TpSlice& slice, const std::string& what);
+std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape, const TpSlice& slice,
+                                 const std::string& what);
 int64_t numel_of(const std::vector<int64_t>& shape);
 
 struct GlobalRun {
@@ -45,9 +46,9 @@ struct Piece {
 };
 
 struct PieceCopy {
-  int64_t source = -1;         // index into the saved pieces
-  int64_t source_offset = 0;   // elements from the saved piece's begin
-  int64_t dest_offset = 0;     // elements from the wanted piece's begin
+  int64_t source = -1;        // index into the saved pieces
+  int64_t source_offset = 0;  // elements from the saved piece's begin
+  int64_t dest_offset = 0;    // elements from the wanted piece's begin
   int64_t numel = 0;
 };
 

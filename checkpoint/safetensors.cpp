@@ -1,15 +1,15 @@
 #include "checkpoint/safetensors.h"
 
-#include "checkpoint/json_value.h"
+#include "checkpoint/json.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <csignal>
 #include <dirent.h>
 #include <fcntl.h>
 #include <mutex>
@@ -81,7 +81,7 @@ class IgnoreFileSizeSignal {
   IgnoreFileSizeSignal() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (writers_++ > 0) return;
-    struct sigaction ignore {};
+    struct sigaction ignore{};
     ignore.sa_handler = SIG_IGN;
     sigemptyset(&ignore.sa_mask);
     ::sigaction(SIGXFSZ, &ignore, &previous_);
@@ -96,7 +96,7 @@ class IgnoreFileSizeSignal {
  private:
   inline static std::mutex mutex_;
   inline static int writers_ = 0;
-  inline static struct sigaction previous_ {};
+  inline static struct sigaction previous_{};
 };
 
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
@@ -132,17 +132,28 @@ std::string crc_hex(uint32_t crc) {
 
 std::string safetensors_dtype(c10::ScalarType type) {
   switch (type) {
-    case at::kFloat: return "F32";
-    case at::kDouble: return "F64";
-    case at::kHalf: return "F16";
-    case at::kBFloat16: return "BF16";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    default: TORCH_CHECK(false, "safetensors: no dtype for ", c10::toString(type));
+    case at::kFloat:
+      return "F32";
+    case at::kDouble:
+      return "F64";
+    case at::kHalf:
+      return "F16";
+    case at::kBFloat16:
+      return "BF16";
+    case at::kLong:
+      return "I64";
+    case at::kInt:
+      return "I32";
+    case at::kShort:
+      return "I16";
+    case at::kChar:
+      return "I8";
+    case at::kByte:
+      return "U8";
+    case at::kBool:
+      return "BOOL";
+    default:
+      TORCH_CHECK(false, "safetensors: no dtype for ", c10::toString(type));
   }
 }
 
@@ -167,33 +178,33 @@ SafetensorsHeader parse_safetensors_header(const std::string& head, const std::s
   std::memcpy(&n, head.data(), 8);
   TORCH_CHECK(n <= head.size() - 8 && n < (100u << 20), "safetensors: '", source, "' declares a ", n,
               "-byte header but has ", head.size() - 8, " bytes after the length: truncated or not safetensors");
-  const JsonValue json = JsonValue::parse(head.substr(8, n), "the header of '" + source + "'");
+  const Json json = parse_json(head.substr(8, n), "the header of '" + source + "'");
   SafetensorsHeader h;
   h.data_start = 8 + static_cast<int64_t>(n);
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const auto& [name, value] : json.as_object("the header of '" + source + "'")) {
+  for (const auto& [name, value] : json_object(json, "the header of '" + source + "'")) {
     const std::string where = "'" + source + "' tensor '" + name + "'";
     if (name == "__metadata__") {
-      for (const auto& [k, v] : value.as_object(where)) h.metadata[k] = v.as_string(where + "." + k);
+      for (const auto& [k, v] : json_object(value, where)) h.metadata[k] = json_string(v, where + "." + k);
       continue;
     }
     SafetensorsTensor t;
     t.name = name;
-    t.dtype = value.at("dtype", where).as_string(where);
+    t.dtype = json_string(json_at(value, "dtype", where), where);
     const int64_t item = static_cast<int64_t>(c10::elementSize(scalar_type_from_safetensors(t.dtype)));
     int64_t bytes = item;  // overflow-safe: every step is checked
-    for (const auto& d : value.at("shape", where).as_array(where)) {
-      t.shape.push_back(d.as_int(where + " shape"));
-      TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes),
-                  "safetensors: ", where, " has a negative or too large shape");
+    for (const auto& d : json_array(json_at(value, "shape", where), where)) {
+      t.shape.push_back(json_int(d, where + " shape"));
+      TORCH_CHECK(t.shape.back() >= 0 && !__builtin_mul_overflow(bytes, t.shape.back(), &bytes), "safetensors: ", where,
+                  " has a negative or too large shape");
     }
-    const auto& offsets = value.at("data_offsets", where).as_array(where);
+    const auto& offsets = json_array(json_at(value, "data_offsets", where), where);
     TORCH_CHECK(offsets.size() == 2, "safetensors: ", where, " has ", offsets.size(), " data_offsets, not 2");
-    t.begin = offsets[0].as_int(where);
-    t.end = offsets[1].as_int(where);
+    t.begin = json_int(offsets[0], where);
+    t.end = json_int(offsets[1], where);
     TORCH_CHECK(t.begin >= 0 && t.end >= t.begin && t.end - t.begin == bytes, "safetensors: ", where,
-                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ", value.at("shape", where).dump(),
-                " needs ", bytes, " bytes");
+                " has data_offsets [", t.begin, ", ", t.end, ") but ", t.dtype, " of shape ",
+                json_text(json_at(value, "shape", where)), " needs ", bytes, " bytes");
     ranges.push_back({t.begin, t.end});
     h.tensors.emplace(name, std::move(t));
   }
@@ -218,31 +229,23 @@ SafetensorsHeader read_safetensors_header(const std::string& path, int64_t bytes
   return h;
 }
 
-WrittenFile write_safetensors_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+WrittenFile write_safetensors_file(const std::string& path,
+                                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                    const std::map<std::string, std::string>& metadata) {
   std::vector<at::Tensor> host;
-  JsonValue header;
-  JsonValue::Object& h = header.object();
-  if (!metadata.empty()) {
-    JsonValue::Object meta;
-    for (const auto& [k, v] : metadata) meta[k] = JsonValue(v);
-    h["__metadata__"] = JsonValue(std::move(meta));
-  }
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    TORCH_CHECK(h.count(name) == 0, "safetensors: tensor name '", name, "' appears twice in '", path, "'");
+    TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' appears twice in '", path, "'");
     at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
-    JsonValue::Array shape;
-    for (int64_t d : t.sizes()) shape.push_back(JsonValue(d));
-    JsonValue::Object entry;
-    entry["dtype"] = JsonValue(safetensors_dtype(t.scalar_type()));
-    entry["shape"] = JsonValue(std::move(shape));
-    entry["data_offsets"] = JsonValue(JsonValue::Array{JsonValue(offset), JsonValue(offset + static_cast<int64_t>(t.nbytes()))});
+    header[name] = {{"dtype", safetensors_dtype(t.scalar_type())},
+                    {"shape", std::vector<int64_t>(t.sizes().begin(), t.sizes().end())},
+                    {"data_offsets", {offset, offset + static_cast<int64_t>(t.nbytes())}}};
     offset += static_cast<int64_t>(t.nbytes());
-    h[name] = JsonValue(std::move(entry));
     host.push_back(t);
   }
-  std::string json = header.dump();
+  std::string json = json_text(header);
   json.append((8 - (8 + json.size()) % 8) % 8, ' ');  // the data starts 8-aligned
   const uint64_t n = json.size();
   std::string head(8, '\0');
@@ -270,14 +273,14 @@ WrittenFile write_safetensors_file(const std::string& path, const std::vector<st
   TORCH_CHECK(::close(fd) == 0, "checkpoint: closing '", path, "' failed: ", error_text());
   expected.bytes = static_cast<int64_t>(head.size()) + offset;
   const WrittenFile actual = checksum_file(path);
-  TORCH_CHECK(actual.bytes == expected.bytes && actual.crc == expected.crc, "checkpoint: '", path,
-              "' reads back as ", actual.bytes, " bytes with CRC32C ", crc_hex(actual.crc), " but ", expected.bytes,
-              " bytes with CRC32C ", crc_hex(expected.crc), " were written: the storage is failing");
+  TORCH_CHECK(actual.bytes == expected.bytes && actual.crc == expected.crc, "checkpoint: '", path, "' reads back as ",
+              actual.bytes, " bytes with CRC32C ", crc_hex(actual.crc), " but ", expected.bytes, " bytes with CRC32C ",
+              crc_hex(expected.crc), " were written: the storage is failing");
   return expected;
 }
 
 bool path_exists(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0;
 }
 
@@ -302,7 +305,7 @@ void check_regular(const struct stat& st, const std::string& path) {
 int open_regular_file(const std::string& path, int64_t* bytes = nullptr) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path, "': ", error_text());
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     const std::string err = error_text();
     ::close(fd);
@@ -316,7 +319,7 @@ int open_regular_file(const std::string& path, int64_t* bytes = nullptr) {
 }  // namespace
 
 int64_t file_bytes(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "': ", error_text());
   check_regular(st, path);
   return static_cast<int64_t>(st.st_size);
@@ -345,7 +348,7 @@ std::vector<std::string> list_directory(const std::string& dir) {
 }
 
 void remove_tree(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   if (::lstat(path.c_str(), &st) != 0) return;
   if (S_ISDIR(st.st_mode)) {
     for (const std::string& name : list_directory(path)) remove_tree(path + "/" + name);
@@ -369,8 +372,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   const IgnoreFileSizeSignal ignore_sigxfsz;
   // A leftover temp file (a crash mid-write) or anything planted there (a symlink to a file outside
   // the directory) is removed, never written through: the new one is created exclusively.
-  TORCH_CHECK(::unlink(tmp.c_str()) == 0 || errno == ENOENT, "checkpoint: cannot remove the stale '", tmp, "': ",
-              error_text());
+  TORCH_CHECK(::unlink(tmp.c_str()) == 0 || errno == ENOENT, "checkpoint: cannot remove the stale '", tmp,
+              "': ", error_text());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "checkpoint: cannot create '", tmp, "': ", error_text());
   try {
@@ -381,8 +384,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     throw;
   }
   ::close(fd);
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '", tmp, "' to '", path, "': ",
-              error_text());
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '", tmp, "' to '", path,
+              "': ", error_text());
   const size_t slash = path.rfind('/');
   fsync_path(slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash));
 }

@@ -47,14 +47,15 @@ SafetensorsHeader read_safetensors_header(const std::string& path, int64_t file_
 
 struct WrittenFile {
   int64_t bytes = 0;
-  uint32_t crc = 0;                  // CRC32C of the whole file
+  uint32_t crc = 0;                   // CRC32C of the whole file
   std::vector<uint32_t> tensor_crcs;  // CRC32C of each tensor's bytes (write), or of each range (checksum_file)
 };
 
 // Writes `tensors` (name -> tensor, any device and layout; stored contiguous, little-endian, shape
 // kept) with `metadata` to `path` (created or truncated), fsyncs it, then reads it back and checks
 // its size and CRC32C against what was meant to be written. Throws naming the path on any failure.
-WrittenFile write_safetensors_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+WrittenFile write_safetensors_file(const std::string& path,
+                                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                    const std::map<std::string, std::string>& metadata);
 
 // POSIX helpers. All throw naming the path and strerror. The readers (file_bytes, read_file,
@@ -62,9 +63,9 @@ WrittenFile write_safetensors_file(const std::string& path, const std::vector<st
 bool path_exists(const std::string& path);
 int64_t file_bytes(const std::string& path);
 void make_directories(const std::string& dir);
-void remove_tree(const std::string& path);          // rm -r; absent is fine
+void remove_tree(const std::string& path);                        // rm -r; absent is fine
 std::vector<std::string> list_directory(const std::string& dir);  // names, without "." and ".."
-void fsync_path(const std::string& path);          // a file or a directory
+void fsync_path(const std::string& path);                         // a file or a directory
 // Writes `bytes` to `path` via `path.tmp`, fsync, rename, fsync of the directory: after a crash
 // `path` holds either its old content or the new one, never a mix. An existing `path.tmp` (a
 // symlink included) is unlinked first and the temp file created exclusively, never followed.

@@ -1,13 +1,14 @@
 #include "checkpoint/store.h"
 
-#include "mesh/collectives.h"
 #include "checkpoint/safetensors.h"
+#include "mesh/collectives.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -25,18 +26,21 @@ std::string message_of(const std::exception& e) {
 std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
 
 // Every rank's status (a JSON object; "error" set on failure), on every rank.
-std::vector<JsonValue> agree(c10d::ProcessGroup& world, const JsonValue& mine, const std::string& what) {
-  std::vector<JsonValue> all;
-  for (const std::string& text : all_gather_strings(world, mine.dump(), what)) all.push_back(JsonValue::parse(text, what));
+// (Written lossy: an error message holding invalid UTF-8 must still arrive, or the other ranks hang.)
+std::vector<Json> agree(c10d::ProcessGroup& world, const Json& mine, const std::string& what) {
+  std::vector<Json> all;
+  for (const std::string& text : all_gather_strings(world, json_text(mine, -1, /*lossy=*/true), what)) {
+    all.push_back(parse_json(text, what));
+  }
   return all;
 }
 
 // "" when no rank failed; else one line per distinct error, naming the ranks.
-std::string errors_of(const std::vector<JsonValue>& statuses) {
+std::string errors_of(const std::vector<Json>& statuses) {
   std::vector<std::pair<std::string, std::vector<size_t>>> errors;
   for (size_t r = 0; r < statuses.size(); ++r) {
-    if (!statuses[r].has("error")) continue;
-    const std::string& e = statuses[r].at("error", "status").as_string("status");
+    if (!statuses[r].contains("error")) continue;
+    const std::string& e = json_string(statuses[r]["error"], "status");
     auto it = std::find_if(errors.begin(), errors.end(), [&](const auto& x) { return x.first == e; });
     if (it == errors.end()) {
       errors.push_back({e, {r}});
@@ -53,8 +57,8 @@ std::string errors_of(const std::vector<JsonValue>& statuses) {
   return out.str();
 }
 
-JsonValue status_ok() { return JsonValue(JsonValue::Object{}); }
-JsonValue status_error(const std::string& e) { return JsonValue(JsonValue::Object{{"error", JsonValue(e)}}); }
+Json status_ok() { return Json::object(); }
+Json status_error(const std::string& e) { return Json{{"error", e}}; }
 
 std::string new_save_id() {
   std::random_device device;
@@ -65,18 +69,29 @@ std::string new_save_id() {
   return buf;
 }
 
-JsonValue values_to_json(const CheckpointValues& values) {
-  JsonValue::Object o;
+Json values_to_json(const CheckpointValues& values) {
+  Json o = Json::object();
   for (const auto& [k, v] : values) {
     if (const auto* i = std::get_if<int64_t>(&v)) {
-      o[k] = JsonValue(*i);
+      o[k] = *i;
     } else if (const auto* d = std::get_if<double>(&v)) {
-      o[k] = JsonValue(*d);
+      TORCH_CHECK(std::isfinite(*d), "checkpoint save: value '", k, "' is ", *d, "; a saved number must be finite");
+      o[k] = *d;
     } else {
-      o[k] = JsonValue(std::get<std::string>(v));
+      o[k] = std::get<std::string>(v);
     }
   }
-  return JsonValue(std::move(o));
+  return o;
+}
+
+// `text` (JSON) as this build writes it, so that a value recorded by any build compares by content
+// (a double written as 0.10000000000000001 by an older build is 0.1 here); "" if it is not JSON.
+std::string rewritten(const std::string& text) {
+  try {
+    return json_text(parse_json(text, "a recorded value"));
+  } catch (const c10::Error&) {
+    return "";
+  }
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -117,11 +132,15 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
     return who + " is from another save (save id " + meta("save_id") + ", step " + meta("step") +
            ") than this checkpoint's (save id " + m.save_id + ", step " + std::to_string(m.step) + ")";
   }
-  if (meta("rank") != std::to_string(f.rank)) return who + " says it was written by rank " + meta("rank") + " (renamed?)";
-  if (meta("step") != std::to_string(m.step)) return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
+  if (meta("rank") != std::to_string(f.rank))
+    return who + " says it was written by rank " + meta("rank") + " (renamed?)";
+  if (meta("step") != std::to_string(m.step))
+    return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
   if (f.rank == 0) {  // rank 0's file also records the values and the optimizer's state summary
-    for (const auto& [key, saved] : {std::pair{"values", values_to_json(m.values).dump()}, std::pair{"optimizer", m.optimizer.dump()}}) {
-      if (meta(key) != saved) return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
+    for (const auto& [key, saved] :
+         {std::pair{"values", json_text(values_to_json(m.values))}, std::pair{"optimizer", json_text(m.optimizer)}}) {
+      if (rewritten(meta(key)) != saved)
+        return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
     }
   }
   struct Expected {
@@ -135,7 +154,8 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
     for (const ManifestPiece& p : t.pieces) {
       if (p.file != name) continue;
       auto it = h.tensors.find(key);
-      if (it == h.tensors.end()) return who + " has no tensor '" + key + "' though the manifest puts a piece of it there";
+      if (it == h.tensors.end())
+        return who + " has no tensor '" + key + "' though the manifest puts a piece of it there";
       const SafetensorsTensor& st = it->second;
       if (st.dtype != t.dtype || st.shape != std::vector<int64_t>{p.end - p.begin}) {
         return who + " holds '" + key + "' as " + st.dtype + " " + shape_str(st.shape) + " but the manifest says " +
@@ -153,18 +173,193 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   for (const Expected& e : pieces) ranges.push_back({e.begin, e.end});
   const WrittenFile actual = checksum_file(path, ranges);
   if (actual.crc != f.crc) {
-    return who + " has CRC32C " + crc_hex(actual.crc) + " but the manifest says " + crc_hex(f.crc) + ": its bytes are corrupt";
+    return who + " has CRC32C " + crc_hex(actual.crc) + " but the manifest says " + crc_hex(f.crc) +
+           ": its bytes are corrupt";
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
     const ManifestPiece& p = *pieces[i].piece;
     if (piece_checksum(actual.tensor_crcs[i], m.save_id, *pieces[i].key, *pieces[i].tensor, p) != p.crc) {
-      return who + ": its bytes of '" + *pieces[i].key + "' do not have the checksum the manifest gives for elements [" +
-             std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
-             " (a piece relabelled or moved to another range, rank or tensor, or its tensor's dtype, shape, dim or tp_size " +
+      return who + ": its bytes of '" + *pieces[i].key +
+             "' do not have the checksum the manifest gives for elements [" + std::to_string(p.begin) + ", " +
+             std::to_string(p.end) + ") of TP chunk " + std::to_string(p.tp_rank) +
+             " (a piece relabelled or moved to another range, rank or tensor, or its tensor's dtype, shape, dim or "
+             "tp_size " +
              "edited)";
     }
   }
   return "";
+}
+
+// One collective save (save_checkpoint_files), for its phases: Note [Checkpoint layout and commit protocol].
+struct Save {
+  const CheckpointMesh& mesh;
+  const std::string& dir;
+  const CheckpointMeta& meta;
+  int64_t rank, world_size;
+  std::string name, step_dir;  // step-<N>, <dir>/step-<N>
+
+  Save(const CheckpointMesh& m, const std::string& d, const CheckpointMeta& mt)
+      : mesh(m),
+        dir(d),
+        meta(mt),
+        rank(m.world->getRank()),
+        world_size(m.world->getSize()),
+        name(step_name(mt.step)),
+        step_dir(d + "/" + name) {}
+
+  // Every rank's status, after each rank sets its own (`work` throwing makes it an error status).
+  std::vector<Json> agree_after(const std::string& what, const std::function<void(Json&)>& work) const {
+    Json mine = status_ok();
+    try {
+      work(mine);
+    } catch (const std::exception& e) {
+      mine = status_error(message_of(e));
+    }
+    return agree(*mesh.world, mine, "checkpoint save: " + what);
+  }
+  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage) const {
+    const std::string errors = errors_of(statuses);
+    TORCH_CHECK(errors.empty(), "checkpoint save of step ", meta.step, " to '", step_dir, "' failed (", stage,
+                "); nothing was committed and `latest` still names the previous checkpoint:", errors);
+  }
+};
+
+// Phase 1, on rank 0: creates an empty step directory (never the one `latest` names) and picks the save id.
+std::string prepare_step_directory(const Save& s) {
+  make_directories(s.dir);
+  // A rollback saving over the abandoned timeline's newest (resumed from step-4, saving step-8
+  // while `latest` names the old step-8): `latest` first moves back to the live run.
+  const std::string live = live_checkpoint(s.dir);
+  // A damaged `latest` (a load refuses it; the run was resumed with an explicit step) is
+  // replaced by this save's, as a missing one is.
+  const auto latest_name = [&]() -> std::string {
+    try {
+      return read_latest_pointer(s.dir);
+    } catch (const c10::Error&) {
+      return "";
+    }
+  };
+  if (latest_name() == s.name && !live.empty() && live != s.name && path_exists(s.dir + "/" + live + "/" + kManifest)) {
+    write_file_atomically(s.dir + "/latest", live + "\n");
+  }
+  TORCH_CHECK(latest_name() != s.name, "'", s.step_dir, "' is the latest complete checkpoint; a save never ",
+              "overwrites it (save under another step, or delete it first)");
+  remove_tree(s.step_dir);
+  make_directories(s.step_dir);
+  fsync_path(s.dir);
+  return new_save_id();
+}
+
+// Phase 2, on every rank: writes, fsyncs and verifies its file; its status lists the file (size,
+// CRC32C) and each piece with its checksum, for the manifest.
+void write_rank_file(const Save& s, const std::string& save_id, const std::vector<CheckpointTensor>& tensors,
+                     const CheckpointSaveOptions& options, Json& status) {
+  const std::string file = checkpoint_file_name(s.rank);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  Json pieces = Json::array();
+  for (const CheckpointTensor& t : tensors) {
+    TORCH_CHECK(t.data.numel() == t.end - t.begin, "checkpoint save: tensor '", t.key, "' has ", t.data.numel(),
+                " elements for the range [", t.begin, ", ", t.end, ")");
+    named.push_back({t.key, t.data.reshape({-1})});
+    pieces.push_back({{"key", t.key},
+                      {"dtype", safetensors_dtype(t.data.scalar_type())},
+                      {"shape", t.global_shape},
+                      {"dim", t.slice.dim},
+                      {"tp_size", t.slice.tp_size},
+                      {"tp_rank", t.slice.tp_rank},
+                      {"begin", t.begin},
+                      {"end", t.end}});
+  }
+  std::map<std::string, std::string> metadata = {{"format", kCheckpointFormat},
+                                                 {"save_id", save_id},
+                                                 {"step", std::to_string(s.meta.step)},
+                                                 {"rank", std::to_string(s.rank)},
+                                                 {"world_size", std::to_string(s.world_size)}};
+  if (s.rank == 0) {  // the manifest's too; a load compares them (file_problem): bound by this file's CRC
+    metadata["values"] = json_text(values_to_json(s.meta.values));
+    metadata["optimizer"] = json_text(s.meta.optimizer);
+  }
+  const WrittenFile written = write_safetensors_file(s.step_dir + "/" + file, named, metadata);
+  for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint/manifest.h)
+    const CheckpointTensor& t = tensors[i];
+    ManifestTensor as_listed;  // as the manifest will list it (phase 3)
+    as_listed.dtype = safetensors_dtype(t.data.scalar_type());
+    as_listed.shape = t.global_shape;
+    as_listed.dim = t.slice.dim;
+    as_listed.tp_size = t.slice.tp_size;
+    ManifestPiece piece;
+    piece.tp_rank = t.slice.tp_rank;
+    piece.begin = t.begin;
+    piece.end = t.end;
+    pieces[i]["crc32c"] = crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key, as_listed, piece));
+  }
+  if (options.after_file_written) options.after_file_written(s.step_dir + "/" + file);
+  status["file"] = {{"name", file},
+                    {"rank", s.rank},
+                    {"dp_rank", s.mesh.dp_rank},
+                    {"tp_rank", s.mesh.tp_rank},
+                    {"bytes", written.bytes},
+                    {"crc32c", crc_hex(written.crc)}};
+  status["pieces"] = std::move(pieces);
+}
+
+// Phase 3, on rank 0: the manifest of the files every rank wrote (`statuses`, from phase 2), each
+// tensor's pieces gathered from every rank (which must agree on its dtype, shape and placement).
+Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Json>& statuses) {
+  Json m;
+  m["format"] = kCheckpointFormat;
+  m["version"] = kCheckpointVersion;
+  m["save_id"] = save_id;
+  m["step"] = s.meta.step;
+  m["mesh"] = {{"world_size", s.world_size}, {"dp_size", s.mesh.dp_size}, {"tp_size", s.mesh.tp_size}};
+  m["values"] = values_to_json(s.meta.values);
+  m["optimizer"] = s.meta.optimizer;
+  Json files = Json::object(), entries = Json::object();
+  for (int64_t r = 0; r < s.world_size; ++r) {
+    const Json& f = json_at(statuses[r], "file", "status");
+    files[json_string(json_at(f, "name", "file"), "name")] = f;
+    for (const Json& p : json_array(json_at(statuses[r], "pieces", "status"), "pieces")) {
+      const std::string& key = json_string(json_at(p, "key", "piece"), "key");
+      const Json entry = {{"dtype", json_at(p, "dtype", key)},
+                          {"shape", json_at(p, "shape", key)},
+                          {"dim", json_at(p, "dim", key)},
+                          {"tp_size", json_at(p, "tp_size", key)}};
+      if (!entries.contains(key)) {
+        entries[key] = entry;
+        entries[key]["pieces"] = Json::array();
+      }
+      Json& listed = entries[key];
+      for (const char* field : {"dtype", "shape", "dim", "tp_size"}) {
+        TORCH_CHECK(json_text(listed[field]) == json_text(entry[field]), "tensor '", key, "' has ", field, " ",
+                    json_text(entry[field]), " on rank ", r, " but ", json_text(listed[field]), " on a lower rank");
+      }
+      listed["pieces"].push_back({{"file", checkpoint_file_name(r)},
+                                  {"tp_rank", json_at(p, "tp_rank", key)},
+                                  {"begin", json_at(p, "begin", key)},
+                                  {"end", json_at(p, "end", key)},
+                                  {"crc32c", json_at(p, "crc32c", key)}});
+    }
+  }
+  m["files"] = std::move(files);
+  m["tensors"] = std::move(entries);
+  const std::string parent = live_checkpoint(s.dir);  // Note [The live run]
+  m["parent"] = parent.empty() || parent == s.name ? Json() : Json(parent);
+  return m;
+}
+
+// Phase 3, on rank 0: writes the manifest (checked as a load will check it), then moves `latest`:
+// the commit. Then prunes; a pruning failure goes into `status` as "prune_error" (the save stands).
+void commit_manifest(const Save& s, const Json& manifest, const CheckpointSaveOptions& options, Json& status) {
+  const std::string text = manifest_text(manifest);
+  parse_manifest(text, s.step_dir + "/" + kManifest);  // what a load will check, checked before the commit
+  write_file_atomically(s.step_dir + "/" + kManifest, text);
+  write_file_atomically(s.dir + "/latest", s.name + "\n");
+  if (options.keep_last <= 0) return;
+  try {
+    prune_checkpoints(s.dir, s.name, options.keep_last);
+  } catch (const std::exception& e) {
+    status["prune_error"] = message_of(e);
+  }
 }
 
 }  // namespace
@@ -183,219 +378,80 @@ std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& p
 std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
                                   const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options) {
   TORCH_CHECK(mesh.world, "checkpoint save: no world group");
-  c10d::ProcessGroup& world = *mesh.world;
-  const int64_t rank = world.getRank(), world_size = world.getSize();
-  const std::string name = step_name(meta.step), step_dir = dir + "/" + name;
-  const std::string context = "checkpoint save of step " + std::to_string(meta.step) + " to '" + step_dir + "'";
-  auto fail_if_any = [&](const std::vector<JsonValue>& statuses, const std::string& stage) {
-    const std::string errors = errors_of(statuses);
-    TORCH_CHECK(errors.empty(), context, " failed (", stage, "); nothing was committed and `latest` still names the ",
-                "previous checkpoint:", errors);
-  };
+  const Save s(mesh, dir, meta);
 
   // (1) Rank 0 prepares the directory and picks the save id; every rank checks it saves the same step.
-  JsonValue mine = status_ok();
-  mine.object()["step"] = JsonValue(meta.step);
-  if (rank == 0) {
-    try {
-      make_directories(dir);
-      // A rollback saving over the abandoned timeline's newest (resumed from step-4, saving step-8
-      // while `latest` names the old step-8): `latest` first moves back to the live run.
-      const std::string live = live_checkpoint(dir);
-      // A damaged `latest` (a load refuses it; the run was resumed with an explicit step) is
-      // replaced by this save's, as a missing one is.
-      const auto latest_name = [&]() -> std::string {
-        try {
-          return read_latest_pointer(dir);
-        } catch (const c10::Error&) {
-          return "";
-        }
-      };
-      if (latest_name() == name && !live.empty() && live != name && path_exists(dir + "/" + live + "/" + kManifest)) {
-        write_file_atomically(dir + "/latest", live + "\n");
-      }
-      TORCH_CHECK(latest_name() != name, "'", step_dir, "' is the latest complete checkpoint; a save never ",
-                  "overwrites it (save under another step, or delete it first)");
-      remove_tree(step_dir);
-      make_directories(step_dir);
-      fsync_path(dir);
-      mine.object()["save_id"] = JsonValue(new_save_id());
-    } catch (const std::exception& e) {
-      mine = status_error(message_of(e));
-    }
+  std::vector<Json> statuses = s.agree_after("prepare", [&](Json& status) {
+    status["step"] = meta.step;
+    if (s.rank == 0) status["save_id"] = prepare_step_directory(s);
+  });
+  s.fail_if_any(statuses, "preparing the directory");
+  for (int64_t r = 0; r < s.world_size; ++r) {
+    const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
+    TORCH_CHECK(step == meta.step, "checkpoint save of step ", meta.step, " to '", s.step_dir, "' failed: rank ", r,
+                " saves step ", step, " but rank ", s.rank, " step ", meta.step,
+                "; every rank must save the same step");
   }
-  std::vector<JsonValue> statuses = agree(world, mine, "checkpoint save: prepare");
-  fail_if_any(statuses, "preparing the directory");
-  for (int64_t r = 0; r < world_size; ++r) {
-    const int64_t s = statuses[r].at("step", "status").as_int("step");
-    TORCH_CHECK(s == meta.step, context, " failed: rank ", r, " saves step ", s, " but rank ", rank, " step ",
-                meta.step, "; every rank must save the same step");
-  }
-  const std::string save_id = statuses[0].at("save_id", "rank 0's status").as_string("save_id");
+  const std::string save_id = json_string(json_at(statuses[0], "save_id", "rank 0's status"), "save_id");
 
   // (2) Every rank writes, fsyncs and verifies its file.
-  const std::string file = checkpoint_file_name(rank);
-  mine = status_ok();
-  try {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    JsonValue::Array pieces;
-    for (const CheckpointTensor& t : tensors) {
-      TORCH_CHECK(t.data.numel() == t.end - t.begin, "checkpoint save: tensor '", t.key, "' has ", t.data.numel(),
-                  " elements for the range [", t.begin, ", ", t.end, ")");
-      named.push_back({t.key, t.data.reshape({-1})});
-      pieces.push_back(JsonValue(JsonValue::Object{
-          {"key", JsonValue(t.key)},
-          {"dtype", JsonValue(safetensors_dtype(t.data.scalar_type()))},
-          {"shape", JsonValue(JsonValue::Array(t.global_shape.begin(), t.global_shape.end()))},
-          {"dim", JsonValue(t.slice.dim)},
-          {"tp_size", JsonValue(t.slice.tp_size)},
-          {"tp_rank", JsonValue(t.slice.tp_rank)},
-          {"begin", JsonValue(t.begin)},
-          {"end", JsonValue(t.end)}}));
-    }
-    std::map<std::string, std::string> metadata = {
-        {"format", kCheckpointFormat}, {"save_id", save_id}, {"step", std::to_string(meta.step)},
-        {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}};
-    if (rank == 0) {  // the manifest's too; a load compares them (file_problem): bound by this file's CRC
-      metadata["values"] = values_to_json(meta.values).dump();
-      metadata["optimizer"] = meta.optimizer.dump();
-    }
-    const WrittenFile written = write_safetensors_file(step_dir + "/" + file, named, metadata);
-    for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint/manifest.h)
-      const CheckpointTensor& t = tensors[i];
-      ManifestTensor as_listed;  // as the manifest will list it (step 3)
-      as_listed.dtype = safetensors_dtype(t.data.scalar_type());
-      as_listed.shape = t.global_shape;
-      as_listed.dim = t.slice.dim;
-      as_listed.tp_size = t.slice.tp_size;
-      ManifestPiece piece;
-      piece.tp_rank = t.slice.tp_rank;
-      piece.begin = t.begin;
-      piece.end = t.end;
-      pieces[i].object()["crc32c"] =
-          JsonValue(crc_hex(piece_checksum(written.tensor_crcs[i], save_id, t.key, as_listed, piece)));
-    }
-    if (options.after_file_written) options.after_file_written(step_dir + "/" + file);
-    mine.object()["file"] = JsonValue(JsonValue::Object{
-        {"name", JsonValue(file)}, {"rank", JsonValue(rank)}, {"dp_rank", JsonValue(mesh.dp_rank)},
-        {"tp_rank", JsonValue(mesh.tp_rank)}, {"bytes", JsonValue(written.bytes)}, {"crc32c", JsonValue(crc_hex(written.crc))}});
-    mine.object()["pieces"] = JsonValue(std::move(pieces));
-  } catch (const std::exception& e) {
-    mine = status_error(message_of(e));
-  }
-  statuses = agree(world, mine, "checkpoint save: files");
-  fail_if_any(statuses, "writing the files");
+  statuses = s.agree_after("files", [&](Json& status) { write_rank_file(s, save_id, tensors, options, status); });
+  s.fail_if_any(statuses, "writing the files");
 
   // (3) Rank 0 writes the manifest, then moves `latest`, then prunes.
-  mine = status_ok();
-  if (rank == 0) {
-    try {
-      JsonValue manifest;
-      JsonValue::Object& m = manifest.object();
-      m["format"] = JsonValue(kCheckpointFormat);
-      m["version"] = JsonValue(kCheckpointVersion);
-      m["save_id"] = JsonValue(save_id);
-      m["step"] = JsonValue(meta.step);
-      m["mesh"] = JsonValue(JsonValue::Object{{"world_size", JsonValue(world_size)},
-                                              {"dp_size", JsonValue(mesh.dp_size)},
-                                              {"tp_size", JsonValue(mesh.tp_size)}});
-      m["values"] = values_to_json(meta.values);
-      m["optimizer"] = meta.optimizer;
-      JsonValue::Object files, entries;
-      for (int64_t r = 0; r < world_size; ++r) {
-        const JsonValue& f = statuses[r].at("file", "status");
-        files[f.at("name", "file").as_string("name")] = f;
-        for (const JsonValue& p : statuses[r].at("pieces", "status").as_array("pieces")) {
-          const std::string& key = p.at("key", "piece").as_string("key");
-          JsonValue entry(JsonValue::Object{{"dtype", p.at("dtype", key)},
-                                            {"shape", p.at("shape", key)},
-                                            {"dim", p.at("dim", key)},
-                                            {"tp_size", p.at("tp_size", key)}});
-          auto it = entries.find(key);
-          if (it == entries.end()) {
-            it = entries.emplace(key, entry).first;
-            it->second.object()["pieces"] = JsonValue(JsonValue::Array{});
-          }
-          for (const char* field : {"dtype", "shape", "dim", "tp_size"}) {
-            TORCH_CHECK(it->second.at(field, key).dump() == entry.at(field, key).dump(), "tensor '", key, "' has ",
-                        field, " ", entry.at(field, key).dump(), " on rank ", r, " but ",
-                        it->second.at(field, key).dump(), " on a lower rank");
-          }
-          it->second.object()["pieces"].array().push_back(JsonValue(JsonValue::Object{
-              {"file", JsonValue(checkpoint_file_name(r))}, {"tp_rank", p.at("tp_rank", key)},
-              {"begin", p.at("begin", key)}, {"end", p.at("end", key)}, {"crc32c", p.at("crc32c", key)}}));
-        }
-      }
-      m["files"] = JsonValue(std::move(files));
-      m["tensors"] = JsonValue(std::move(entries));
-      const std::string parent = live_checkpoint(dir);  // Note [The live run]
-      m["parent"] = parent.empty() || parent == name ? JsonValue() : JsonValue(parent);
-      const std::string text = manifest_text(manifest);
-      parse_manifest(text, step_dir + "/" + kManifest);  // what a load will check, checked before the commit
-      write_file_atomically(step_dir + "/" + kManifest, text);
-      write_file_atomically(dir + "/latest", name + "\n");
-    } catch (const std::exception& e) {
-      mine = status_error(message_of(e));
-    }
-    // Committed from here on: a pruning failure is reported as what it is, and the save succeeds.
-    if (!mine.has("error") && options.keep_last > 0) {
-      try {
-        prune_checkpoints(dir, name, options.keep_last);
-      } catch (const std::exception& e) {
-        mine.object()["prune_error"] = JsonValue(message_of(e));
-      }
-    }
-  }
-  statuses = agree(world, mine, "checkpoint save: commit");
-  fail_if_any(statuses, "writing the manifest");
-  note_live_checkpoint(dir, name);
-  if (rank == 0 && statuses[0].has("prune_error")) {
+  statuses = s.agree_after("commit", [&](Json& status) {
+    if (s.rank == 0) commit_manifest(s, manifest_of(s, save_id, statuses), options, status);
+  });
+  s.fail_if_any(statuses, "writing the manifest");
+  note_live_checkpoint(dir, s.name);
+  if (s.rank == 0 && statuses[0].contains("prune_error")) {
     std::fprintf(stderr,
                  "meshddp: warning: checkpoint '%s' is saved and committed (`latest` names it), but pruning the older "
                  "checkpoints (keep_last %lld) failed: %s. They stay on disk; the next save with keep_last prunes "
                  "again\n",
-                 step_dir.c_str(), static_cast<long long>(options.keep_last),
-                 statuses[0].at("prune_error", "status").as_string("prune_error").c_str());
+                 s.step_dir.c_str(), static_cast<long long>(options.keep_last),
+                 json_string(statuses[0]["prune_error"], "prune_error").c_str());
     std::fflush(stderr);
   }
-  return step_dir;
+  return s.step_dir;
 }
 
 std::optional<std::string> agree_on_checkpoint(const CheckpointMesh& mesh, const std::string& dir,
                                                std::optional<int64_t> step, bool allow_none) {
   TORCH_CHECK(mesh.world, "checkpoint load: no world group");
   c10d::ProcessGroup& world = *mesh.world;
-  JsonValue mine = status_ok();
+  Json mine = status_ok();
   try {
     if (allow_none && !step && holds_no_checkpoint(dir)) {
-      mine.object()["none"] = JsonValue(dir);  // nothing to resume from: a fresh start
+      mine["none"] = dir;  // nothing to resume from: a fresh start
     } else {
-      mine.object()["found"] = JsonValue(resolve_checkpoint(dir, step));
+      mine["found"] = resolve_checkpoint(dir, step);
     }
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
-  const std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: resolve");
+  const std::vector<Json> statuses = agree(world, mine, "checkpoint load: resolve");
   const std::string errors = errors_of(statuses);
-  auto finding = [](const JsonValue& s) { return s.has("none") ? std::string("none") : s.dump(); };
+  auto finding = [](const Json& s) { return s.contains("none") ? Json("none") : s; };
   bool same = true;
-  for (const JsonValue& s : statuses) same = same && finding(s) == finding(statuses[0]);
+  for (const Json& s : statuses) same = same && finding(s) == finding(statuses[0]);
   if (!same) {
     std::string found;
     for (size_t r = 0; r < statuses.size(); ++r) {
       found += "\n  rank " + std::to_string(r) + ": " +
-               (statuses[r].has("error")  ? "error: " + statuses[r].at("error", "status").as_string("error")
-                : statuses[r].has("none") ? "no checkpoint (" + statuses[r].at("none", "status").as_string("none") +
-                                                " is missing or holds no complete step)"
-                                          : statuses[r].at("found", "status").as_string("found"));
+               (statuses[r].contains("error")  ? "error: " + json_string(statuses[r]["error"], "error")
+                : statuses[r].contains("none") ? "no checkpoint (" + json_string(statuses[r]["none"], "none") +
+                                                     " is missing or holds no complete step)"
+                                               : json_string(json_at(statuses[r], "found", "status"), "found"));
     }
-    TORCH_CHECK(false, "checkpoint load from '", dir, "': the ranks found different checkpoints; nothing was loaded on ",
+    TORCH_CHECK(false, "checkpoint load from '", dir,
+                "': the ranks found different checkpoints; nothing was loaded on ",
                 "any rank. Every rank must see the same checkpoint directory (a filesystem shared by every node, the ",
                 "same path on every rank). What each rank found:", found);
   }
   TORCH_CHECK(errors.empty(), "checkpoint load from '", dir, "' failed; nothing was loaded on any rank:", errors);
-  if (statuses[0].has("none")) return std::nullopt;
-  return statuses[0].at("found", "status").as_string("found");
+  if (statuses[0].contains("none")) return std::nullopt;
+  return json_string(json_at(statuses[0], "found", "status"), "found");
 }
 
 CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string& dir, std::optional<int64_t> step)
@@ -403,13 +459,14 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   TORCH_CHECK(mesh_.world, "checkpoint load: no world group");
   c10d::ProcessGroup& world = *mesh_.world;
   path_ = *agree_on_checkpoint(mesh_, dir, step, /*allow_none=*/false);
-  JsonValue mine = status_ok();
+  Json mine = status_ok();
   try {
     const std::string path = path_ + "/" + kManifest;
     manifest_ = parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path);
     const std::string dir_name = path_.substr(path_.rfind('/') + 1);
     TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_.step, "checkpoint: '", path, "' holds step ", manifest_.step,
-                " but its directory is named '", dir_name, "' (a step directory renamed or copied under another name?); ",
+                " but its directory is named '", dir_name,
+                "' (a step directory renamed or copied under another name?); ",
                 "a step directory holds the step it is named after: rename it to step-", manifest_.step,
                 " or pick another checkpoint");
     meta_.step = manifest_.step;
@@ -418,14 +475,15 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
-  if (!manifest_.save_id.empty()) mine.object()["save_id"] = JsonValue(manifest_.save_id);
-  const std::vector<JsonValue> statuses = agree(world, mine, "checkpoint load: manifest");
+  if (!manifest_.save_id.empty()) mine["save_id"] = manifest_.save_id;
+  const std::vector<Json> statuses = agree(world, mine, "checkpoint load: manifest");
   const std::string errors = errors_of(statuses);
   TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
   std::string ids;
-  for (size_t r = 0; r < statuses.size(); ++r) ids += "\n  rank " + std::to_string(r) + ": " + statuses[r].dump();
-  for (const JsonValue& s : statuses) {
-    TORCH_CHECK(s.dump() == statuses[0].dump(), "checkpoint load from '", path_, "': the ranks read manifests of ",
+  for (size_t r = 0; r < statuses.size(); ++r)
+    ids += "\n  rank " + std::to_string(r) + ": " + json_text(statuses[r], -1, true);
+  for (const Json& s : statuses) {
+    TORCH_CHECK(s == statuses[0], "checkpoint load from '", path_, "': the ranks read manifests of ",
                 "different saves (a directory that differs between nodes); nothing was loaded on any rank. Every ",
                 "rank must see the same checkpoint directory. Each rank's manifest:", ids);
   }
@@ -437,93 +495,108 @@ void CheckpointReader::fail(const std::exception& error) {
   TORCH_CHECK(false, "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
 }
 
+namespace {
+
+// What a load finds wrong, the first 8 (more would bury them).
+struct Problems {
+  std::vector<std::string> found;
+  void add(const std::string& p) {
+    if (found.size() < 8) found.push_back(p);
+  }
+  std::string text() const {
+    std::string t;
+    for (const std::string& p : found) t += (t.empty() ? "" : "; ") + p;
+    return t;
+  }
+};
+
+// Read phase 1: the model against the manifest (a model tensor the model lacks; a wanted tensor
+// missing, of another global shape, or for the model of another dtype).
+void check_model_against_manifest(const Manifest& m, const std::vector<CheckpointTensor>& wanted,
+                                  const std::set<std::string>& model_keys, Problems& problems) {
+  for (const auto& [key, entry] : m.tensors) {
+    if (key.rfind("model/", 0) == 0 && model_keys.count(key) == 0) {
+      problems.add("the checkpoint has '" + key + "' (global shape " + shape_str(entry.shape) +
+                   ") but this model has no such parameter or buffer");
+    }
+  }
+  for (const CheckpointTensor& w : wanted) {
+    auto it = m.tensors.find(w.key);
+    if (it == m.tensors.end()) {
+      if (!w.optional)
+        problems.add("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
+                     " here): the model or the optimizer differs from the saved one");
+      continue;
+    }
+    if (it->second.shape != w.global_shape) {
+      problems.add("'" + w.key + "' has global shape " + shape_str(it->second.shape) + " in the checkpoint but " +
+                   shape_str(w.global_shape) + " here");
+    }
+    const std::string& saved_dtype = it->second.dtype;
+    if (w.key.rfind("model/", 0) == 0 && saved_dtype != safetensors_dtype(w.data.scalar_type())) {
+      problems.add("'" + w.key + "' is " + saved_dtype + " in the checkpoint but " +
+                   safetensors_dtype(w.data.scalar_type()) + " here");
+    }
+  }
+}
+
+// Read phase 3: the elements of `w` (any DP x TP) from the pieces of `entry` in `step_dir`'s files, as
+// a new CPU tensor of w.data's dtype. Reads stay within the bounds the header and the manifest were
+// checked against; `headers` caches each file's header.
+at::Tensor read_wanted(const std::string& step_dir, const ManifestTensor& entry, const CheckpointTensor& w,
+                       std::map<std::string, SafetensorsHeader>& headers) {
+  const c10::ScalarType saved_type = scalar_type_from_safetensors(entry.dtype);
+  const int64_t item = static_cast<int64_t>(c10::elementSize(saved_type));
+  std::vector<Piece> saved;
+  for (const ManifestPiece& p : entry.pieces) saved.push_back({{entry.dim, entry.tp_size, p.tp_rank}, p.begin, p.end});
+  const std::vector<PieceCopy> copies = plan_copies(w.global_shape, saved, Piece{w.slice, w.begin, w.end});
+  TORCH_INTERNAL_ASSERT(covered_numel(copies) == w.end - w.begin, "'", w.key, "': the manifest's pieces were ",
+                        "checked to cover every element");
+  at::Tensor out = at::empty({w.end - w.begin}, at::TensorOptions().dtype(saved_type));
+  auto* dest = static_cast<char*>(out.data_ptr());
+  for (const PieceCopy& c : copies) {
+    const ManifestPiece& piece = entry.pieces[c.source];
+    const std::string path = step_dir + "/" + piece.file;
+    auto h = headers.find(path);
+    if (h == headers.end()) h = headers.emplace(path, read_safetensors_header(path, file_bytes(path))).first;
+    auto t = h->second.tensors.find(w.key);
+    TORCH_CHECK(t != h->second.tensors.end(), "file '", path, "' has no tensor '", w.key, "' though the manifest ",
+                "says it does (from another save?)");
+    const int64_t piece_bytes = (piece.end - piece.begin) * item;
+    TORCH_CHECK(t->second.dtype == entry.dtype && t->second.end - t->second.begin == piece_bytes, "file '", path,
+                "' holds ", t->second.end - t->second.begin, " bytes of ", t->second.dtype, " for '", w.key,
+                "' but the manifest says ", piece_bytes, " bytes of ", entry.dtype);
+    read_file_range(path, h->second.data_start + t->second.begin + c.source_offset * item, c.numel * item,
+                    dest + c.dest_offset * item);
+  }
+  return out.scalar_type() == w.data.scalar_type() ? out : out.to(w.data.scalar_type());
+}
+
+}  // namespace
+
 std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTensor>& wanted,
                                                const std::set<std::string>& model_keys) {
   c10d::ProcessGroup& world = *mesh_.world;
   const int64_t rank = world.getRank(), world_size = world.getSize();
   std::vector<at::Tensor> loaded(wanted.size());
-  JsonValue mine = status_ok();
+  Json mine = status_ok();
   try {
-    std::vector<std::string> problems;
-    auto problem = [&](const std::string& p) {
-      if (problems.size() < 8) problems.push_back(p);
-    };
-
-    // The model against the manifest.
-    for (const auto& [key, entry] : manifest_.tensors) {
-      if (key.rfind("model/", 0) == 0 && model_keys.count(key) == 0) {
-        problem("the checkpoint has '" + key + "' (global shape " + shape_str(entry.shape) +
-                ") but this model has no such parameter or buffer");
-      }
-    }
-    for (const CheckpointTensor& w : wanted) {
-      auto it = manifest_.tensors.find(w.key);
-      if (it == manifest_.tensors.end()) {
-        if (!w.optional) problem("the checkpoint has no '" + w.key + "' (global shape " + shape_str(w.global_shape) +
-                                 " here): the model or the optimizer differs from the saved one");
-        continue;
-      }
-      if (it->second.shape != w.global_shape) {
-        problem("'" + w.key + "' has global shape " + shape_str(it->second.shape) + " in the checkpoint but " +
-                shape_str(w.global_shape) + " here");
-      }
-      const std::string& saved_dtype = it->second.dtype;
-      if (w.key.rfind("model/", 0) == 0 && saved_dtype != safetensors_dtype(w.data.scalar_type())) {
-        problem("'" + w.key + "' is " + saved_dtype + " in the checkpoint but " +
-                safetensors_dtype(w.data.scalar_type()) + " here");
-      }
-    }
-
-    // Every world_size-th file, verified in full.
+    Problems problems;  // (1) the model against the manifest
+    check_model_against_manifest(manifest_, wanted, model_keys, problems);
+    // (2) Every world_size-th file, verified in full.
     int64_t index = 0;
     for (const auto& [name, f] : manifest_.files) {
       if (index++ % world_size != rank) continue;
       const std::string p = file_problem(path_, name, manifest_);
-      if (!p.empty()) problem(p);
+      if (!p.empty()) problems.add(p);
     }
-
-    // Read every wanted piece (any rank's damage shows in the agreement below; reads here stay
-    // within the bounds the header and the manifest were checked against).
-    if (problems.empty()) {
-      std::map<std::string, SafetensorsHeader> headers;
-      for (size_t i = 0; i < wanted.size(); ++i) {
-        const CheckpointTensor& w = wanted[i];
-        auto it = manifest_.tensors.find(w.key);
-        if (it == manifest_.tensors.end()) continue;
-        const ManifestTensor& entry = it->second;
-        const c10::ScalarType saved_type = scalar_type_from_safetensors(entry.dtype);
-        const int64_t item = static_cast<int64_t>(c10::elementSize(saved_type));
-        std::vector<Piece> saved;
-        for (const ManifestPiece& p : entry.pieces) saved.push_back({{entry.dim, entry.tp_size, p.tp_rank}, p.begin, p.end});
-        const Piece want{w.slice, w.begin, w.end};
-        const std::vector<PieceCopy> copies = plan_copies(w.global_shape, saved, want);
-        TORCH_INTERNAL_ASSERT(covered_numel(copies) == w.end - w.begin, "'", w.key, "': the manifest's pieces were ",
-                              "checked to cover every element");
-        at::Tensor out = at::empty({w.end - w.begin}, at::TensorOptions().dtype(saved_type));
-        auto* dest = static_cast<char*>(out.data_ptr());
-        for (const PieceCopy& c : copies) {
-          const ManifestPiece& piece = entry.pieces[c.source];
-          const std::string path = path_ + "/" + piece.file;
-          auto h = headers.find(path);
-          if (h == headers.end()) h = headers.emplace(path, read_safetensors_header(path, file_bytes(path))).first;
-          auto t = h->second.tensors.find(w.key);
-          TORCH_CHECK(t != h->second.tensors.end(), "file '", path, "' has no tensor '", w.key, "' though the manifest ",
-                      "says it does (from another save?)");
-          const int64_t piece_bytes = (piece.end - piece.begin) * item;
-          TORCH_CHECK(t->second.dtype == entry.dtype && t->second.end - t->second.begin == piece_bytes, "file '", path,
-                      "' holds ", t->second.end - t->second.begin, " bytes of ", t->second.dtype, " for '", w.key,
-                      "' but the manifest says ", piece_bytes, " bytes of ", entry.dtype);
-          read_file_range(path, h->second.data_start + t->second.begin + c.source_offset * item, c.numel * item,
-                          dest + c.dest_offset * item);
-        }
-        loaded[i] = out.scalar_type() == w.data.scalar_type() ? out : out.to(w.data.scalar_type());
-      }
+    // (3) Every wanted piece (any rank's damage shows in the agreement below).
+    std::map<std::string, SafetensorsHeader> headers;
+    for (size_t i = 0; i < wanted.size() && problems.found.empty(); ++i) {
+      auto it = manifest_.tensors.find(wanted[i].key);
+      if (it != manifest_.tensors.end()) loaded[i] = read_wanted(path_, it->second, wanted[i], headers);
     }
-    if (!problems.empty()) {
-      std::string text = problems[0];
-      for (size_t i = 1; i < problems.size(); ++i) text += "; " + problems[i];
-      mine = status_error(text);
-    }
+    if (!problems.found.empty()) mine = status_error(problems.text());
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }

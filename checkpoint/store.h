@@ -17,17 +17,16 @@
 // keeps naming it. A pruning failure after that is a warning (the save is committed). A step
 // directory without manifest.json is incomplete and never loaded.
 // Load: every rank resolves the step directory (`latest`, or the step asked for) and all agree
-// (agree_on_checkpoint); every rank reads the manifest and all compare its save id; then each rank verifies every W-th file in full (size, save id, CRC32C), reads what it
-// needs into temporaries and checks the model against the manifest; all ranks agree; only then do
-// callers copy the temporaries into their state (commit_loaded). Nothing changes on any rank unless
-// every rank succeeded.
+// (agree_on_checkpoint); every rank reads the manifest and all compare its save id; then each rank verifies every W-th
+// file in full (size, save id, CRC32C), reads what it needs into temporaries and checks the model against the manifest;
+// all ranks agree; only then do callers copy the temporaries into their state (commit_loaded). Nothing changes on any
+// rank unless every rank succeeded.
 #pragma once
 
-#include "mesh/placement.h"
-#include "checkpoint/lineage.h"
-#include "checkpoint/manifest.h"
-#include "checkpoint/json_value.h"
-#include "checkpoint/reshard.h"
+#include "../mesh/placement.h"
+#include "lineage.h"
+#include "manifest.h"
+#include "reshard.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -57,7 +56,7 @@ TpSlice tp_slice_of(const Placement& placement);  // Shard(d) -> {d, tp_size, tp
 std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& placement);
 
 struct CheckpointMesh {
-  c10::intrusive_ptr<c10d::ProcessGroup> world;  // every rank of the mesh: saves and loads agree over it
+  c10::intrusive_ptr<c10d::ProcessGroup> world;                // every rank of the mesh: saves and loads agree over it
   int64_t dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;  // recorded in the manifest, for people
 };
 
@@ -71,15 +70,16 @@ struct CheckpointSaveOptions {
 };
 
 struct CheckpointMeta {
-  int64_t step = 0;           // names the directory: step-<step>
-  CheckpointValues values;    // world rank 0's are saved
-  JsonValue optimizer;        // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
+  int64_t step = 0;         // names the directory: step-<step>
+  CheckpointValues values;  // world rank 0's are saved
+  Json optimizer;           // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
 };
 
 // Collective over mesh.world. Writes <dir>/step-<meta.step>/ as in the Note and moves `latest` to
 // it; returns that directory. Throws on every rank, with every failing rank's error, if any fails.
 std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
-                                  const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options = {});
+                                  const std::vector<CheckpointTensor>& tensors,
+                                  const CheckpointSaveOptions& options = {});
 
 // Collective over mesh.world: every rank resolves `dir` itself (resolve_checkpoint: `step`, or the
 // live run's newest) and all compare. Returns the step directory, the same on every rank; nullopt

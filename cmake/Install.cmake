@@ -1,5 +1,8 @@
 # The C++ package: `cmake --install build --prefix P` installs the headers under P/include/meshddp/
-# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>), the
+# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>; only
+# P/include is on a consumer's include path, and the headers include each other by relative path
+# ("../checkpoint/store.h"), so a consumer's own folders named mesh/, checkpoint/, ... cannot
+# shadow them), the
 # static libraries under P/lib, and P/lib/cmake/meshddp/ with meshddpConfig.cmake + its version file,
 # exporting meshddp::meshddp (docs/building.md "Using meshddp from another CMake project"). The
 # engine is built position-independent, so the archives link into executables and shared objects.
@@ -13,6 +16,10 @@ foreach(_lib IN LISTS _meshddp_libs)
   set_target_properties(${_lib} PROPERTIES EXPORT_NAME ${_short})
 endforeach()
 set_target_properties(meshddp_torch PROPERTIES EXPORT_NAME torch)
+set_target_properties(meshddp_json PROPERTIES EXPORT_NAME json)
+
+# The headers are C++20: a consumer linking any meshddp target gets at least that.
+target_compile_features(meshddp_torch INTERFACE cxx_std_20)
 
 # meshddp::meshddp: the whole public API in one target (what a consumer links).
 add_library(meshddp_meshddp INTERFACE)
@@ -24,9 +31,9 @@ target_include_directories(meshddp_meshddp INTERFACE "$<BUILD_INTERFACE:${PROJEC
 # <meshddp/version.h>: the package's version and the torch it was built against.
 configure_file("${PROJECT_SOURCE_DIR}/cmake/version.h.in" "${PROJECT_BINARY_DIR}/include/meshddp/version.h" @ONLY)
 
-install(TARGETS meshddp_torch ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
+install(TARGETS meshddp_torch meshddp_json ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp ${CMAKE_INSTALL_INCLUDEDIR})
+        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 foreach(_dir mesh checkpoint grad_buffer tp optimizer plugin)
   install(DIRECTORY "${PROJECT_SOURCE_DIR}/${_dir}/" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/${_dir}
           FILES_MATCHING PATTERN "*.h" PATTERN "python" EXCLUDE)
@@ -35,6 +42,9 @@ install(FILES "${PROJECT_SOURCE_DIR}/include/meshddp/meshddp.h" "${PROJECT_BINAR
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/third_party/gloo/include/"
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/gloo)
+# nlohmann-json (MIT; the checkpoint manifest's header includes it): the pinned headers go with the
+# package, so a consumer needs neither the venv nor its own copy.
+install(DIRECTORY "${MESHDDP_JSON_INCLUDE_DIR}/nlohmann" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/json)
 install(EXPORT meshddpTargets NAMESPACE meshddp:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
 
 # The installed meshddp::torch is given its interface by the config, from what this build used.
@@ -42,9 +52,11 @@ set(MESHDDP_TORCH_LINK_LIBRARIES "")
 if(NOT MESHDDP_WITH_CUDA)
   set(MESHDDP_TORCH_LINK_LIBRARIES "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so;${MESHDDP_TORCH_DIR}/lib/libc10.so")
 endif()
+set(MESHDDP_INSTALL_INCLUDEDIR "${CMAKE_INSTALL_INCLUDEDIR}")  # relative or absolute (PATH_VARS handles both)
 configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/meshddpConfig.cmake.in"
                               "${PROJECT_BINARY_DIR}/meshddpConfig.cmake"
-                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
+                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp
+                              PATH_VARS MESHDDP_INSTALL_INCLUDEDIR)
 write_basic_package_version_file("${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES "${PROJECT_BINARY_DIR}/meshddpConfig.cmake" "${PROJECT_BINARY_DIR}/meshddpConfigVersion.cmake"

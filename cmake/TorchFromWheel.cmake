@@ -94,7 +94,8 @@ endif()
 target_compile_definitions(meshddp_torch INTERFACE "$<BUILD_INTERFACE:${MESHDDP_TORCH_DEFINITIONS}>")
 target_include_directories(meshddp_torch SYSTEM INTERFACE
   "$<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/third_party/gloo/include;${MESHDDP_TORCH_INCLUDE_DIRS}>")
-target_link_options(meshddp_torch INTERFACE "LINKER:--as-needed")
+# --as-needed for our own binaries only (no DT_NEEDED on libcuda), not imposed on a consumer.
+target_link_options(meshddp_torch INTERFACE "$<BUILD_INTERFACE:LINKER:--as-needed>")
 
 # Thrust/CUB/libcu++ headers (CCCL), for the CPU build of the kernels (Thrust's CPP system with the
 # host compiler) and the CUDA build. They ship with the CUDA toolkit (CUDA 13: include/cccl). Not

@@ -68,11 +68,11 @@ struct ParamSlot {
 };
 
 struct BucketSpan {
-  int64_t buffer = -1;               // the flat buffer it is a range of
-  int64_t begin = 0;                 // element offset in that buffer
-  int64_t end = 0;                   // one past the last element, padding included
-  int64_t end_unpadded = 0;          // one past the last param element
-  std::vector<int64_t> params;       // param indices, in placement order
+  int64_t buffer = -1;          // the flat buffer it is a range of
+  int64_t begin = 0;            // element offset in that buffer
+  int64_t end = 0;              // one past the last element, padding included
+  int64_t end_unpadded = 0;     // one past the last param element
+  std::vector<int64_t> params;  // param indices, in placement order
   int64_t numel() const { return end - begin; }
 };
 

@@ -11,12 +11,11 @@ Work launch_sum(const CommHookBucket& b, const at::Tensor& data, const at::Tenso
 
 }  // namespace
 
-CommHookWork SumCommHook::launch(const CommHookBucket& b) {
-  return {launch_sum(b, b.data, b.output, b.what), {}};
-}
+CommHookWork SumCommHook::launch(const CommHookBucket& b) { return {launch_sum(b, b.data, b.output, b.what), {}}; }
 
 CompressCommHook::CompressCommHook(c10::ScalarType dtype) : dtype_(dtype) {
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "CompressCommHook: compresses to bf16 or fp16, got ", dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "CompressCommHook: compresses to bf16 or fp16, got ",
+              dtype);
 }
 
 std::string CompressCommHook::name() const { return dtype_ == at::kBFloat16 ? kBf16CompressHook : kFp16CompressHook; }

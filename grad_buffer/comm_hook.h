@@ -47,7 +47,7 @@
 //   all run on the caller's current stream: keep backward and finish_grad_sync() on one stream).
 #pragma once
 
-#include "mesh/collectives.h"
+#include "../mesh/collectives.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -60,10 +60,10 @@ namespace meshddp {
 
 // One bucket's reduction, as a hook sees it.
 struct CommHookBucket {
-  int64_t index = 0;          // bucket index in the buffer's layout (launch order)
-  at::Tensor data;            // the whole bucket (padding included), already divided by the DP size
-  at::Tensor output;          // where the SUM over `group` must land: `data` itself (all-reduce), or this
-                              // rank's 1/size shard of it (reduce_scatter), a view into `data`
+  int64_t index = 0;  // bucket index in the buffer's layout (launch order)
+  at::Tensor data;    // the whole bucket (padding included), already divided by the DP size
+  at::Tensor output;  // where the SUM over `group` must land: `data` itself (all-reduce), or this
+                      // rank's 1/size shard of it (reduce_scatter), a view into `data`
   bool reduce_scatter = false;
   c10d::ProcessGroup* group = nullptr;  // the DP group, or the whole mesh for TP-partial buckets
   std::string what;                     // "gradient bucket 3 of 5 (...)" for messages

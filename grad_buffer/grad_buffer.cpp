@@ -61,11 +61,6 @@ std::string describe_param_name(const NamedParam& p) {
   return out + ")";
 }
 
-struct GradBuffer::HookHandle {
-  std::shared_ptr<torch::autograd::Node> accumulator;  // the param keeps only a weak_ptr to it
-  uintptr_t key = 0;
-};
-
 namespace {
 
 // Splits `params` (deduplicated) into the trainable ones (returned) and the frozen ones (`frozen`).
@@ -83,8 +78,16 @@ std::vector<NamedParam> trainable(std::vector<NamedParam> params, std::vector<Na
   return kept;
 }
 
+c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
+  const auto dtype = p.scalar_type();
+  if (grad_reduce_in_fp32 && (dtype == at::kBFloat16 || dtype == at::kHalf)) return at::kFloat;
+  return dtype;
+}
+
+}  // namespace
+
 // A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
-struct AccumulationPreHook : torch::autograd::FunctionPreHook {
+struct GradBuffer::AccumulationPreHook : torch::autograd::FunctionPreHook {
   AccumulationPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
       : buffer(buffer), index(index), alive(std::move(alive)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
@@ -96,34 +99,27 @@ struct AccumulationPreHook : torch::autograd::FunctionPreHook {
   std::shared_ptr<std::atomic<bool>> alive;
 };
 
-c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
-  const auto dtype = p.scalar_type();
-  if (grad_reduce_in_fp32 && (dtype == at::kBFloat16 || dtype == at::kHalf)) return at::kFloat;
-  return dtype;
-}
-
-}  // namespace
-
 GradBuffer::GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
                        GradBufferConfig config)
     : GradBuffer(std::move(params), SyncGroups{std::move(dp_group), nullptr, 0, 1}, config) {}
 
 GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config)
-    : dp_group_(groups.dp),
-      groups_(std::move(groups)),
+    : groups_(std::move(groups)),
       config_(config),
       comm_hook_(make_comm_hook(config_.comm_hook)),
       debug_sequence_(switch_on(Switch::kDebugSync)) {
   params_ = trainable(std::move(params), frozen_params_);
   config_.validate();
-  TORCH_CHECK(dp_group_, "GradBuffer: the data-parallel process group is null");
-  dp_size_ = dp_group_->getSize();
+  TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
+  dp_size_ = groups_.dp_size();
 
   std::vector<ParamSpec> specs;
   specs.reserve(params_.size());
-  for (const auto& p : params_) {
-    placements_.push_back(get_placement(p.param));
-    const Placement& placement = placements_.back();
+  slots_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const NamedParam& p = params_[i];
+    slots_[i].placement = get_placement(p.param);
+    const Placement& placement = slots_[i].placement;
     TORCH_CHECK(!placement.is_partial_grad() || (groups_.tp_size > 1 && groups_.world), "GradBuffer: parameter ",
                 describe_param_name(p), " has a gradient that is partial over TP (", placement.str(),
                 placement.group.empty() ? "" : " over group '" + placement.group + "'",
@@ -146,33 +142,36 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   for (const auto& spec : layout_.buffers) {
     buffers_.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
   }
-  main_grads_.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamSlot& slot = layout_.slots[i];
-    main_grads_.push_back(buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(params_[i].param.sizes()));
+    slots_[i].main_grad = buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(params_[i].param.sizes());
   }
-  if (config_.use_distributed_optimizer) move_params_into_param_buffer();
-  ready_.assign(params_.size(), false);
-  slot_stale_.assign(params_.size(), false);  // the buffers start zeroed
-  got_grad_this_step_.assign(params_.size(), false);
-  written_in_place_this_step_.assign(params_.size(), false);
-  zero_every_step_.assign(params_.size(), false);
-  grad_placeholders_.resize(params_.size());
+  buckets_.resize(layout_.buckets.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    // Chosen once, here: launch and wait use the group the bucket holds.
+    Bucket& bucket = buckets_[b];
+    bucket.tp_partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
+    bucket.group = bucket.tp_partial ? groups_.world : groups_.dp;
+  }
+  if (config_.use_distributed_optimizer) {
+    std::vector<std::string> bucket_names;
+    for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) bucket_names.push_back(bucket_description(b));
+    param_buffer_ = std::make_unique<ParamBuffer>(layout_, params_, groups_.dp, bucket_names);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;
     // Every slot, fp32 main grads of bf16/fp16 params too (for writers that take them: SlotDtypes).
     if (!config_.gradient_accumulation_fusion) continue;
     // Expanded from one element: a zero of the param's shape that costs nothing to hand out each step.
-    grad_placeholders_[i] = at::zeros({}, param.options().requires_grad(false)).expand(param.sizes());
+    slots_[i].grad_placeholder = at::zeros({}, param.options().requires_grad(false)).expand(param.sizes());
     register_grad_slot(param, this, static_cast<int64_t>(i));
   }
-  buckets_.resize(layout_.buckets.size());
-  if (config_.use_distributed_optimizer || config_.check_for_nan_in_grad) {
-    for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
+  if (counts_nonfinite()) {
+    for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
       NonfinitePieces pieces = nonfinite_pieces(layout_, b);
       const c10::Device device = layout_.buffers[layout_.buckets[b].buffer].key.device;
       at::Tensor offsets = at::from_blob(pieces.offsets.data(), {pieces.size() + 1}, at::kLong).clone().to(device);
-      nonfinite_.push_back(BucketNonfinite{std::move(pieces), std::move(offsets), {}, {}});
+      buckets_[b].nonfinite = BucketNonfinite{std::move(pieces), std::move(offsets), {}, {}};
     }
   }
   {
@@ -201,53 +200,32 @@ GradBuffer::~GradBuffer() {
 
 void GradBuffer::install_hooks() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto handle = std::make_unique<HookHandle>();
-    handle->accumulator = torch::autograd::impl::grad_accumulator(params_[i].param);
-    TORCH_INTERNAL_ASSERT(handle->accumulator, "no grad accumulator for ", params_[i].name);
+    Slot& slot = slots_[i];
+    slot.accumulator = torch::autograd::impl::grad_accumulator(params_[i].param);
+    TORCH_INTERNAL_ASSERT(slot.accumulator, "no grad accumulator for ", params_[i].name);
     const auto index = static_cast<int64_t>(i);
-    handle->key = handle->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    slot.post_hook_key = slot.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
           on_grad_accumulated(index);
           return outputs;
         }));
-    handle->accumulator->add_pre_hook(std::make_unique<AccumulationPreHook>(this, index, alive_));
-    hooks_.push_back(std::move(handle));
+    slot.accumulator->add_pre_hook(std::make_unique<AccumulationPreHook>(this, index, alive_));
   }
 }
 
 void GradBuffer::remove_hooks() {
-  for (auto& h : hooks_) h->accumulator->del_post_hook(h->key);
-  hooks_.clear();
-}
-
-void GradBuffer::move_params_into_param_buffer() {
-  for (const auto& spec : layout_.buffers) {
-    param_buffers_.push_back(
-        at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.param_dtype).device(spec.key.device)));
+  for (Slot& slot : slots_) {
+    if (!slot.accumulator) continue;
+    slot.accumulator->del_post_hook(slot.post_hook_key);
+    slot.accumulator.reset();
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const ParamSlot& slot = layout_.slots[i];
-    at::Tensor& param = params_[i].param;
-    at::Tensor view = param_buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(param.sizes());
-    view.copy_(param.detach());
-    // Same TensorImpl (modules, optimizers and autograd keep their references), new storage: the
-    // param all-gather now writes the module's parameters in place.
-    param.set_data(view);
-  }
-  std::vector<ParamGather::Bucket> gather_buckets;
-  for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
-    at::Tensor full = bucket_param_data(b);
-    const int64_t n = full.numel() / dp_size_;
-    gather_buckets.push_back({full, full.narrow(0, dp_rank() * n, n), "param all-gather of " + bucket_description(b)});
-  }
-  param_gather_ = std::make_unique<ParamGather>(dp_group_, std::move(gather_buckets));
 }
 
 void GradBuffer::point_grads_at_buffer() {
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].param.mutable_grad();
-    if (main_grads_[i].scalar_type() == params_[i].param.scalar_type()) {
-      grad = main_grads_[i];  // autograd accumulates in place into the slot: no copy, ever
+    if (slots_[i].main_grad.scalar_type() == params_[i].param.scalar_type()) {
+      grad = slots_[i].main_grad;  // autograd accumulates in place into the slot: no copy, ever
     } else {
       grad.reset();  // fp32 main grads: the hook adds the low-precision grad in and releases it
     }
@@ -272,8 +250,9 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
   TORCH_CHECK(state_ != StepState::kSynced, "GradBuffer: parameter ", describe_param_name(params_[index]),
               " got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
               "backward (or finish_grad_sync() only after the last micro-batch)");
+  Slot& s = slots_[index];
   if (is_last_microbatch_) {
-    TORCH_CHECK(!ready_[index], "GradBuffer: parameter ", describe_param_name(params_[index]),
+    TORCH_CHECK(!s.ready, "GradBuffer: parameter ", describe_param_name(params_[index]),
                 " reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
                 "find_unused_parameters, a gradient for a param the forward's outputs did not reach); call ",
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
@@ -283,10 +262,10 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
   // place]: written in place, or added into .grad, the slot, by AccumulateGrad; a stale slot's
   // gradient always arrives as a tensor of its own, since the pre-hook released .grad).
   at::Tensor& grad = params_[index].param.mutable_grad();
-  const at::Tensor& slot = main_grads_[index];
-  bool arrived = written_in_place_this_step_[index] || (grad.is_same(slot) && !slot_stale_[index]);
+  const at::Tensor& slot = s.main_grad;
+  bool arrived = s.written_in_place || (grad.is_same(slot) && !s.stale);
   if (grad.defined() && !grad.is_same(slot)) {
-    if (slot_stale_[index]) {
+    if (s.stale) {
       slot.copy_(grad);  // the step's first gradient overwrites the stale slot
     } else if (grad.data_ptr() != slot.data_ptr()) {
       slot.add_(grad);
@@ -299,14 +278,14 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
     grad.reset();  // fp32 main grads of a low-precision param: .grad only carries each new gradient
   }
   if (arrived) {
-    slot_stale_[index] = false;
-    got_grad_this_step_[index] = true;
+    s.stale = false;
+    s.got_grad = true;
   }
   if (!is_last_microbatch_) return;
 
-  ready_[index] = true;
+  s.ready = true;
   state_ = StepState::kReducing;
-  BucketState& bucket = buckets_[layout_.slots[index].bucket];
+  Bucket& bucket = buckets_[layout_.slots[index].bucket];
   TORCH_INTERNAL_ASSERT(bucket.pending > 0);
   if (--bucket.pending == 0 && config_.overlap_grad_reduce) launch_ready_buckets_in_order();
 }
@@ -333,11 +312,11 @@ int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>&
   if (!is_last_microbatch_) return 0;
   int64_t marked = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i] || seen.count(hooks_[i]->accumulator.get())) continue;
-    ready_[i] = true;
+    if (slots_[i].ready || seen.count(slots_[i].accumulator.get())) continue;
+    slots_[i].ready = true;
     state_ = StepState::kReducing;
     ++marked;
-    BucketState& bucket = buckets_[layout_.slots[i].bucket];
+    Bucket& bucket = buckets_[layout_.slots[i].bucket];
     TORCH_INTERNAL_ASSERT(bucket.pending > 0);
     --bucket.pending;
   }
@@ -353,31 +332,31 @@ void GradBuffer::launch_ready_buckets_in_order() {
 }
 
 void GradBuffer::launch_bucket(int64_t b) {
-  BucketState& bucket = buckets_[b];
+  Bucket& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
   CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
-  if (!nonfinite_.empty()) {
+  if (counts_nonfinite()) {
     // The local values (the collective replaces them), or what the hook sends instead (its cast).
     // The counts are members, on the current stream, which the collective's stream waits for at
     // launch (Note [Stream lifetimes of collective temporaries], comm_hook.h).
     count_nonfinite(b, data);
     hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
   }
-  if (layout_.buffers[layout_.buckets[b].buffer].key.tp_partial) {
+  if (bucket.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
-    if (debug_sequence_) check_collective_sequence(b, *groups_.world, "all-reduce (TP-partial)");
+    if (debug_sequence_) check_collective_sequence(b, *bucket.group, "all-reduce (TP-partial)");
     if (dp_size_ > 1) data.div_(static_cast<double>(dp_size_));
-    hooked.group = groups_.world.get();
+    hooked.group = bucket.group.get();
     hooked.what += " (TP-partial: summed over TP)";
-  } else if (!skip_collective(*dp_group_)) {
+  } else if (!skip_collective(*bucket.group)) {
     if (debug_sequence_) {
-      check_collective_sequence(b, *dp_group_, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
+      check_collective_sequence(b, *bucket.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
     data.div_(static_cast<double>(dp_size_));
-    hooked.group = dp_group_.get();
+    hooked.group = bucket.group.get();
     if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
   }
   if (hooked.group != nullptr) {
@@ -391,15 +370,15 @@ void GradBuffer::launch_bucket(int64_t b) {
 
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].work) {
-      auto work = std::move(buckets_[b].work);
-      buckets_[b].work.reset();
-      const bool partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
-      wait_collective(work, partial ? *groups_.world : *dp_group_, bucket_description(static_cast<int64_t>(b)));
+    Bucket& bucket = buckets_[b];
+    if (bucket.work) {
+      auto work = std::move(bucket.work);
+      bucket.work.reset();
+      wait_collective(work, *bucket.group, bucket_description(static_cast<int64_t>(b)));
     }
-    if (buckets_[b].finish) {
-      auto finish = std::move(buckets_[b].finish);
-      buckets_[b].finish = nullptr;
+    if (bucket.finish) {
+      auto finish = std::move(bucket.finish);
+      bucket.finish = nullptr;
       finish();
     }
   }
@@ -411,7 +390,7 @@ void GradBuffer::finish_grad_sync() {
   if (state_ == StepState::kSynced) return;
   while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
   wait_launched_buckets();
-  std::fill(ready_.begin(), ready_.end(), true);
+  for (Slot& slot : slots_) slot.ready = true;
   state_ = StepState::kSynced;
   ++syncs_completed_;
   if (config_.check_for_nan_in_grad) raise_if_nonfinite();
@@ -426,9 +405,17 @@ void GradBuffer::register_comm_hook(std::shared_ptr<CommHook> hook) {
   comm_hook_ = std::move(hook);
 }
 
-int64_t GradBuffer::syncs_completed() const {
+SyncStats GradBuffer::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return syncs_completed_;
+  int64_t in_place = 0;
+  for (const Slot& slot : slots_) in_place += slot.written_in_place ? 1 : 0;
+  return SyncStats{syncs_completed_, next_bucket_, launched_by_hooks_, in_place};
+}
+
+int64_t GradBuffer::grad_buffer_bytes() const {
+  int64_t bytes = 0;
+  for (const at::Tensor& buffer : buffers_) bytes += static_cast<int64_t>(buffer.nbytes());
+  return bytes;
 }
 
 void GradBuffer::check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind) {
@@ -463,13 +450,17 @@ void GradBuffer::zero_grad_buffer() {
 }
 
 void GradBuffer::reset_step_state() {
-  std::fill(ready_.begin(), ready_.end(), false);
+  for (Slot& slot : slots_) slot.ready = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b] = BucketState{static_cast<int64_t>(layout_.buckets[b].params.size()), false, {}, {}};
+    Bucket& bucket = buckets_[b];
+    bucket.pending = static_cast<int64_t>(layout_.buckets[b].params.size());
+    bucket.launched = false;
+    bucket.work = {};
+    bucket.finish = {};
+    bucket.nonfinite.piece_counts = bucket.nonfinite.total = at::Tensor();
   }
   next_bucket_ = 0;
   launched_by_hooks_ = 0;
-  for (BucketNonfinite& nonfinite : nonfinite_) nonfinite.piece_counts = nonfinite.total = at::Tensor();
   state_ = StepState::kIdle;
 }
 
@@ -489,21 +480,17 @@ at::Tensor GradBuffer::bucket_data(int64_t b) const {
 at::Tensor GradBuffer::bucket_shard(int64_t b) const {
   const int64_t n = layout_.buckets[b].numel();
   TORCH_INTERNAL_ASSERT(n % dp_size_ == 0, "bucket ", b, " is not padded to a multiple of the DP size");
-  return bucket_data(b).narrow(0, dp_rank() * (n / dp_size_), n / dp_size_);
-}
-
-at::Tensor GradBuffer::bucket_param_data(int64_t b) const {
-  TORCH_CHECK(!param_buffers_.empty(), "GradBuffer: no param buffer; set use_distributed_optimizer");
-  const BucketSpan& span = layout_.buckets[b];
-  return param_buffers_[span.buffer].narrow(0, span.begin, span.numel());
+  return bucket_data(b).narrow(0, groups_.dp_rank() * (n / dp_size_), n / dp_size_);
 }
 
 at::Tensor GradBuffer::local_nonfinite_counts() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(config_.use_distributed_optimizer, "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
-  if (nonfinite_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
+  TORCH_CHECK(config_.use_distributed_optimizer,
+              "GradBuffer: non-finite counts are kept with use_distributed_optimizer");
+  if (buckets_.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kLong));  // no trainable params
   std::vector<at::Tensor> totals;
-  for (const BucketNonfinite& nonfinite : nonfinite_) {
+  for (const Bucket& bucket : buckets_) {
+    const BucketNonfinite& nonfinite = bucket.nonfinite;
     totals.push_back(nonfinite.total.defined() ? nonfinite.total : at::zeros({}, nonfinite.offsets.options()));
   }
   return at::stack(totals);
@@ -516,23 +503,13 @@ std::vector<int64_t> GradBuffer::local_nonfinite_counts_by_param() const {
   return nonfinite_by_param();
 }
 
-int64_t GradBuffer::buckets_launched() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return next_bucket_;
-}
-
-int64_t GradBuffer::buckets_launched_by_hooks() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return launched_by_hooks_;
-}
-
 std::string GradBuffer::bucket_description(int64_t b) const {
   const BucketSpan& span = layout_.buckets[b];
   const BufferKey& key = layout_.buffers[span.buffer].key;
   std::ostringstream out;
   out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from "
-      << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype << " elements on "
-      << key.device << ")";
+      << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype
+      << " elements on " << key.device << ")";
   return out.str();
 }
 
@@ -544,19 +521,12 @@ void GradBuffer::check_trainable_params_unchanged(const char* who) const {
     const BufferKey& key = layout_.buffers[slot.buffer].key;
     TORCH_CHECK(p.param.scalar_type() == key.param_dtype && p.param.device() == key.device, "GradBuffer::", who,
                 ": parameter ", describe_param_name(p), " is now ", p.param.scalar_type(), " on ", p.param.device(),
-                " but was ", key.param_dtype, " on ", key.device, " when the model was wrapped (converted or moved after ",
+                " but was ", key.param_dtype, " on ", key.device,
+                " when the model was wrapped (converted or moved after ",
                 "wrapping: model.double(), model.to(...), param.data = ...). Its gradient slot is fixed when ",
                 "DistributedDataParallel is built: convert and move the model before wrapping (re-wrap it, with a new ",
                 "optimizer, to change it)");
-    if (!param_buffers_.empty()) {
-      const auto* expected = static_cast<const char*>(param_buffers_[slot.buffer].const_data_ptr()) +
-                             slot.offset * static_cast<int64_t>(param_buffers_[slot.buffer].element_size());
-      TORCH_CHECK(p.param.const_data_ptr() == expected, "GradBuffer::", who, ": parameter ", describe_param_name(p),
-                  " no longer lives in its place of the distributed optimizer's param buffer (its data was replaced ",
-                  "after wrapping: param.data = ..., param.set_data(...)); the optimizer's updates and the param ",
-                  "all-gather would no longer reach it. Write new values in place (param.copy_(...) under no_grad, ",
-                  "then opt.reload_masters_from_params(), or ddp.load_state_dict(...))");
-    }
+    if (param_buffer_) param_buffer_->check_param_in_place(p, slot, who);
   }
   for (const NamedParam& p : params_) {
     TORCH_CHECK(p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
@@ -567,11 +537,12 @@ void GradBuffer::check_trainable_params_unchanged(const char* who) const {
                 "optimizer, to change it)");
   }
   for (const NamedParam& p : frozen_params_) {
-    TORCH_CHECK(!p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
-                " was frozen (requires_grad=False) when the model was wrapped but now requires grad (unfrozen after ",
-                "wrapping). It has no slot in the gradient buffer, so its gradient would not be averaged across ranks. ",
-                "Which params train is fixed when DistributedDataParallel is built: set requires_grad before wrapping ",
-                "(re-wrap the model, with a new optimizer, to change it)");
+    TORCH_CHECK(
+        !p.param.requires_grad(), "GradBuffer::", who, ": parameter ", describe_param_name(p),
+        " was frozen (requires_grad=False) when the model was wrapped but now requires grad (unfrozen after ",
+        "wrapping). It has no slot in the gradient buffer, so its gradient would not be averaged across ranks. ",
+        "Which params train is fixed when DistributedDataParallel is built: set requires_grad before wrapping ",
+        "(re-wrap the model, with a new optimizer, to change it)");
   }
 }
 
@@ -579,7 +550,7 @@ std::string GradBuffer::unready_param_names(size_t limit) const {
   std::ostringstream out;
   size_t count = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i]) continue;
+    if (slots_[i].ready) continue;
     if (count < limit) out << (count ? ", " : "") << describe_param_name(params_[i]);
     ++count;
   }

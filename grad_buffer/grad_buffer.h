@@ -1,7 +1,7 @@
 // GradBuffer: the flat gradient buffers of a set of parameters, their buckets, the autograd hooks
 // that fill them, and the bucket collectives over the data-parallel group. One instance per wrapped
-// model. It owns no optimizer and no module: it sees parameters and a DP process group.
-//
+// model. It owns no optimizer and no module: it sees parameters and a DP process group. ZeRO-1's
+// param buffer and all-gather: grad_buffer/param_buffer.h (owned here, built with the layout).
 // Note [One step, as GradBuffer sees it]
 //   zero_grad_buffer()          state: idle; every slot 0 or stale (Note [Slots written in place]);
 //                               param.grad() is its slot's view
@@ -21,12 +21,12 @@
 // reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
-#include "grad_buffer/grad_in_place.h"
-#include "grad_buffer/nonfinite_count.h"
-#include "grad_buffer/comm_hook.h"
-#include "grad_buffer/param_gather.h"
-#include "mesh/placement.h"
+#include "../mesh/placement.h"
+#include "bucket_layout.h"
+#include "comm_hook.h"
+#include "grad_in_place.h"
+#include "nonfinite_count.h"
+#include "param_buffer.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -39,48 +39,52 @@
 #include <string>
 #include <vector>
 
+namespace torch::autograd {
+struct Node;
+}
+
 namespace meshddp {
 
 struct GradBufferConfig {
   size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one bucket per parameter
-  bool overlap_grad_reduce = true;   // launch bucket collectives from the hooks during backward;
-                                     // false = all of them in finish_grad_sync()
-  bool grad_reduce_in_fp32 = false;  // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
+  bool overlap_grad_reduce = true;            // launch bucket collectives from the hooks during backward;
+                                              // false = all of them in finish_grad_sync()
+  bool grad_reduce_in_fp32 = false;           // bf16/fp16 params keep fp32 main grads (accumulated and reduced in
                                      // fp32); param.grad() is released after each hook. No effect on fp32 params
-  bool pad_for_reduce_scatter = false;  // pad buckets to a multiple of the DP size (see bucket_layout.h)
-  bool find_unused_parameters = false;  // after each forward, walk the autograd graph from its outputs;
-                                        // params it cannot reach are marked ready at once (gradient 0),
-                                        // so the buckets after them still launch during backward. Costs
-                                        // one graph walk per forward; off: such params block overlap of
-                                        // their bucket and every later one (still correct)
-  bool use_distributed_optimizer = false;  // ZeRO-1: implies the padding; each bucket is reduce-scattered
-                                           // (DP rank r keeps the mean of its 1/DP shard of every bucket),
-                                           // params become views of a flat param buffer laid out like the
-                                           // grad buffer, and each bucket's local non-finite count is kept
+  bool pad_for_reduce_scatter = false;       // pad buckets to a multiple of the DP size (see bucket_layout.h)
+  bool find_unused_parameters = false;       // after each forward, walk the autograd graph from its outputs;
+                                             // params it cannot reach are marked ready at once (gradient 0),
+                                             // so the buckets after them still launch during backward. Costs
+                                             // one graph walk per forward; off: such params block overlap of
+                                             // their bucket and every later one (still correct)
+  bool use_distributed_optimizer = false;    // ZeRO-1: implies the padding; each bucket is reduce-scattered
+                                             // (DP rank r keeps the mean of its 1/DP shard of every bucket),
+                                             // params become views of a flat param buffer laid out like the
+                                             // grad buffer, and each bucket's local non-finite count is kept
   bool gradient_accumulation_fusion = true;  // (Megatron's name) layers that write a param's gradient straight
                                              // into its slot (grad_buffer/grad_in_place.h: meshddp::tp::Linear,
                                              // meshddp::linear_with_grad_in_buffer) may do so; such slots are
                                              // then overwritten on the first micro-batch instead of being
                                              // zeroed by zero_grad_buffer(). false: every gradient goes through
                                              // autograd and every slot is zeroed (for comparison and debugging)
-  bool check_for_nan_in_grad = false;  // (Megatron's name) count each bucket's NaN/Inf before its collective;
-                                       // finish_grad_sync() then throws on every rank, naming the param(s),
-                                       // the rank(s) that produced them and the step. Costs one count per
-                                       // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
-                                       // per step
-  std::string comm_hook = kNoCommHook;  // how each bucket is reduced (grad_buffer/comm_hook.h): "none" = SUM in
-                                        // the buffer's dtype; "bf16_compress" / "fp16_compress" = cast the
-                                        // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
-                                        // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
-                                        // and TP-partial buckets alike
+  bool check_for_nan_in_grad = false;        // (Megatron's name) count each bucket's NaN/Inf before its collective;
+                                             // finish_grad_sync() then throws on every rank, naming the param(s),
+                                             // the rank(s) that produced them and the step. Costs one count per
+                                             // bucket (CPU: one sum; CUDA: a device sync) and one tiny all-reduce
+                                             // per step
+  std::string comm_hook = kNoCommHook;       // how each bucket is reduced (grad_buffer/comm_hook.h): "none" = SUM in
+                                             // the buffer's dtype; "bf16_compress" / "fp16_compress" = cast the
+                                             // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
+                                             // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
+                                             // and TP-partial buckets alike
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
 };
 
 struct NamedParam {
-  std::string name;  // module path, e.g. "blocks.3.mlp.fc1.weight"
-  at::Tensor param;  // a leaf that requires grad
+  std::string name;                       // module path, e.g. "blocks.3.mlp.fc1.weight"
+  at::Tensor param;                       // a leaf that requires grad
   std::vector<std::string> aliases = {};  // other names the same tensor is registered under (tied
                                           // weights); filled by GradBuffer, which keeps one entry per tensor
 };
@@ -106,6 +110,19 @@ struct SyncGroups {
   int64_t tp_size = 1;
   // The TP group (null when TP is 1): TP-replica checks, and the group TP placements must name.
   c10::intrusive_ptr<c10d::ProcessGroup> tp = {};
+
+  int64_t dp_rank() const { return dp->getRank(); }
+  int64_t dp_size() const { return dp->getSize(); }
+  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
+  c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
+};
+
+// Counters of a GradBuffer, for tests, benchmarks and reports.
+struct SyncStats {
+  int64_t syncs_completed = 0;            // steps that completed finish_grad_sync() since construction
+  int64_t buckets_launched = 0;           // this step (reset by zero_grad_buffer())
+  int64_t buckets_launched_by_hooks = 0;  // of those, launched during backward (overlap at work)
+  int64_t grads_written_in_place = 0;     // params whose gradient was written in place this step
 };
 
 class GradBuffer {
@@ -117,8 +134,7 @@ class GradBuffer {
   // Which params train is fixed here: freezing or unfreezing one later makes zero_grad_buffer() and
   // finish_grad_sync() throw naming it (re-wrap the model after changing requires_grad). Params
   // must be dense tensors with storage (not sparse, not on the meta device): an error names any other.
-  GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
-             GradBufferConfig config);
+  GradBuffer(std::vector<NamedParam> params, c10::intrusive_ptr<c10d::ProcessGroup> dp_group, GradBufferConfig config);
   // Same, with the TP-aware groups (placements are read from the registry, mesh/placement.h).
   GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBufferConfig config);
   // Replaces the communication hook (the config's comm_hook until then) with `hook`, PyTorch DDP's
@@ -155,24 +171,16 @@ class GradBuffer {
 
   // The main gradient of param `index` (registration order among trainable params): a view into its
   // flat buffer, shaped like the param (fp32 with grad_reduce_in_fp32).
-  const at::Tensor& main_grad(int64_t index) const { return main_grads_[index]; }
-  // Bucket `b`'s range of its flat grad buffer, padding included.
-  at::Tensor bucket_data(int64_t b) const;
+  const at::Tensor& main_grad(int64_t index) const { return slots_[index].main_grad; }
+  const Placement& placement(int64_t index) const { return slots_[index].placement; }
+  // Flat grad buffer `i` (one per BucketLayout::buffers entry), and the bytes of all of them.
+  const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
+  int64_t grad_buffer_bytes() const;
   // This rank's 1/DP shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer).
   at::Tensor bucket_shard(int64_t b) const;
-  // With the distributed optimizer: the flat param buffer `i` (param dtype), of which every param
-  // is a view, and bucket `b`'s range of it. Undefined otherwise.
-  const at::Tensor& param_buffer(int64_t i) const { return param_buffers_[i]; }
-  at::Tensor bucket_param_data(int64_t b) const;
-  // The all-gather of updated param shards into the param buffer (distributed optimizer only, else null).
-  ParamGather* param_gather() const { return param_gather_.get(); }
-  // How many steps have completed finish_grad_sync() since construction.
-  int64_t syncs_completed() const;
-  // Bumped by notify_params_changed(): whoever caches copies of the params (the distributed
-  // optimizer's fp32 masters) compares it to know when to refresh them.
-  int64_t params_version() const { return params_version_.load(); }
-  // Call after writing new values into the params outside an optimizer step (loading weights).
-  void notify_params_changed() { ++params_version_; }
+  // With the distributed optimizer: the flat param buffer of which every param is a view, and its
+  // all-gather (grad_buffer/param_buffer.h). Null otherwise.
+  ParamBuffer* param_buffer() const { return param_buffer_.get(); }
 
   // Per bucket, the number of non-finite values in this rank's local gradient when the bucket was
   // launched (before the collective), as an int64 tensor on the buffer's device (no host sync). With
@@ -182,41 +190,14 @@ class GradBuffer {
   // on the host: one copy from the device, for reports. With the distributed optimizer or
   // check_for_nan_in_grad.
   std::vector<int64_t> local_nonfinite_counts_by_param() const;
-  int64_t dp_rank() const { return dp_group_->getRank(); }
-  c10d::ProcessGroup& dp_group() const { return *dp_group_; }
-  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
-  c10d::ProcessGroup& stats_group() const { return groups_.world ? *groups_.world : *dp_group_; }
   const SyncGroups& groups() const { return groups_; }
-  const Placement& placement(int64_t index) const { return placements_[index]; }
-  const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   const BucketLayout& layout() const { return layout_; }
   const std::vector<NamedParam>& params() const { return params_; }
   const GradBufferConfig& config() const { return config_; }
-  int64_t dp_size() const { return dp_size_; }
-
-  // Buckets launched so far this step, and how many of those were launched by hooks during backward
-  // (overlap at work). Reset by zero_grad_buffer().
-  int64_t buckets_launched() const;
-  int64_t buckets_launched_by_hooks() const;
+  SyncStats stats() const;
 
   // Called by the autograd hook of param `index` once its gradient has been accumulated.
   void on_grad_accumulated(int64_t index);
-  // Called before autograd accumulates into param `index` during a backward with create_graph=true
-  // (grad mode on), where AccumulateGrad would replace .grad by `.grad + new` out of place: .grad is
-  // released so that it receives only the new gradient, which on_grad_accumulated() adds into the
-  // slot. Without this, the slot's earlier micro-batches would be counted twice.
-  // Also (a pre-hook on AccumulateGrad, so before autograd touches .grad): takes out the placeholder
-  // that write_grad_in_place() handed out (the gradient is already in the slot), and, when the slot
-  // is stale, releases .grad so that on_grad_accumulated() overwrites the slot instead of adding.
-  // Returns the gradients AccumulateGrad is to see.
-  std::vector<at::Tensor> before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads);
-
-  // See grad_buffer/grad_in_place.h: calls `write` with param `index`'s slot and returns the
-  // placeholder gradient, or returns an undefined tensor (and calls nothing) when the gradient cannot
-  // go in place. Called from a layer's backward, before the param's hook.
-  at::Tensor write_grad_in_place(int64_t index, GradSlotWriter write);
-  // Params whose gradient was written in place since the last zero_grad_buffer().
-  int64_t grads_written_in_place() const;
   // For a param whose gradient is added into its slot by someone other than its own AccumulateGrad
   // (e.g. a DTensor param's, whose .grad wraps the slot of its local tensor; the caller then calls
   // on_grad_accumulated() itself): zero_grad_buffer() zeroes its slot every step, since no hook of
@@ -231,13 +212,60 @@ class GradBuffer {
   int64_t mark_unreachable_params_ready(const std::vector<at::Tensor>& outputs);
 
  private:
+  struct AccumulationPreHook;  // calls before_grad_accumulation()
+  friend at::Tensor meshddp::write_grad_in_place(const at::Tensor&, GradSlotWriter, SlotDtypes);
+
   enum class StepState { kIdle, kReducing, kSynced };
-  struct BucketState {
+  // A trainable param's slot: fixed at construction, then its state in this step.
+  struct Slot {
+    at::Tensor main_grad;  // a view into its flat buffer, shaped like the param
+    Placement placement;
+    at::Tensor grad_placeholder;  // a zero of its shape (expanded scalar), or undefined: see write_grad_in_place()
+    std::shared_ptr<torch::autograd::Node> accumulator;  // the param keeps only a weak_ptr to it
+    uintptr_t post_hook_key = 0;
+    bool zero_every_step = false;  // see zero_slot_every_step()
+    bool ready = false;            // reported its gradient on the last micro-batch (or marked unused)
+    // Note [Slots written in place] (grad_in_place.cpp): the slot holds stale data (not zeroed; the
+    // next write overwrites it); the param got a gradient since zero_grad_buffer() (so the next
+    // zero_grad_buffer() leaves its slot stale); that gradient was written in place.
+    bool stale = false;
+    bool got_grad = false;
+    bool written_in_place = false;
+  };
+  // Per bucket, with the distributed optimizer or check_for_nan_in_grad: its pieces
+  // (nonfinite_count.h) and their offsets on the buffer's device, set once; this step's count per
+  // piece and in all (device tensors; undefined until the bucket launches).
+  struct BucketNonfinite {
+    NonfinitePieces pieces;
+    at::Tensor offsets;
+    at::Tensor piece_counts;
+    at::Tensor total;
+  };
+  // A bucket: the group its collective runs over, fixed at construction (the DP group, or the world
+  // for a TP-partial buffer), then its state in this step.
+  struct Bucket {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    bool tp_partial = false;  // all-reduced over the world: a TP sum and a DP mean in one collective
+    BucketNonfinite nonfinite;
     int64_t pending = 0;  // params not yet ready
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
     std::function<void()> finish;  // the comm hook's write-back, run after `work`
   };
+
+  // Called before autograd accumulates into param `index` during a backward with create_graph=true
+  // (grad mode on), where AccumulateGrad would replace .grad by `.grad + new` out of place: .grad is
+  // released so that it receives only the new gradient, which on_grad_accumulated() adds into the
+  // slot. Without this, the slot's earlier micro-batches would be counted twice.
+  // Also (a pre-hook on AccumulateGrad, so before autograd touches .grad): takes out the placeholder
+  // that write_grad_in_place() handed out (the gradient is already in the slot), and, when the slot
+  // is stale, releases .grad so that on_grad_accumulated() overwrites the slot instead of adding.
+  // Returns the gradients AccumulateGrad is to see.
+  std::vector<at::Tensor> before_grad_accumulation(int64_t index, std::vector<at::Tensor> grads);
+  // See grad_buffer/grad_in_place.h: calls `write` with param `index`'s slot and returns the
+  // placeholder gradient, or returns an undefined tensor (and calls nothing) when the gradient cannot
+  // go in place. Called from a layer's backward, before the param's hook.
+  at::Tensor write_grad_in_place(int64_t index, GradSlotWriter write);
 
   void install_hooks();
   void remove_hooks();
@@ -248,67 +276,62 @@ class GradBuffer {
   void point_grads_at_buffer();
   void zero_stale_slots_of_bucket(int64_t b);  // mutex held
   void zero_slots_for_next_step();             // mutex held; zero_grad_buffer()'s fill
-  void move_params_into_param_buffer();
+  at::Tensor bucket_data(int64_t b) const;     // bucket b's range of its flat grad buffer, padding included
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
   // Throws naming the param if one was frozen (requires_grad_(false)) or unfrozen since construction:
   // the layout (which params have a slot) is fixed at construction. `who` names the caller.
   void check_trainable_params_unchanged(const char* who) const;
-  // nonfinite_check.cpp, mutex held: the count of bucket b's local gradient (at its launch), this
-  // step's counts by param, and check_for_nan_in_grad's agreement and error after the sync.
+  // nonfinite_check.cpp, mutex held: whether buckets are counted, the count of bucket b's local
+  // gradient (at its launch), this step's counts by param, and check_for_nan_in_grad's agreement and
+  // error after the sync.
+  bool counts_nonfinite() const { return config_.use_distributed_optimizer || config_.check_for_nan_in_grad; }
   void count_nonfinite(int64_t b, const at::Tensor& values);  // values: bucket b's data, or what a hook sends
   std::vector<int64_t> nonfinite_by_param() const;
   void raise_if_nonfinite();
 
   std::vector<NamedParam> params_;
   std::vector<NamedParam> frozen_params_;  // given but not trainable at construction (no slot)
-  c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   SyncGroups groups_;
-  std::vector<Placement> placements_;
   GradBufferConfig config_;
   int64_t dp_size_ = 1;
   BucketLayout layout_;
   std::vector<at::Tensor> buffers_;
-  std::vector<at::Tensor> main_grads_;
-  std::vector<at::Tensor> param_buffers_;
-  std::unique_ptr<ParamGather> param_gather_;
+  std::vector<Slot> slots_;  // per param
+  std::unique_ptr<ParamBuffer> param_buffer_;
   std::shared_ptr<CommHook> comm_hook_;
-  // Per bucket, with the distributed optimizer or check_for_nan_in_grad (empty otherwise): its
-  // pieces (nonfinite_count.h) and their offsets on the buffer's device, set once; this step's count
-  // per piece and in all (device tensors; undefined until the bucket launches).
-  struct BucketNonfinite {
-    NonfinitePieces pieces;
-    at::Tensor offsets;
-    at::Tensor piece_counts;
-    at::Tensor total;
-  };
-  std::vector<BucketNonfinite> nonfinite_;
+  const bool debug_sequence_;  // MESHDDP_DEBUG_SYNC=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL
 
   mutable std::mutex mutex_;
   StepState state_ = StepState::kIdle;
   bool is_last_microbatch_ = true;
-  std::vector<bool> ready_;
-  // Note [Slots written in place] (grad_in_place.cpp), per param: the slot holds stale data (not
-  // zeroed; the next write overwrites it); the param got a gradient since zero_grad_buffer() (so the
-  // next zero_grad_buffer() leaves its slot stale); that gradient was written in place.
-  std::vector<uint8_t> slot_stale_;
-  std::vector<uint8_t> got_grad_this_step_;
-  std::vector<uint8_t> written_in_place_this_step_;
-  std::vector<uint8_t> zero_every_step_;  // see zero_slot_every_step()
-  std::vector<at::Tensor> grad_placeholders_;  // per param: a zero of its shape (expanded scalar), or undefined
-  std::vector<BucketState> buckets_;
+  std::vector<Bucket> buckets_;
   int64_t next_bucket_ = 0;
   int64_t launched_by_hooks_ = 0;
   int64_t syncs_completed_ = 0;
-  std::atomic<int64_t> params_version_{0};
-  const bool debug_sequence_;  // MESHDDP_DEBUG_SYNC=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL
-
-  struct HookHandle;
-  std::vector<std::unique_ptr<HookHandle>> hooks_;
   // Autograd has no way to remove a pre-hook: the ones this buffer adds hold this flag, cleared by
   // the destructor, and do nothing once it is false.
   std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
+};
+
+// What a wrapped model hands its users (DdpEngine::grad_buffer(): the optimizer, the Python
+// binding, checkpoints, benchmarks): the GradBuffer read-only (layout, params, placements, groups,
+// the reduced gradients and their counts), its ZeRO-1 param buffer, and the one action an
+// optimizer's step begins with. Hooks, zeroing, micro-batch and comm-hook settings stay with the
+// owner. Valid while the GradBuffer lives.
+class GradBufferHandle {
+ public:
+  GradBufferHandle(GradBuffer& buffer) : buffer_(&buffer) {}  // NOLINT(google-explicit-constructor)
+  const GradBuffer& operator*() const { return *buffer_; }
+  const GradBuffer* operator->() const { return buffer_; }
+  operator const GradBuffer&() const { return *buffer_; }  // NOLINT(google-explicit-constructor)
+  // GradBuffer::finish_grad_sync(): a no-op once this step's sync is done.
+  void finish_grad_sync() const { buffer_->finish_grad_sync(); }
+  ParamBuffer* param_buffer() const { return buffer_->param_buffer(); }
+
+ private:
+  GradBuffer* buffer_;
 };
 
 }  // namespace meshddp

@@ -100,43 +100,38 @@ at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write, Sl
 }
 
 at::Tensor GradBuffer::write_grad_in_place(int64_t index, GradSlotWriter write) {
-  const at::Tensor& placeholder = grad_placeholders_[index];
+  Slot& slot = slots_[index];
+  const at::Tensor& placeholder = slot.grad_placeholder;
   if (!placeholder.defined()) return {};
   bool accumulate = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // After the sync, let the gradient take the usual path: the hook then names the mistake.
     if (state_ == StepState::kSynced) return {};
-    accumulate = !slot_stale_[index];
+    accumulate = !slot.stale;
   }
   // Outside the lock: a GEMM. Only this param's backward writes this slot, and its bucket cannot
   // launch before its hook, which runs after this.
-  write(main_grads_[index], accumulate);
+  write(slot.main_grad, accumulate);
   std::lock_guard<std::mutex> lock(mutex_);
-  slot_stale_[index] = false;
-  got_grad_this_step_[index] = true;
-  written_in_place_this_step_[index] = true;
+  slot.stale = false;
+  slot.got_grad = true;
+  slot.written_in_place = true;
   return placeholder;
-}
-
-int64_t GradBuffer::grads_written_in_place() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  int64_t n = 0;
-  for (auto w : written_in_place_this_step_) n += w;
-  return n;
 }
 
 void GradBuffer::zero_slot_every_step(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(params_.size()), "GradBuffer::zero_slot_every_step: index ",
               index, " out of range (", params_.size(), " params)");
-  zero_every_step_[index] = true;
+  Slot& slot = slots_[index];
+  slot.zero_every_step = true;
   // No in-place writes either: they would mark the slot written where its real gradient is added.
   unregister_grad_slot(params_[index].param, this);
-  grad_placeholders_[index] = at::Tensor();
-  if (slot_stale_[index]) {
-    main_grads_[index].zero_();
-    slot_stale_[index] = false;
+  slot.grad_placeholder = at::Tensor();
+  if (slot.stale) {
+    slot.main_grad.zero_();
+    slot.stale = false;
   }
 }
 
@@ -148,7 +143,7 @@ std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std:
               " gradient, but meshddp reduces gradients in a dense flat buffer; use a dense gradient (e.g. ",
               "nn.Embedding(..., sparse=False), torch::nn::EmbeddingOptions().sparse(false)) or keep the module ",
               "out of DistributedDataParallel");
-  const at::Tensor& placeholder = grad_placeholders_[index];
+  const at::Tensor& placeholder = slots_[index].grad_placeholder;
   if (placeholder.defined() && !grads.empty() && grads[0].defined() && grads[0].is_same(placeholder)) {
     grads[0] = at::Tensor();  // the gradient is in the slot already; the post-hook still runs
     return grads;
@@ -156,7 +151,7 @@ std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std:
   bool stale = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stale = slot_stale_[index];
+    stale = slots_[index].stale;
   }
   // Under create_graph (grad mode on) AccumulateGrad would replace .grad by `.grad + new` out of
   // place; on a stale slot it would add to stale data. Either way: release .grad (the slot keeps
@@ -169,9 +164,10 @@ std::vector<at::Tensor> GradBuffer::before_grad_accumulation(int64_t index, std:
 
 void GradBuffer::zero_stale_slots_of_bucket(int64_t b) {
   for (int64_t i : layout_.buckets[b].params) {
-    if (!slot_stale_[i]) continue;
-    main_grads_[i].zero_();  // got no gradient this step: contributes zeros
-    slot_stale_[i] = false;
+    Slot& slot = slots_[i];
+    if (!slot.stale) continue;
+    slot.main_grad.zero_();  // got no gradient this step: contributes zeros
+    slot.stale = false;
   }
 }
 
@@ -180,8 +176,9 @@ void GradBuffer::zero_slots_for_next_step() {
   // that got none, padding) is zeroed, in as few contiguous fills as the layout allows.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(buffers_.size());  // [offset, end) per buffer
   for (size_t i = 0; i < params_.size(); ++i) {
-    const bool keep = config_.gradient_accumulation_fusion && got_grad_this_step_[i] && !zero_every_step_[i];
-    slot_stale_[i] = keep;
+    Slot& s = slots_[i];
+    const bool keep = config_.gradient_accumulation_fusion && s.got_grad && !s.zero_every_step;
+    s.stale = keep;
     if (keep) {
       const ParamSlot& slot = layout_.slots[i];
       kept[slot.buffer].emplace_back(slot.offset, slot.offset + slot.numel);
@@ -200,8 +197,7 @@ void GradBuffer::zero_slots_for_next_step() {
     }
     fill(buffers_[buf].numel());
   }
-  std::fill(got_grad_this_step_.begin(), got_grad_this_step_.end(), false);
-  std::fill(written_in_place_this_step_.begin(), written_in_place_this_step_.end(), false);
+  for (Slot& s : slots_) s.got_grad = s.written_in_place = false;
 }
 
 }  // namespace meshddp

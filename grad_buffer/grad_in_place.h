@@ -40,8 +40,8 @@ enum class SlotDtypes { kParamDtype, kParamDtypeOrFp32 };
 // param's gradient: a zero tensor that allocates nothing per call, which the buffer's hook takes out
 // before AccumulateGrad (so .grad is not touched twice) while the hook still marks the param ready
 // as usual. Otherwise (no buffer, a slot of a dtype `accepts` does not cover, create_graph,
-// autograd.grad, a step already synced) calls nothing and returns an undefined tensor: the caller computes and returns the
-// gradient itself, and the buffer's hook handles it as any other gradient.
+// autograd.grad, a step already synced) calls nothing and returns an undefined tensor: the caller computes and returns
+// the gradient itself, and the buffer's hook handles it as any other gradient.
 at::Tensor write_grad_in_place(const at::Tensor& param, GradSlotWriter write,
                                SlotDtypes accepts = SlotDtypes::kParamDtype);
 

@@ -7,7 +7,6 @@
 // until the timeout; reading the count per bucket would stall backward on the device (one host sync
 // per bucket, as Megatron's check does).
 #include "grad_buffer/grad_buffer.h"
-
 #include "mesh/collectives.h"
 
 #include <ATen/ops/cat.h>
@@ -43,7 +42,7 @@ std::vector<int64_t> counts_by_param(const at::Tensor& piece_counts, const std::
 }  // namespace
 
 void GradBuffer::count_nonfinite(int64_t b, const at::Tensor& values) {
-  BucketNonfinite& nonfinite = nonfinite_[b];
+  BucketNonfinite& nonfinite = buckets_[b].nonfinite;
   nonfinite.piece_counts = count_nonfinite_pieces(values, nonfinite.offsets);
   nonfinite.total = nonfinite.piece_counts.sum();
 }
@@ -52,10 +51,10 @@ std::vector<int64_t> GradBuffer::nonfinite_by_param() const {
   std::vector<int64_t> by_param(params_.size(), 0);
   std::vector<at::Tensor> counted;
   std::vector<const BucketNonfinite*> buckets;
-  for (const BucketNonfinite& nonfinite : nonfinite_) {
-    if (!nonfinite.piece_counts.defined()) continue;
-    counted.push_back(nonfinite.piece_counts);
-    buckets.push_back(&nonfinite);
+  for (const Bucket& bucket : buckets_) {
+    if (!bucket.nonfinite.piece_counts.defined()) continue;
+    counted.push_back(bucket.nonfinite.piece_counts);
+    buckets.push_back(&bucket.nonfinite);
   }
   if (counted.empty()) return by_param;
   const at::Tensor host = at::cat(counted).cpu();  // the one copy from the device
@@ -68,8 +67,8 @@ std::vector<int64_t> GradBuffer::nonfinite_by_param() const {
 
 void GradBuffer::raise_if_nonfinite() {
   std::vector<at::Tensor> totals;
-  for (const BucketNonfinite& nonfinite : nonfinite_) {
-    if (nonfinite.total.defined()) totals.push_back(nonfinite.total);
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.nonfinite.total.defined()) totals.push_back(bucket.nonfinite.total);
   }
   const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
   const auto zero = [&] { return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device)); };
@@ -77,18 +76,18 @@ void GradBuffer::raise_if_nonfinite() {
   // Note [Overflow in the reduction]: with a comm hook, the reduced values too.
   at::Tensor reduced = zero(), reduced_pieces;
   std::vector<const NonfinitePieces*> pieces;
-  if (comm_hook_->name() != kNoCommHook && !nonfinite_.empty()) {
+  if (comm_hook_->name() != kNoCommHook && !buckets_.empty()) {
     std::vector<at::Tensor> counted;
-    for (int64_t b = 0; b < static_cast<int64_t>(nonfinite_.size()); ++b) {
-      counted.push_back(count_nonfinite_pieces(bucket_data(b), nonfinite_[b].offsets));
-      pieces.push_back(&nonfinite_[b].pieces);
+    for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
+      counted.push_back(count_nonfinite_pieces(bucket_data(b), buckets_[b].nonfinite.offsets));
+      pieces.push_back(&buckets_[b].nonfinite.pieces);
     }
     reduced_pieces = at::cat(counted);
     reduced = reduced_pieces.sum().to(at::kDouble).reshape({1});
   }
   // `total` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
   at::Tensor total = at::cat({sent, reduced});
-  all_reduce_sum_now(stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
+  all_reduce_sum_now(groups_.stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
   const at::Tensor host_total = total.cpu();  // the check's one host sync
   if (host_total[0].item<double>() == 0 && host_total[1].item<double>() == 0) return;
   if (host_total[0].item<double>() == 0) {
@@ -97,9 +96,9 @@ void GradBuffer::raise_if_nonfinite() {
     for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
       for (int64_t p : layout_.buckets[b].params) {
         if (reduced_by_param[p] == 0) continue;
-        mine << "  rank " << stats_group().getRank() << " (DP rank " << dp_rank() << "): parameter '" << params_[p].name
-             << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of " << main_grads_[p].numel()
-             << " in its reduced gradient, in " << bucket_description(b) << "\n";
+        mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.dp_rank() << "): parameter '"
+             << params_[p].name << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of "
+             << slots_[p].main_grad.numel() << " in its reduced gradient, in " << bucket_description(b) << "\n";
       }
     }
     std::ostringstream report;
@@ -107,7 +106,8 @@ void GradBuffer::raise_if_nonfinite() {
            << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one): every rank sent finite "
               "values, but the reduced gradient overflowed in the dtype of comm hook '"
            << comm_hook_->name() << "' (the SUM over the DP ranks exceeds its range):\n";
-    for (const std::string& lines : all_gather_strings(stats_group(), mine.str(), "the non-finite gradient report", device)) {
+    for (const std::string& lines :
+         all_gather_strings(groups_.stats_group(), mine.str(), "the non-finite gradient report", device)) {
       report << lines;
     }
     report << "Do not step the optimizer. Use comm_hook 'bf16_compress' (fp32's range) or 'none', or scale the "
@@ -119,16 +119,17 @@ void GradBuffer::raise_if_nonfinite() {
   for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
     for (int64_t p : layout_.buckets[b].params) {
       if (by_param[p] == 0) continue;
-      mine << "  rank " << stats_group().getRank() << " (DP rank " << dp_rank() << "): parameter '" << params_[p].name
-           << "' has " << by_param[p] << " NaN/Inf gradient value(s) of " << main_grads_[p].numel() << ", in "
-           << bucket_description(b) << "\n";
+      mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.dp_rank() << "): parameter '"
+           << params_[p].name << "' has " << by_param[p] << " NaN/Inf gradient value(s) of "
+           << slots_[p].main_grad.numel() << ", in " << bucket_description(b) << "\n";
     }
   }
   std::ostringstream report;
   report << "GradBuffer: non-finite gradients at step " << syncs_completed_ - 1
          << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one), found in the local "
             "gradients as sent to their collective (after the comm hook's cast, if any):\n";
-  for (const std::string& lines : all_gather_strings(stats_group(), mine.str(), "the non-finite gradient report", device)) {
+  for (const std::string& lines :
+       all_gather_strings(groups_.stats_group(), mine.str(), "the non-finite gradient report", device)) {
     report << lines;
   }
   report << "The reduced gradients are non-finite on every rank; do not step the optimizer. Look for a too-large "

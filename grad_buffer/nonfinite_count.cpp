@@ -26,11 +26,16 @@ namespace {
 
 std::optional<nonfinite::Format> format_of(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat: return nonfinite::Format::kFloat32;
-    case at::kDouble: return nonfinite::Format::kFloat64;
-    case at::kBFloat16: return nonfinite::Format::kBFloat16;
-    case at::kHalf: return nonfinite::Format::kFloat16;
-    default: return std::nullopt;
+    case at::kFloat:
+      return nonfinite::Format::kFloat32;
+    case at::kDouble:
+      return nonfinite::Format::kFloat64;
+    case at::kBFloat16:
+      return nonfinite::Format::kBFloat16;
+    case at::kHalf:
+      return nonfinite::Format::kFloat16;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -44,8 +49,8 @@ int64_t count_range(const F& is_nonfinite, int64_t begin, int64_t end) {
 }  // namespace
 
 NonfinitePieces nonfinite_pieces(const BucketLayout& layout, int64_t bucket, int64_t max_piece) {
-  TORCH_CHECK(bucket >= 0 && bucket < static_cast<int64_t>(layout.buckets.size()), "nonfinite_pieces: bucket ",
-              bucket, " out of range [0, ", layout.buckets.size(), ")");
+  TORCH_CHECK(bucket >= 0 && bucket < static_cast<int64_t>(layout.buckets.size()), "nonfinite_pieces: bucket ", bucket,
+              " out of range [0, ", layout.buckets.size(), ")");
   TORCH_CHECK(max_piece >= 1, "nonfinite_pieces: max_piece must be >= 1, got ", max_piece);
   const BucketSpan& span = layout.buckets[bucket];
   NonfinitePieces pieces;
@@ -70,16 +75,16 @@ at::Tensor count_nonfinite_pieces(const at::Tensor& data, const at::Tensor& offs
   const char* who = "count_nonfinite_pieces";
   TORCH_CHECK(data.defined() && data.dim() == 1 && data.is_contiguous(), who, ": 'data' must be a contiguous 1-D ",
               "tensor, got ", data.defined() ? data.toString() : "undefined");
-  TORCH_CHECK(offsets.defined() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
-                  offsets.numel() >= 1 && offsets.device() == data.device(),
+  TORCH_CHECK(offsets.defined() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1 && offsets.device() == data.device(),
               who, ": 'offsets' must be a contiguous 1-D int64 tensor of at least one element on ", data.device(),
               ", got ", offsets.defined() ? offsets.toString() : "undefined");
   const int64_t pieces = offsets.numel() - 1;
   const auto options = at::TensorOptions().dtype(at::kLong).device(data.device());
   if (data.is_cpu()) {  // on CUDA the offsets stay on the device unread: GradBuffer builds them from the layout
     const int64_t* off = offsets.const_data_ptr<int64_t>();
-    TORCH_CHECK(off[0] == 0 && off[pieces] == data.numel(), who, ": 'offsets' must run from 0 to data's ",
-                data.numel(), " elements, got ", off[0], " to ", off[pieces]);
+    TORCH_CHECK(off[0] == 0 && off[pieces] == data.numel(), who, ": 'offsets' must run from 0 to data's ", data.numel(),
+                " elements, got ", off[0], " to ", off[pieces]);
     for (int64_t p = 0; p < pieces; ++p) {
       TORCH_CHECK(off[p] <= off[p + 1], who, ": 'offsets' decrease at piece ", p, ": ", off[p], " > ", off[p + 1]);
     }
@@ -118,8 +123,8 @@ at::Tensor count_nonfinite_pieces(const at::Tensor& data, const at::Tensor& offs
     size_t temp_bytes = 0;
     nonfinite::count_pieces_cuda(*format, data.const_data_ptr(), offsets.const_data_ptr<int64_t>(), pieces,
                                  out.data_ptr<int64_t>(), nullptr, temp_bytes, stream);
-    const at::Tensor temp = at::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))},
-                                      data.options().dtype(at::kByte));
+    const at::Tensor temp =
+        at::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))}, data.options().dtype(at::kByte));
     nonfinite::count_pieces_cuda(*format, data.const_data_ptr(), offsets.const_data_ptr<int64_t>(), pieces,
                                  out.data_ptr<int64_t>(), temp.data_ptr(), temp_bytes, stream);
     return out;

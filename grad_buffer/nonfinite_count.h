@@ -10,7 +10,7 @@
 // param (an embedding) still spreads over every SM.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
+#include "bucket_layout.h"
 
 #include <ATen/core/Tensor.h>
 

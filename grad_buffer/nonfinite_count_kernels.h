@@ -4,7 +4,7 @@
 // Private to grad_buffer/: callers use nonfinite_count.h.
 #pragma once
 
-#include "grad_buffer/host_device.h"
+#include "host_device.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -30,10 +30,18 @@ using Float16Nonfinite = IsNonfinite<uint16_t, 0x7c00u>;
 template <class Body>
 void with_functor(Format format, const void* data, const Body& body) {
   switch (format) {
-    case Format::kFloat32: body(Float32Nonfinite{static_cast<const uint32_t*>(data)}); return;
-    case Format::kFloat64: body(Float64Nonfinite{static_cast<const uint64_t*>(data)}); return;
-    case Format::kBFloat16: body(BFloat16Nonfinite{static_cast<const uint16_t*>(data)}); return;
-    case Format::kFloat16: body(Float16Nonfinite{static_cast<const uint16_t*>(data)}); return;
+    case Format::kFloat32:
+      body(Float32Nonfinite{static_cast<const uint32_t*>(data)});
+      return;
+    case Format::kFloat64:
+      body(Float64Nonfinite{static_cast<const uint64_t*>(data)});
+      return;
+    case Format::kBFloat16:
+      body(BFloat16Nonfinite{static_cast<const uint16_t*>(data)});
+      return;
+    case Format::kFloat16:
+      body(Float16Nonfinite{static_cast<const uint16_t*>(data)});
+      return;
   }
 }
 

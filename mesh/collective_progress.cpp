@@ -179,8 +179,8 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
                                   c10::intrusive_ptr<c10d::Store> store, std::vector<int64_t> global_ranks,
                                   std::chrono::milliseconds report_after, std::chrono::milliseconds timeout) {
   TORCH_CHECK(group && store, "register_collective_progress: null group or store");
-  TORCH_CHECK(static_cast<int64_t>(global_ranks.size()) == group->getSize(), "register_collective_progress: ",
-              global_ranks.size(), " global ranks for a group of ", group->getSize());
+  TORCH_CHECK(static_cast<int64_t>(global_ranks.size()) == group->getSize(),
+              "register_collective_progress: ", global_ranks.size(), " global ranks for a group of ", group->getSize());
   auto record = std::make_shared<GroupProgress>(c10::weak_intrusive_ptr<c10d::ProcessGroup>(group));
   record->store = std::move(store);
   record->name = group->getGroupName();
@@ -210,8 +210,8 @@ void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusiv
   record->next = (record->next + 1) % record->ring.size();
 }
 
-std::optional<std::chrono::steady_clock::time_point> collective_launch_time(const c10d::ProcessGroup& group,
-                                                                          const c10::intrusive_ptr<c10d::Work>& work) {
+std::optional<std::chrono::steady_clock::time_point> collective_launch_time(
+    const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work) {
   auto record = Board::get().find(group);
   if (!record) return std::nullopt;
   const Launch launch = find_launch(*record, work.get());
@@ -463,8 +463,8 @@ std::string DivergenceWatch::check() {
     const std::optional<WaitRecord> w = decode(text);
     if (!w) continue;
     const int64_t peer = r.global_ranks[q];
-    const std::string theirs = "the collective for " + w->label + " (launch #" + std::to_string(w->launch) +
-                               " on group '" + w->group + "')";
+    const std::string theirs =
+        "the collective for " + w->label + " (launch #" + std::to_string(w->launch) + " on group '" + w->group + "')";
     if (w->group == r.name) {  // (a)
       if (w->launch == s.mine.launch && comparable(w->label) != comparable(s.mine.label)) {
         found = "rank " + std::to_string(me) + " waits in " + ours + " while rank " + std::to_string(peer) +

@@ -36,8 +36,8 @@
 //   rank that finds it writes the error under "divergence" in each of its groups' stores, where the
 //   other waiting ranks read it at their next check (or when their collective fails because the
 //   finder left), and throws: every rank fails within a few check intervals, naming both
-//   collectives and ranks. Labels are compared without device indices (cuda:0 vs cuda:1). A slow or stopped peer has no wait record
-//   (or one this rank can still satisfy): the plain stuck report, and the timeout.
+//   collectives and ranks. Labels are compared without device indices (cuda:0 vs cuda:1). A slow or stopped peer has no
+//   wait record (or one this rank can still satisfy): the plain stuck report, and the timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -77,7 +77,7 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
 // When `work` was launched on `group` (steady clock); nullopt when the group has no record or the
 // launch is no longer among its last 64.
 std::optional<std::chrono::steady_clock::time_point> collective_launch_time(const c10d::ProcessGroup& group,
-                                                                          const c10::intrusive_ptr<c10d::Work>& work);
+                                                                            const c10::intrusive_ptr<c10d::Work>& work);
 
 // Publishes this rank's launch counts on every group it belongs to now (with their time).
 void publish_collective_progress_now(const c10d::ProcessGroup& group);

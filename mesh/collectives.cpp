@@ -12,10 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <sstream>
 #include <string_view>
 #include <thread>
-
-#include <sstream>
 
 namespace meshddp {
 namespace {
@@ -72,7 +71,8 @@ std::string describe_group(const c10d::ProcessGroup& group) {
 
 namespace {
 
-Work all_reduce(c10d::ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& what) {
+Work all_reduce(c10d::ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                const std::string& what) {
   check_operand(group, tensor, "the", "all-reduce", what);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
@@ -171,7 +171,7 @@ std::string wait_watching(const Work& work, c10d::ProcessGroup& group, const std
   auto next_check = start + check_every;
   while (true) {
     const auto slice = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                   std::min(next_report, next_check) - Clock::now()));
+                                                                  std::min(next_report, next_check) - Clock::now()));
     try {
       work->wait(slice);
       return "";
@@ -230,8 +230,8 @@ namespace {
   TORCH_CHECK(divergence.empty(), divergence, "\n(On ", describe_group(group), " the collective for ", what,
               " then failed: ", error, ")");
   const std::string progress = describe_collective_progress(group, work);
-  TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group), " failed or timed out: ", error,
-              progress.empty() ? "" : "\nProgress: " + progress,
+  TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group),
+              " failed or timed out: ", error, progress.empty() ? "" : "\nProgress: " + progress,
               "\nIf this is a timeout, another rank is likely stuck or issued different collectives; "
               "run every rank with the same model and config, and check the other ranks' errors");
 }
@@ -268,7 +268,8 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
       std::string error = "no completion " + std::to_string(since_launch.count()) +
                           " ms after its launch (host polling; meshddp's deadline, " +
                           std::to_string(polling_deadline(backend_timeout).count()) +
-                          " ms, comes before the group's timeout of " + std::to_string(backend_timeout.count()) + " ms)";
+                          " ms, comes before the group's timeout of " + std::to_string(backend_timeout.count()) +
+                          " ms)";
       try {
         work->wait(std::chrono::milliseconds(1));  // NCCL: c10d aborts the communicator and throws
       } catch (const std::exception& e) {
@@ -298,7 +299,8 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
 // stuck report when stuck_report_after > 0 and the divergence checks always (Note [Divergent
 // collectives] in collective_progress.h); kReporting then waits in slices with both between them.
 WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blocking_wait, bool watched) {
-  if (backend == c10d::ProcessGroup::BackendType::NCCL) return nccl_blocking_wait ? WaitMode::kPolling : WaitMode::kWait;
+  if (backend == c10d::ProcessGroup::BackendType::NCCL)
+    return nccl_blocking_wait ? WaitMode::kPolling : WaitMode::kWait;
   return watched ? WaitMode::kReporting : WaitMode::kWait;
 }
 
@@ -325,12 +327,13 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
 }
 
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
-                                           c10::Device device) {
+                                            c10::Device device) {
   const int64_t n = group.getSize();
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor lens = at::zeros({n}, longs);
-  wait_collective(all_gather_into(group, lens, at::full({1}, static_cast<int64_t>(text.size()), longs), what + " (sizes)"),
-                  group, what);
+  wait_collective(
+      all_gather_into(group, lens, at::full({1}, static_cast<int64_t>(text.size()), longs), what + " (sizes)"), group,
+      what);
   lens = lens.cpu();
   const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
   at::Tensor mine = at::zeros({max_len}, at::kByte);

@@ -78,7 +78,7 @@ void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, con
 // Every rank's `text`, in group-rank order, on every rank (two all-gathers: lengths, then padded
 // bytes). Tensors go through `device` (CUDA for NCCL groups; Gloo takes either).
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
-                                           c10::Device device = c10::Device(c10::kCPU));
+                                            c10::Device device = c10::Device(c10::kCPU));
 
 // Whether a collective on `group` can be skipped: a group of one rank, unless the environment sets
 // MESHDDP_FORCE_COLLECTIVES=1 (test/debug switch, mesh/switches.h: run every collective even

@@ -53,8 +53,8 @@ void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vec
       differs = differs || value != per_rank[0][name];
       values << (r ? ", " : "") << "rank " << r << ": " << value;
     }
-    TORCH_CHECK(!differs, who, ": ", what, " differ across the ranks of ", describe_group(group), ": '", name,
-                "' is ", values.str(), ". Every rank must use the same settings (and the same model); a mismatch ",
+    TORCH_CHECK(!differs, who, ": ", what, " differ across the ranks of ", describe_group(group), ": '", name, "' is ",
+                values.str(), ". Every rank must use the same settings (and the same model); a mismatch ",
                 "would hang or corrupt the collectives");
   }
   TORCH_CHECK(false, who, ": ", what, " differ across the ranks of ", describe_group(group),

@@ -43,12 +43,12 @@ template <typename Config, typename T>
 struct ConfigField {
   using Value = T;
   const char* name;
-  T Config::*member;
+  T Config::* member;
   FieldRange range = kAnyValue;
 };
 
 template <typename Config, typename T>
-constexpr ConfigField<Config, T> field(const char* name, T Config::*member, FieldRange range = kAnyValue) {
+constexpr ConfigField<Config, T> field(const char* name, T Config::* member, FieldRange range = kAnyValue) {
   return {name, member, range};
 }
 

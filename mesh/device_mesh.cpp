@@ -27,8 +27,8 @@ namespace {
 
 std::string require_env(const char* name, const char* what) {
   const char* value = std::getenv(name);
-  TORCH_CHECK(value != nullptr && *value != '\0', "DeviceMesh::from_env: environment variable ", name,
-              " (", what, ") is not set; launch with torchrun (e.g. torchrun --nproc-per-node 4 --no-python ",
+  TORCH_CHECK(value != nullptr && *value != '\0', "DeviceMesh::from_env: environment variable ", name, " (", what,
+              ") is not set; launch with torchrun (e.g. torchrun --nproc-per-node 4 --no-python ",
               "<binary>), or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself");
   return value;
 }
@@ -113,7 +113,7 @@ c10::Device cuda_device_of_rank(int64_t requested, int64_t rank) {
 struct DeviceMesh::DerivedGroups {
   c10::intrusive_ptr<c10d::Store> store;  // null: no store to make groups over
   MeshOptions options;
-  bool nccl_split = false;     // split CUDA groups from the world group (Note [NCCL communicator set-up])
+  bool nccl_split = false;       // split CUDA groups from the world group (Note [NCCL communicator set-up])
   bool record_progress = false;  // register each group for stuck reports (meshes from a store)
   std::mutex mutex;
   std::map<std::string, std::pair<RankGroups, c10::intrusive_ptr<c10d::ProcessGroup>>> by_name;
@@ -240,8 +240,8 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   for (size_t d = 0; d < sizes.size(); ++d) {
     const auto& group = groups_by_dim[d];
     TORCH_CHECK(group, "DeviceMesh::from_groups: the group for dim '", names[d], "' is null");
-    TORCH_CHECK(group->getSize() == sizes[d], "DeviceMesh::from_groups: the group for dim '", names[d],
-                "' has ", group->getSize(), " ranks, expected ", sizes[d], " in ", describe_mesh_shape(sizes, names));
+    TORCH_CHECK(group->getSize() == sizes[d], "DeviceMesh::from_groups: the group for dim '", names[d], "' has ",
+                group->getSize(), " ranks, expected ", sizes[d], " in ", describe_mesh_shape(sizes, names));
     TORCH_CHECK(group->getRank() == mesh.coords_[d], "DeviceMesh::from_groups: rank ", rank, " has coordinate ",
                 mesh.coords_[d], " along dim '", names[d], "' (row-major, last dim innermost) but is rank ",
                 group->getRank(), " of the group given for that dim; build that group from ranks ",
@@ -251,10 +251,12 @@ DeviceMesh DeviceMesh::from_groups(std::vector<int64_t> sizes, std::vector<std::
   mesh.names_ = std::move(names);
   mesh.rank_ = rank;
   mesh.world_size_ = world_size;
-  mesh.device_ = device_type == c10::DeviceType::CUDA ? cuda_device_of_rank(device_index, rank) : c10::Device(device_type);
+  mesh.device_ =
+      device_type == c10::DeviceType::CUDA ? cuda_device_of_rank(device_index, rank) : c10::Device(device_type);
   if (!world && groups_by_dim.size() == 1) world = groups_by_dim[0];
   TORCH_CHECK(!world || world->getSize() == world_size, "DeviceMesh::from_groups: the world group has ",
-              world ? world->getSize() : 0, " ranks, expected ", world_size, " (", describe_mesh_shape(mesh.sizes_, mesh.names_), ")");
+              world ? world->getSize() : 0, " ranks, expected ", world_size, " (",
+              describe_mesh_shape(mesh.sizes_, mesh.names_), ")");
   // Groups a caller made NCCL-only take meshddp's CPU control-plane collectives too.
   for (size_t d = 0; d < groups_by_dim.size(); ++d) {
     ensure_cpu_backend(*groups_by_dim[d], "DeviceMesh::from_groups (dim '" + mesh.names_[d] + "')");
@@ -335,9 +337,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> DeviceMesh::make_derived_group(const std:
   const std::string key = derived.options.store_prefix + "/derived/" + mesh_group_key(name, ranks);
   const auto group_rank = std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin();
   TORCH_INTERNAL_ASSERT(group_rank < static_cast<int64_t>(ranks.size()), "rank ", rank_, " not in ", key);
-  const NcclSetup nccl = derived.nccl_split
-                             ? NcclSetup{device_.has_index() ? device_.index() : -1, world_, static_cast<int>(ranks.front())}
-                             : NcclSetup{};
+  const NcclSetup nccl = derived.nccl_split ? NcclSetup{device_.has_index() ? device_.index() : -1, world_,
+                                                        static_cast<int>(ranks.front())}
+                                            : NcclSetup{};
   auto group = make_process_group(c10::make_intrusive<c10d::PrefixStore>(key, store), static_cast<int>(group_rank),
                                   static_cast<int>(ranks.size()), derived.options.device_type, derived.options.timeout,
                                   key, nccl);

@@ -5,7 +5,7 @@
 // collectives go through mesh/collectives.h.
 #pragma once
 
-#include "mesh/reduction_groups.h"
+#include "reduction_groups.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -43,14 +43,12 @@ class DeviceMesh {
   // From torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for
   // CUDA). Rank 0 hosts the TCPStore unless TORCHELASTIC_USE_AGENT_STORE=True, in which case every
   // rank joins the store torchrun's agent already serves. Throws naming a missing variable.
-  static DeviceMesh from_env(std::vector<int64_t> sizes, std::vector<std::string> names,
-                             MeshOptions options = {});
+  static DeviceMesh from_env(std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options = {});
 
   // From a store the caller gives (tests: one HashStore shared by rank threads, or a FileStore).
   // Every rank must call this concurrently: group construction blocks until its peers join.
   static DeviceMesh from_store(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
-                               std::vector<int64_t> sizes, std::vector<std::string> names,
-                               MeshOptions options = {});
+                               std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options = {});
 
   // From process groups the caller already has, one per dim, in dim order. Checks that each group's
   // size is its dim's size and that its rank is this rank's coordinate along that dim. For kCUDA,

@@ -17,8 +17,8 @@ std::string describe_mesh_shape(const std::vector<int64_t>& sizes, const std::ve
   return out.str();
 }
 
-void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::string>& names,
-                   int64_t world_size, int64_t rank) {
+void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::string>& names, int64_t world_size,
+                   int64_t rank) {
   TORCH_CHECK(!sizes.empty(), "DeviceMesh: the mesh needs at least one dim; got an empty shape");
   TORCH_CHECK(sizes.size() == names.size(), "DeviceMesh: ", sizes.size(), " dim sizes but ", names.size(),
               " dim names; give one name per dim (e.g. sizes {2, 2} with names {\"dp\", \"tp\"})");
@@ -26,8 +26,8 @@ void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::str
   int64_t product = 1;
   for (size_t d = 0; d < sizes.size(); ++d) {
     TORCH_CHECK(!names[d].empty(), "DeviceMesh: dim ", d, " has an empty name");
-    TORCH_CHECK(seen.insert(names[d]).second, "DeviceMesh: dim name '", names[d],
-                "' appears twice in ", describe_mesh_shape(sizes, names), "; dim names must be unique");
+    TORCH_CHECK(seen.insert(names[d]).second, "DeviceMesh: dim name '", names[d], "' appears twice in ",
+                describe_mesh_shape(sizes, names), "; dim names must be unique");
     TORCH_CHECK(sizes[d] >= 1, "DeviceMesh: dim '", names[d], "' has size ", sizes[d],
                 "; every dim needs size >= 1 in ", describe_mesh_shape(sizes, names));
     product *= sizes[d];
@@ -35,8 +35,8 @@ void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::str
   TORCH_CHECK(product == world_size, "DeviceMesh: ", describe_mesh_shape(sizes, names), " = ", product,
               " ranks != WORLD_SIZE(", world_size, "); launch ", product,
               " ranks or change the mesh so the product of its dims is ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, "DeviceMesh: rank ", rank, " is out of range [0, ", world_size,
-              ") for ", describe_mesh_shape(sizes, names));
+  TORCH_CHECK(rank >= 0 && rank < world_size, "DeviceMesh: rank ", rank, " is out of range [0, ", world_size, ") for ",
+              describe_mesh_shape(sizes, names));
 }
 
 int64_t mesh_dim_index(const std::vector<std::string>& names, std::string_view name) {

@@ -13,8 +13,8 @@ namespace meshddp {
 // Throws (with every operand in the message) unless: the shape and names have the same non-zero
 // length, every size is >= 1, names are non-empty and unique, prod(sizes) == world_size and
 // 0 <= rank < world_size.
-void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::string>& names,
-                   int64_t world_size, int64_t rank);
+void validate_mesh(const std::vector<int64_t>& sizes, const std::vector<std::string>& names, int64_t world_size,
+                   int64_t rank);
 
 // Index of `name` in `names`; throws naming the known dims if it is not one of them.
 int64_t mesh_dim_index(const std::vector<std::string>& names, std::string_view name);

@@ -19,11 +19,11 @@ struct Placement {
                    // row-parallel biases under sequence parallelism): the sync sums it over TP
   };
   Kind kind = Kind::kReplicate;
-  int64_t dim = -1;      // kShard only
-  int64_t tp_size = 1;   // kShard only
-  int64_t tp_rank = 0;   // kShard only
-  std::string group;     // name of the TP process group it was made over (kShard, kPartialGrad); "" = unknown.
-                         // The gradient sync checks it is the TP group it uses: one source of truth
+  int64_t dim = -1;     // kShard only
+  int64_t tp_size = 1;  // kShard only
+  int64_t tp_rank = 0;  // kShard only
+  std::string group;    // name of the TP process group it was made over (kShard, kPartialGrad); "" = unknown.
+                        // The gradient sync checks it is the TP group it uses: one source of truth
 
   static Placement replicate() { return {}; }
   static Placement partial_grad(std::string group = "") { return {Kind::kPartialGrad, -1, 1, 0, std::move(group)}; }

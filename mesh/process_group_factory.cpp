@@ -19,8 +19,8 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store
   // Multi-node runs (MASTER_ADDR not on this host) use the hostname's interface.
   const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
   const char* master = std::getenv("MASTER_ADDR");
-  const bool local_master = master == nullptr || std::string_view(master) == "127.0.0.1" ||
-                            std::string_view(master) == "localhost";
+  const bool local_master =
+      master == nullptr || std::string_view(master) == "127.0.0.1" || std::string_view(master) == "localhost";
   if (ifname != nullptr && *ifname != '\0') {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
   } else if (local_master) {
@@ -33,10 +33,10 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size, c10::DeviceType device_type,
-                                                          std::chrono::milliseconds timeout,
-                                                          const std::string& name, const NcclSetup& nccl_setup) {
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                          int size, c10::DeviceType device_type,
+                                                          std::chrono::milliseconds timeout, const std::string& name,
+                                                          const NcclSetup& nccl_setup) {
   TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA, "DeviceMesh: group '", name,
               "' asks for device type ", device_type, "; only CPU (Gloo) and CUDA (NCCL) meshes are supported");
   // Like PyTorch's default "cpu:gloo,cuda:nccl": every group takes CPU tensors through Gloo (the

@@ -26,10 +26,10 @@ struct NcclSetup {
 // Blocks until all `size` members have called it with the same store (each with its own rank).
 // `name` becomes the group's name (shown in c10d's errors, and the NCCL watchdog's). kCUDA needs a
 // build with CUDA; `nccl` applies to kCUDA only.
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size, c10::DeviceType device_type,
-                                                          std::chrono::milliseconds timeout,
-                                                          const std::string& name, const NcclSetup& nccl = {});
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                          int size, c10::DeviceType device_type,
+                                                          std::chrono::milliseconds timeout, const std::string& name,
+                                                          const NcclSetup& nccl = {});
 
 // Note [Control plane on any group]
 // meshddp's own agreement collectives (the settings and model checks, the TP verdict, checkpoint

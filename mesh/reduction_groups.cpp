@@ -77,9 +77,9 @@ void check_ep_size(const std::vector<int64_t>& sizes, const std::vector<std::str
     dim_names.push_back(names[d]);
     dim_sizes.push_back(sizes[d]);
   }
-  TORCH_CHECK(ep_size >= 1 && group_size % ep_size == 0, "expert parallel: EP size ", ep_size,
-              " does not divide the ", group_size, " ranks of the data-parallel group ",
-              describe_mesh_shape(dim_sizes, dim_names), " of mesh ", describe_mesh_shape(sizes, names),
+  TORCH_CHECK(ep_size >= 1 && group_size % ep_size == 0, "expert parallel: EP size ", ep_size, " does not divide the ",
+              group_size, " ranks of the data-parallel group ", describe_mesh_shape(dim_sizes, dim_names), " of mesh ",
+              describe_mesh_shape(sizes, names),
               "; EP is carved out of those ranks (as in Megatron-core), so pick an EP size among ",
               divisors(group_size));
 }
@@ -118,16 +118,17 @@ std::vector<int64_t> mesh_dim_subset(const std::vector<std::string>& names, cons
   for (const auto& name : names) {
     if (std::find(dims.begin(), dims.end(), name) != dims.end()) in_mesh_order.push_back(name);
   }
-  TORCH_CHECK(std::is_sorted(indices.begin(), indices.end()), "DeviceMesh: the dims to flatten (",
-              describe_dims(dims), ") are not in mesh order (", describe_dims(names), "); give them as ",
-              describe_dims(in_mesh_order), ": the mesh order fixes the ranks' order in the flattened group");
+  TORCH_CHECK(std::is_sorted(indices.begin(), indices.end()), "DeviceMesh: the dims to flatten (", describe_dims(dims),
+              ") are not in mesh order (", describe_dims(names), "); give them as ", describe_dims(in_mesh_order),
+              ": the mesh order fixes the ranks' order in the flattened group");
   return indices;
 }
 
 std::string flattened_dims_name(const std::vector<std::string>& dims) { return join(dims, "+"); }
 
 std::vector<int64_t> flattened_group_ranks(int64_t rank, const std::vector<int64_t>& sizes,
-                                           const std::vector<std::string>& names, const std::vector<std::string>& dims) {
+                                           const std::vector<std::string>& names,
+                                           const std::vector<std::string>& dims) {
   validate_mesh(sizes, names, product(sizes), rank);
   const auto indices = mesh_dim_subset(names, dims);
   const auto inner_sizes = sizes_at(sizes, indices);

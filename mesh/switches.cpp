@@ -38,8 +38,8 @@ const SwitchSpec& switch_spec(Switch s) {
 bool parse_switch(const SwitchSpec& spec, const char* value) {
   if (value == nullptr || *value == '\0') return spec.default_on;
   const std::string_view v(value);
-  TORCH_CHECK(v == "0" || v == "1", "meshddp: environment variable ", spec.name, "=", v, " is not 0 or 1 (unset: ",
-              spec.default_on ? "1" : "0", "); it controls: ", spec.meaning);
+  TORCH_CHECK(v == "0" || v == "1", "meshddp: environment variable ", spec.name, "=", v,
+              " is not 0 or 1 (unset: ", spec.default_on ? "1" : "0", "); it controls: ", spec.meaning);
   return v == "1";
 }
 

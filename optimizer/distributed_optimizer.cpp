@@ -1,10 +1,10 @@
 #include "optimizer/distributed_optimizer.h"
 
+#include "mesh/collectives.h"
 #include "optimizer/fused_step.h"
 #include "optimizer/optimizer_config_fields.h"
-
-#include "mesh/collectives.h"
 #include "tp/glob_match.h"
+#include "tp/grad_norm.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -15,6 +15,15 @@
 
 namespace meshddp {
 namespace {
+
+// `grad` (bucket shard `shard`'s fp32 gradient) cut into the parts this rank counts toward the norm.
+NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard, const at::Tensor& grad) {
+  std::vector<GradRun> runs;
+  runs.reserve(shard.segments.size());
+  for (const ShardSegment& seg : shard.segments)
+    runs.push_back({seg.shard_offset, seg.numel, &buffer.placement(seg.param)});
+  return norm_pieces(grad, runs, buffer.groups().tp_rank);
+}
 
 }  // namespace
 
@@ -38,16 +47,18 @@ void DistributedOptimizerConfig::validate() const {
   }
 }
 
-DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimizerConfig config)
+DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedOptimizerConfig config)
     : buffer_(buffer), config_(std::move(config)) {
   config_.validate();
-  TORCH_CHECK(buffer_.config().use_distributed_optimizer,
+  TORCH_CHECK(buffer_->config().use_distributed_optimizer,
               "DistributedOptimizer: the gradient buffer was built without use_distributed_optimizer; set it in the "
               "DdpConfig so buckets are padded and reduce-scattered and params live in the param buffer");
+  param_buffer_ = buffer_->param_buffer();
+  TORCH_INTERNAL_ASSERT(param_buffer_ != nullptr);
   // Every field, over the whole mesh (TP replicas of a param must take the same update too).
-  verify_same_settings_across_ranks(buffer_.stats_group(), field_settings(config_, kOptimizerConfigFields),
+  verify_same_settings_across_ranks(buffer_->groups().stats_group(), field_settings(config_, kOptimizerConfigFields),
                                     "DistributedOptimizer", "the DistributedOptimizerConfig settings");
-  shards_ = shard_buckets(buffer_.layout(), buffer_.dp_rank(), buffer_.dp_size());
+  shards_ = shard_buckets(buffer_->layout(), buffer_->groups().dp_rank(), buffer_->groups().dp_size());
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.
   lr_ = config_.lr;
@@ -57,7 +68,7 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
     const double wd_ratio = config_.weight_decay > 0 ? wd / config_.weight_decay : (wd == 0 ? 0.0 : std::nan(""));
     groups_.push_back({lr, wd, lr / config_.lr, wd_ratio});
   }
-  const auto& params = buffer_.params();
+  const auto& params = buffer_->params();
   auto matches = [](const std::string& pattern, const NamedParam& p) {
     if (glob_match(pattern, p.name)) return true;
     for (const auto& alias : p.aliases) {
@@ -93,7 +104,7 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
     const bool fp32_params = params.scalar_type() == at::kFloat;
     master_is_param_view_.push_back(fp32_params);
     master_.push_back(fp32_params ? params : params.to(at::kFloat));
-    at::Tensor grad_shard = buffer_.bucket_shard(shard.bucket);
+    at::Tensor grad_shard = buffer_->bucket_shard(shard.bucket);
     grad32_.push_back(grad_shard.scalar_type() == at::kFloat ? grad_shard : at::zeros({shard.numel}, f32(grad_shard)));
     const int64_t states = num_state_tensors();
     state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
@@ -106,11 +117,12 @@ DistributedOptimizer::DistributedOptimizer(GradBuffer& buffer, DistributedOptimi
       if (states >= 2) v.state2.push_back(state2_[b].narrow(0, seg.shard_offset, seg.numel));
     }
   }
-  params_version_seen_ = buffer_.params_version();
+  params_version_seen_ = param_buffer_->params_version();
 
   // The fused kernels write fp32 and bf16 params; fp16 (or a build without CUDA kernels) keeps ATen.
   bool fusable = !master_.empty() && fused_kernels_available(master_.front().device());
-  std::string why_not = master_.empty() ? "" : "no fused kernels for " + master_.front().device().str() + " in this build";
+  std::string why_not =
+      master_.empty() ? "" : "no fused kernels for " + master_.front().device().str() + " in this build";
   for (size_t b = 0; b < shards_.size() && fusable; ++b) {
     const at::ScalarType t = param_shard(b).scalar_type();
     if (t != at::kFloat && t != at::kBFloat16) {
@@ -175,7 +187,7 @@ int64_t DistributedOptimizer::num_state_tensors() const {
 
 void DistributedOptimizer::prepare_grads() {
   for (size_t b = 0; b < shards_.size(); ++b) {
-    at::Tensor grad_shard = buffer_.bucket_shard(shards_[b].bucket);
+    at::Tensor grad_shard = buffer_->bucket_shard(shards_[b].bucket);
     if (!grad_shard.is_same(grad32_[b]) && grad_shard.data_ptr() != grad32_[b].data_ptr()) grad32_[b].copy_(grad_shard);
   }
 }
@@ -192,13 +204,13 @@ void DistributedOptimizer::reload_masters_from_params() {
     const at::Tensor changed = master_[b].to(params.scalar_type()).ne(params);
     master_[b].copy_(at::where(changed, params.to(at::kFloat), master_[b]));
   }
-  params_version_seen_ = buffer_.params_version();
+  params_version_seen_ = param_buffer_->params_version();
 }
 
 StepResult DistributedOptimizer::step() {
   buffer_.finish_grad_sync();
   finish_param_sync();
-  if (buffer_.params_version() != params_version_seen_) reload_masters_from_params();
+  if (param_buffer_->params_version() != params_version_seen_) reload_masters_from_params();
   c10::NoGradGuard no_grad;
   prepare_grads();
 
@@ -206,10 +218,8 @@ StepResult DistributedOptimizer::step() {
   // squares of the reduced shards].
   const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
-  stats[0] += buffer_.local_nonfinite_counts().sum().to(at::kDouble);
-  // Each element once over the whole mesh: DP shards are disjoint; TP-sharded params count on every
-  // TP rank, replicated (and TP-summed partial) ones on TP rank 0 only.
-  const int64_t tp_rank = buffer_.groups().tp_rank;
+  stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
+  // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): DP shards are disjoint.
   if (fused_) add_stats_fused(stats);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
@@ -221,19 +231,16 @@ StepResult DistributedOptimizer::step() {
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }
-    bool all_count = true;
-    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
-    if (all_count) {
+    const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], g);
+    if (pieces.all_count) {
       stats[1] += norm.to(at::kDouble).square();
-      continue;
-    }
-    for (const ShardSegment& seg : shards_[b].segments) {
-      if (!buffer_.placement(seg.param).counts_on_tp_rank(tp_rank)) continue;
-      stats[1] += at::linalg_vector_norm(g.narrow(0, seg.shard_offset, seg.numel), 2).to(at::kDouble).square();
+    } else {
+      add_squared_norms(pieces.counted, stats[1]);
     }
   }
   // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
-  all_reduce_sum_now(buffer_.stats_group(), stats, "the optimizer's gradient checks (non-finite count, norm)");
+  all_reduce_sum_now(buffer_->groups().stats_group(), stats,
+                     "the optimizer's gradient checks (non-finite count, norm)");
   const at::Tensor host = stats.cpu();
   const double nonfinite = host[0].item<double>();
   StepResult result;
@@ -258,7 +265,7 @@ StepResult DistributedOptimizer::step() {
   ++step_;
   if (fused_) {
     update_fused(grad_scale);
-    buffer_.param_gather()->start(/*async=*/config_.overlap_param_gather);
+    param_buffer_->gather().start(/*async=*/config_.overlap_param_gather);
     return result;
   }
   if (config_.kind == OptimizerKind::kAdamW) {
@@ -309,21 +316,14 @@ void DistributedOptimizer::update_sgd() {
 
 void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
   // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
-  // not count on this TP rank (see step()) go into a second accumulator for their count only.
+  // not count on this TP rank (Note [Gradient norm over DP x TP]) go into a second accumulator for
+  // their count only.
   const auto f64 = stats.options();
   const at::Tensor counted = at::zeros({2}, f64), others = at::zeros({2}, f64);
-  const int64_t tp_rank = buffer_.groups().tp_rank;
   for (size_t b = 0; b < grad32_.size(); ++b) {
-    bool all_count = true;
-    for (const ShardSegment& seg : shards_[b].segments) all_count = all_count && buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
-    if (all_count) {
-      fused_grad_stats(grad32_[b], counted);
-      continue;
-    }
-    for (const ShardSegment& seg : shards_[b].segments) {
-      const bool counts = buffer_.placement(seg.param).counts_on_tp_rank(tp_rank);
-      fused_grad_stats(grad32_[b].narrow(0, seg.shard_offset, seg.numel), counts ? counted : others);
-    }
+    const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], grad32_[b]);
+    for (const at::Tensor& piece : pieces.counted) fused_grad_stats(piece, counted);
+    for (const at::Tensor& piece : pieces.not_counted) fused_grad_stats(piece, others);
   }
   stats[0] += counted[1] + others[1];
   stats[1] += counted[0];
@@ -348,8 +348,9 @@ void DistributedOptimizer::update_fused(double grad_scale) {
       auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, offset, numel) : at::Tensor(); };
       const Group& g = groups_[group];
       if (adamw) {
-        fused_adamw_step(part(grad32_[b]), part(state1_[b]), part(state2_[b]), part(master_[b]), part(param),
-                         adamw_scalars(g.lr, g.weight_decay, config_.beta1, config_.beta2, config_.eps, step_, grad_scale));
+        fused_adamw_step(
+            part(grad32_[b]), part(state1_[b]), part(state2_[b]), part(master_[b]), part(param),
+            adamw_scalars(g.lr, g.weight_decay, config_.beta1, config_.beta2, config_.eps, step_, grad_scale));
       } else {
         fused_sgd_step(part(grad32_[b]), part(state1_[b]), part(master_[b]), part(param),
                        sgd_scalars(g.lr, g.weight_decay, config_.momentum, grad_scale));
@@ -361,7 +362,8 @@ void DistributedOptimizer::update_fused(double grad_scale) {
 
 at::Tensor DistributedOptimizer::param_shard(size_t b) const {
   const BucketShard& shard = shards_[b];
-  return buffer_.bucket_param_data(shard.bucket).narrow(0, shard.begin - buffer_.layout().buckets[shard.bucket].begin, shard.numel);
+  return param_buffer_->bucket_data(shard.bucket)
+      .narrow(0, shard.begin - buffer_->layout().buckets[shard.bucket].begin, shard.numel);
 }
 
 void DistributedOptimizer::write_masters_into_param_buffer() {
@@ -372,22 +374,23 @@ void DistributedOptimizer::write_masters_into_param_buffer() {
 
 void DistributedOptimizer::write_params_and_gather() {
   write_masters_into_param_buffer();
-  buffer_.param_gather()->start(/*async=*/config_.overlap_param_gather);
+  param_buffer_->gather().start(/*async=*/config_.overlap_param_gather);
 }
 
-void DistributedOptimizer::finish_param_sync() { buffer_.param_gather()->wait_all(); }
+void DistributedOptimizer::finish_param_sync() { param_buffer_->gather().wait_all(); }
 
 std::string DistributedOptimizer::nonfinite_report() {
   // Local: which params had non-finite values before the reduction (this rank produced them), and
   // which owned params have non-finite reduced gradients.
-  const auto& params = buffer_.params();
+  const auto& params = buffer_->params();
   std::ostringstream mine;
-  const std::vector<int64_t> produced = buffer_.local_nonfinite_counts_by_param();
-  for (int64_t b = 0; b < static_cast<int64_t>(buffer_.layout().buckets.size()); ++b) {
-    for (int64_t p : buffer_.layout().buckets[b].params) {
+  const std::vector<int64_t> produced = buffer_->local_nonfinite_counts_by_param();
+  for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
+    for (int64_t p : buffer_->layout().buckets[b].params) {
       if (produced[p] == 0) continue;
-      mine << "  DP rank " << buffer_.dp_rank() << " produced " << produced[p] << " non-finite value(s) in its local "
-           << "gradient of parameter '" << params[p].name << "' (" << buffer_.main_grad(p).numel()
+      mine << "  DP rank " << buffer_->groups().dp_rank() << " produced " << produced[p]
+           << " non-finite value(s) in its local "
+           << "gradient of parameter '" << params[p].name << "' (" << buffer_->main_grad(p).numel()
            << " elements, bucket " << b << ")\n";
     }
   }
@@ -395,28 +398,28 @@ std::string DistributedOptimizer::nonfinite_report() {
     for (const ShardSegment& seg : shards_[b].segments) {
       if (at::isfinite(grad32_[b].narrow(0, seg.shard_offset, seg.numel)).all().item<bool>()) continue;
       mine << "  parameter '" << params[seg.param].name << "' has a non-finite reduced gradient in elements ["
-           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank " << buffer_.dp_rank()
+           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank " << buffer_->groups().dp_rank()
            << "'s shard)\n";
     }
   }
   // Gather every rank's lines so every rank reports the same.
   std::ostringstream report;
   report << "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n";
-  for (const std::string& lines : all_gather_strings(buffer_.dp_group(), mine.str(), "the non-finite report")) report << lines;
+  for (const std::string& lines : all_gather_strings(*buffer_->groups().dp, mine.str(), "the non-finite report"))
+    report << lines;
   return report.str();
 }
 
 MemoryReport DistributedOptimizer::memory() const {
   MemoryReport m;
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer_.layout().buffers.size()); ++i) {
-    m.param_buffer_bytes += buffer_.param_buffer(i).nbytes();
-    m.grad_buffer_bytes += buffer_.buffer(i).nbytes();
-  }
+  m.param_buffer_bytes = param_buffer_->bytes();
+  m.grad_buffer_bytes = buffer_->grad_buffer_bytes();
   for (size_t b = 0; b < shards_.size(); ++b) {
     if (!master_is_param_view_[b]) m.master_weight_bytes += master_[b].nbytes();
     if (state1_[b].defined()) m.optimizer_state_bytes += state1_[b].nbytes();
     if (state2_[b].defined()) m.optimizer_state_bytes += state2_[b].nbytes();
-    if (grad32_[b].data_ptr() != buffer_.bucket_shard(shards_[b].bucket).data_ptr()) m.grad_scratch_bytes += grad32_[b].nbytes();
+    if (grad32_[b].data_ptr() != buffer_->bucket_shard(shards_[b].bucket).data_ptr())
+      m.grad_scratch_bytes += grad32_[b].nbytes();
   }
   return m;
 }

@@ -20,9 +20,9 @@
 //   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
-#include "grad_buffer/grad_buffer.h"
-#include "checkpoint/store.h"
-#include "optimizer/shard_layout.h"
+#include "../checkpoint/store.h"
+#include "../grad_buffer/grad_buffer.h"
+#include "shard_layout.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -52,15 +52,15 @@ struct ParamGroupRule {
 
 struct DistributedOptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  double lr = 1e-3;            // > 0
-  double weight_decay = 0.0;   // AdamW: decoupled (p *= 1 - lr * wd); SGD: L2 added to the gradient
-  double beta1 = 0.9;          // AdamW, in [0, 1)
-  double beta2 = 0.999;        // AdamW, in [0, 1)
-  double eps = 1e-8;           // AdamW, > 0
-  double momentum = 0.0;       // SGD, >= 0 (0 = plain SGD)
-  std::vector<ParamGroupRule> groups;  // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
-  double clip_grad_norm = 0.0;         // > 0: clip the global gradient L2 norm to this; 0 = off
-  bool overlap_param_gather = false;   // all-gathers complete during the next forward (DDP::forward)
+  double lr = 1e-3;                         // > 0
+  double weight_decay = 0.0;                // AdamW: decoupled (p *= 1 - lr * wd); SGD: L2 added to the gradient
+  double beta1 = 0.9;                       // AdamW, in [0, 1)
+  double beta2 = 0.999;                     // AdamW, in [0, 1)
+  double eps = 1e-8;                        // AdamW, > 0
+  double momentum = 0.0;                    // SGD, >= 0 (0 = plain SGD)
+  std::vector<ParamGroupRule> groups;       // e.g. {{"*.bias", {}, 0.0}} for no weight decay on biases
+  double clip_grad_norm = 0.0;              // > 0: clip the global gradient L2 norm to this; 0 = off
+  bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
 
   // Every field is listed once in optimizer/optimizer_config_fields.h (ranges, cross-rank agreement,
@@ -69,10 +69,10 @@ struct DistributedOptimizerConfig {
 };
 
 struct StepResult {
-  bool skipped = false;    // true: a non-finite gradient was found; nothing was updated
-  double grad_norm = 0;    // global L2 norm of the gradients before clipping (inf/nan when skipped)
-  bool clipped = false;    // the gradients were scaled down
-  std::string report;      // when skipped: which parameters, which DP ranks
+  bool skipped = false;  // true: a non-finite gradient was found; nothing was updated
+  double grad_norm = 0;  // global L2 norm of the gradients before clipping (inf/nan when skipped)
+  bool clipped = false;  // the gradients were scaled down
+  std::string report;    // when skipped: which parameters, which DP ranks
 };
 
 // Bytes held per rank, by component.
@@ -89,8 +89,9 @@ struct MemoryReport {
 
 class DistributedOptimizer {
  public:
-  // `buffer` must outlive this optimizer and be built with use_distributed_optimizer.
-  DistributedOptimizer(GradBuffer& buffer, DistributedOptimizerConfig config);
+  // `buffer` (a GradBuffer, or DdpEngine::grad_buffer()) must outlive this optimizer and be built
+  // with use_distributed_optimizer.
+  DistributedOptimizer(GradBufferHandle buffer, DistributedOptimizerConfig config);
 
   // One optimizer step (see Note [Step order]). A collective: every DP rank calls it.
   StepResult step();
@@ -105,7 +106,7 @@ class DistributedOptimizer {
   void finish_param_sync();
   // Refreshes this rank's fp32 master weights from the params (the param buffer), after new values
   // were written into the params outside step(). DistributedDataParallel::load_state_dict() makes
-  // step() do this by itself (GradBuffer::notify_params_changed()); call it after writing params
+  // step() do this by itself (ParamBuffer::notify_params_changed()); call it after writing params
   // any other way. A no-op for fp32 params, whose masters are the param buffer itself. Only elements
   // whose param differs from the master rounded to the param dtype are reloaded: params not written
   // (a partial load) or written with the value they had keep their fp32 masters. load_checkpoint()
@@ -134,11 +135,11 @@ class DistributedOptimizer {
   double group_weight_decay(int64_t group) const;
   double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
 
-  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this optimizer's
-  // params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree);
-  // returns that directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP;
-  // checks everything on every rank before changing anything; then all-gathers the params; returns
-  // the step loaded. Module buffers, frozen params and user values: plugin/training_checkpoint.h.
+  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this
+  // optimizer's params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree); returns that
+  // directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP; checks everything on every rank
+  // before changing anything; then all-gathers the params; returns the step loaded. Module buffers, frozen params and
+  // user values: plugin/training_checkpoint.h.
   std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
   int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
   // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this
@@ -148,8 +149,8 @@ class DistributedOptimizer {
   // check_checkpoint_info before a load. finish_checkpoint_load: after commit_loaded() of
   // checkpoint_tensors(false): masters for params saved without one, the step, the all-gather.
   std::vector<CheckpointTensor> checkpoint_tensors(bool for_save);
-  JsonValue checkpoint_info() const;
-  void check_checkpoint_info(const JsonValue& saved, const std::string& where) const;
+  Json checkpoint_info() const;
+  void check_checkpoint_info(const Json& saved, const std::string& where) const;
   void finish_checkpoint_load(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded,
                               int64_t step);
   CheckpointMesh checkpoint_mesh() const;
@@ -177,7 +178,8 @@ class DistributedOptimizer {
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
   void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)
 
-  GradBuffer& buffer_;
+  GradBufferHandle buffer_;
+  ParamBuffer* param_buffer_ = nullptr;  // buffer_'s, set once use_distributed_optimizer is checked
   DistributedOptimizerConfig config_;
   std::vector<BucketShard> shards_;
   std::vector<Group> groups_;
@@ -186,10 +188,10 @@ class DistributedOptimizer {
   std::vector<at::Tensor> grad32_;  // per bucket shard, fp32 view or scratch
   std::vector<at::Tensor> state1_, state2_;
   std::vector<bool> master_is_param_view_;
-  bool fused_ = false;  // config.fused_step resolved for these shards' device and dtypes
+  bool fused_ = false;               // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group
   int64_t step_ = 0;
-  int64_t params_version_seen_ = 0;  // GradBuffer::params_version() the masters were taken at
+  int64_t params_version_seen_ = 0;  // ParamBuffer::params_version() the masters were taken at
   double lr_ = 0;
 };
 

@@ -30,32 +30,31 @@ std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
 }  // namespace
 
 CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
-  const SyncGroups& g = buffer_.groups();
-  return {g.world ? g.world : g.dp, buffer_.dp_rank(), buffer_.dp_size(), g.tp_rank, g.tp_size};
+  const SyncGroups& g = buffer_->groups();
+  return {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
 }
 
-JsonValue DistributedOptimizer::checkpoint_info() const {
-  return JsonValue(JsonValue::Object{{"kind", JsonValue(kind_name(config_.kind))}, {"step", JsonValue(step_)}});
-}
+Json DistributedOptimizer::checkpoint_info() const { return {{"kind", kind_name(config_.kind)}, {"step", step_}}; }
 
-void DistributedOptimizer::check_checkpoint_info(const JsonValue& saved, const std::string& where) const {
-  TORCH_CHECK(!saved.is_null(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
-              "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
-  const std::string kind = saved.at("kind", where).as_string("optimizer.kind");
-  TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind,
-              " state but this optimizer is ", kind_name(config_.kind));
+void DistributedOptimizer::check_checkpoint_info(const Json& saved, const std::string& where) const {
+  TORCH_CHECK(
+      !saved.is_null(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
+      "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
+  const std::string kind = json_string(json_at(saved, "kind", where), "optimizer.kind");
+  TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind, " state but this optimizer is ",
+              kind_name(config_.kind));
 }
 
 std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_save) {
   finish_param_sync();
-  const auto& params = buffer_.params();
-  const int64_t tp_rank = buffer_.groups().tp_rank;
+  const auto& params = buffer_->params();
+  const int64_t tp_rank = buffer_->groups().tp_rank;
   const std::vector<std::string> names = state_names(config_.kind, num_state_tensors());
   std::vector<CheckpointTensor> out;
   for (size_t b = 0; b < shards_.size(); ++b) {
     for (const ShardSegment& seg : shards_[b].segments) {
       const NamedParam& p = params[seg.param];
-      const Placement& placement = buffer_.placement(seg.param);
+      const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
       const std::vector<int64_t> global = global_shape_of(p.param, placement);
       const TpSlice slice = tp_slice_of(placement);
@@ -79,7 +78,7 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   for (size_t i = 0; i < wanted.size(); ++i) {
     if (loaded[i].defined() && wanted[i].key.rfind("optim/master/", 0) == 0) masters_loaded.insert(wanted[i].key);
   }
-  const auto& params = buffer_.params();
+  const auto& params = buffer_->params();
   for (size_t b = 0; b < shards_.size(); ++b) {
     if (master_is_param_view_[b]) continue;
     for (const ShardSegment& seg : shards_[b].segments) {
@@ -90,10 +89,10 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   }
   step_ = step;
   write_masters_into_param_buffer();
-  buffer_.param_gather()->start(/*async=*/false);
+  param_buffer_->gather().start(/*async=*/false);
   // The masters are the checkpoint's: a load_state_dict before this one must not make step() reload
   // them from the (rounded) params.
-  params_version_seen_ = buffer_.params_version();
+  params_version_seen_ = param_buffer_->params_version();
 }
 
 std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options) {
@@ -111,13 +110,14 @@ int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optio
   try {  // a rank that fails here tells the others, which are in read()
     check_checkpoint_info(reader.meta().optimizer, reader.path());
     wanted = checkpoint_tensors(/*for_save=*/false);
-    for (const NamedParam& p : buffer_.params()) model_keys.insert("model/" + p.name);
+    for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
   } catch (const std::exception& e) {
     reader.fail(e);
   }
   const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
   commit_loaded(wanted, loaded);
-  finish_checkpoint_load(wanted, loaded, reader.meta().optimizer.at("step", reader.path()).as_int("optimizer.step"));
+  finish_checkpoint_load(wanted, loaded,
+                         json_int(json_at(reader.meta().optimizer, "step", reader.path()), "optimizer.step"));
   return reader.meta().step;
 }
 

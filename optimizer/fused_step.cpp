@@ -35,10 +35,10 @@ void check_operand(const at::Tensor& t, const at::Tensor& grad, const char* who,
 // Where the param goes: nowhere (undefined or the master itself), or an fp32/bf16 buffer.
 std::pair<void*, fused::ParamOut> param_target(const at::Tensor& param, const at::Tensor& master, const char* who) {
   if (!param.defined() || param.data_ptr() == master.data_ptr()) return {nullptr, fused::ParamOut::kNone};
-  TORCH_CHECK(param.dim() == 1 && param.is_contiguous() && param.numel() == master.numel() &&
-                  param.device() == master.device(),
-              who, ": 'param' must be a contiguous 1-D tensor of ", master.numel(), " elements on ", master.device(),
-              ", got sizes ", param.sizes(), " on ", param.device());
+  TORCH_CHECK(
+      param.dim() == 1 && param.is_contiguous() && param.numel() == master.numel() && param.device() == master.device(),
+      who, ": 'param' must be a contiguous 1-D tensor of ", master.numel(), " elements on ", master.device(),
+      ", got sizes ", param.sizes(), " on ", param.device());
   if (param.scalar_type() == at::kFloat) return {param.data_ptr(), fused::ParamOut::kFloat};
   TORCH_CHECK(param.scalar_type() == at::kBFloat16, who, ": 'param' must be fp32 or bf16, got ", param.scalar_type(),
               "; use the ATen path (DistributedOptimizer falls back to it) for other dtypes");
@@ -114,8 +114,13 @@ void fused_adamw_step(const at::Tensor& grad, const at::Tensor& exp_avg, const a
   check_operand(exp_avg_sq, grad, who, "exp_avg_sq");
   check_operand(master, grad, who, "master");
   const auto [param_ptr, param_out] = param_target(param, master, who);
-  const fused::AdamWStep f{grad.const_data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                           master.data_ptr<float>(), param_ptr, param_out, scalars};
+  const fused::AdamWStep f{grad.const_data_ptr<float>(),
+                           exp_avg.data_ptr<float>(),
+                           exp_avg_sq.data_ptr<float>(),
+                           master.data_ptr<float>(),
+                           param_ptr,
+                           param_out,
+                           scalars};
 #ifdef MESHDDP_WITH_CUDA
   run_elementwise(f, grad, &fused::adamw_cpu, &fused::adamw_cuda);
 #else
@@ -135,7 +140,10 @@ void fused_sgd_step(const at::Tensor& grad, const at::Tensor& momentum_buffer, c
   const auto [param_ptr, param_out] = param_target(param, master, who);
   const fused::SgdStep f{grad.const_data_ptr<float>(),
                          momentum_buffer.defined() ? momentum_buffer.data_ptr<float>() : nullptr,
-                         master.data_ptr<float>(), param_ptr, param_out, scalars};
+                         master.data_ptr<float>(),
+                         param_ptr,
+                         param_out,
+                         scalars};
 #ifdef MESHDDP_WITH_CUDA
   run_elementwise(f, grad, &fused::sgd_cpu, &fused::sgd_cuda);
 #else

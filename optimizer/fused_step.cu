@@ -18,7 +18,8 @@ namespace {
 
 void check(cudaError_t rc, const char* what) {
   if (rc != cudaSuccess) {
-    throw std::runtime_error(std::string("meshddp fused optimizer kernels: ") + what + " failed: " + cudaGetErrorString(rc));
+    throw std::runtime_error(std::string("meshddp fused optimizer kernels: ") + what +
+                             " failed: " + cudaGetErrorString(rc));
   }
 }
 
@@ -38,8 +39,7 @@ void sgd_cuda(const SgdStep& f, int64_t n, void* stream) { for_each_index(f, n, 
 
 void grad_stats_cuda(const float* grad, int64_t n, GradStats* out, void* temp, size_t& temp_bytes, void* stream) {
   check(cub::DeviceReduce::TransformReduce(temp, temp_bytes, thrust::counting_iterator<int64_t>(0), out, n, AddStats{},
-                                           SquareOrCount{grad}, GradStats{0.0, 0.0},
-                                           static_cast<cudaStream_t>(stream)),
+                                           SquareOrCount{grad}, GradStats{0.0, 0.0}, static_cast<cudaStream_t>(stream)),
         "cub::DeviceReduce::TransformReduce");
 }
 

@@ -9,7 +9,7 @@
 // its bounds against ATen: Note [Fused step arithmetic] in fused_step_math.h.
 #pragma once
 
-#include "optimizer/fused_step_math.h"
+#include "fused_step_math.h"
 
 #include <ATen/core/Tensor.h>
 

@@ -3,7 +3,7 @@
 // Private to optimizer/: callers use fused_step.h. Torch-free, so nvcc never parses ATen.
 #pragma once
 
-#include "optimizer/fused_step_math.h"
+#include "fused_step_math.h"
 
 #include <cstddef>
 #include <cstdint>

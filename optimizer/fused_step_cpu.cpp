@@ -17,7 +17,8 @@ namespace {
 template <class F>
 void for_each_index(const F& f, int64_t begin, int64_t end) {
 #ifndef MESHDDP_NO_THRUST
-  thrust::for_each(thrust::cpp::par, thrust::counting_iterator<int64_t>(begin), thrust::counting_iterator<int64_t>(end), f);
+  thrust::for_each(thrust::cpp::par, thrust::counting_iterator<int64_t>(begin), thrust::counting_iterator<int64_t>(end),
+                   f);
 #else
   for (int64_t i = begin; i < end; ++i) f(i);
 #endif

@@ -17,7 +17,7 @@
 //   test on a GPU (ATen's CUDA foreach kernels let nvcc contract freely).
 #pragma once
 
-#include "grad_buffer/host_device.h"
+#include "../grad_buffer/host_device.h"
 
 #include <cstdint>
 #include <cstring>
@@ -51,14 +51,14 @@ MESHDDP_HD inline void store_param(void* param, ParamOut kind, int64_t i, float 
 
 // Scalars of one AdamW step, rounded to fp32 the way ATen's foreach ops round them (from double).
 struct AdamWScalars {
-  float grad_scale;      // 1 = no clipping; else max_norm / (norm + 1e-6)
-  float decay;           // 1 - lr * weight_decay
+  float grad_scale;  // 1 = no clipping; else max_norm / (norm + 1e-6)
+  float decay;       // 1 - lr * weight_decay
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
-  float step_size;              // -lr / (1 - beta1^step)
-  bool scale_grad;              // grad_scale != 1 (ATen skips the mul_ then)
+  float step_size;  // -lr / (1 - beta1^step)
+  bool scale_grad;  // grad_scale != 1 (ATen skips the mul_ then)
 };
 
 struct AdamWStep {
@@ -72,12 +72,12 @@ struct AdamWStep {
 
   MESHDDP_HD void operator()(int64_t i) const {
     float g = grad[i];
-    if (s.scale_grad) g = g * s.grad_scale;                                 // g.mul_(coef)
-    float p = master[i] * s.decay;                                          // _foreach_mul_(master, 1 - lr*wd)
-    float m = fmaf(g, s.one_minus_beta1, exp_avg[i] * s.beta1);             // mul_(b1); add_(g, 1 - b1)
-    float v = fmaf(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);      // mul_(b2); addcmul_(g, g, 1 - b2)
-    float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;               // sqrt; div_; add_(eps)
-    p = p + s.step_size * m / denom;                                        // addcdiv_(m, denom, step_size)
+    if (s.scale_grad) g = g * s.grad_scale;                             // g.mul_(coef)
+    float p = master[i] * s.decay;                                      // _foreach_mul_(master, 1 - lr*wd)
+    float m = fmaf(g, s.one_minus_beta1, exp_avg[i] * s.beta1);         // mul_(b1); add_(g, 1 - b1)
+    float v = fmaf(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);  // mul_(b2); addcmul_(g, g, 1 - b2)
+    float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;           // sqrt; div_; add_(eps)
+    p = p + s.step_size * m / denom;                                    // addcdiv_(m, denom, step_size)
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     master[i] = p;

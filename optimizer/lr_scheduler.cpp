@@ -37,18 +37,24 @@ void LrScheduleConfig::validate() const {
 
 const char* to_string(LrDecayStyle style) {
   switch (style) {
-    case LrDecayStyle::kConstant: return "constant";
-    case LrDecayStyle::kLinear: return "linear";
-    case LrDecayStyle::kCosine: return "cosine";
+    case LrDecayStyle::kConstant:
+      return "constant";
+    case LrDecayStyle::kLinear:
+      return "linear";
+    case LrDecayStyle::kCosine:
+      return "cosine";
   }
   return "?";
 }
 
 const char* to_string(WdIncrStyle style) {
   switch (style) {
-    case WdIncrStyle::kConstant: return "constant";
-    case WdIncrStyle::kLinear: return "linear";
-    case WdIncrStyle::kCosine: return "cosine";
+    case WdIncrStyle::kConstant:
+      return "constant";
+    case WdIncrStyle::kLinear:
+      return "linear";
+    case WdIncrStyle::kCosine:
+      return "cosine";
   }
   return "?";
 }

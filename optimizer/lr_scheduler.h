@@ -34,17 +34,17 @@ enum class LrDecayStyle { kConstant, kLinear, kCosine };
 enum class WdIncrStyle { kConstant, kLinear, kCosine };
 
 struct LrScheduleConfig {
-  double max_lr = 1e-3;         // > 0: the LR after warm-up (the optimizer groups' base LR)
-  double min_lr = 0.0;          // in [0, max_lr]: the LR after decay_steps
-  double init_lr = 0.0;         // in [0, max_lr]: the LR at step 0 of the warm-up
-  int64_t warmup_steps = 0;     // >= 0; 0 = no warm-up
-  int64_t decay_steps = 0;      // > warmup_steps unless constant: the step where the decay reaches min_lr
+  double max_lr = 1e-3;      // > 0: the LR after warm-up (the optimizer groups' base LR)
+  double min_lr = 0.0;       // in [0, max_lr]: the LR after decay_steps
+  double init_lr = 0.0;      // in [0, max_lr]: the LR at step 0 of the warm-up
+  int64_t warmup_steps = 0;  // >= 0; 0 = no warm-up
+  int64_t decay_steps = 0;   // > warmup_steps unless constant: the step where the decay reaches min_lr
   LrDecayStyle decay_style = LrDecayStyle::kConstant;
   // Weight decay increments (Megatron's start/end_weight_decay). Unset (negative) start_wd and
   // end_wd: the scheduler leaves weight decay alone.
-  double start_wd = -1.0;       // >= 0 to schedule weight decay
-  double end_wd = -1.0;         // >= 0 to schedule weight decay
-  int64_t wd_incr_steps = 0;    // > 0 unless constant
+  double start_wd = -1.0;     // >= 0 to schedule weight decay
+  double end_wd = -1.0;       // >= 0 to schedule weight decay
+  int64_t wd_incr_steps = 0;  // > 0 unless constant
   WdIncrStyle wd_incr_style = WdIncrStyle::kConstant;
 
   bool schedules_weight_decay() const { return start_wd >= 0 && end_wd >= 0; }

@@ -5,8 +5,8 @@
 // static_assert below says so. Also the text of the enum and group-rule fields.
 #pragma once
 
-#include "mesh/config_fields.h"
-#include "optimizer/distributed_optimizer.h"
+#include "../mesh/config_fields.h"
+#include "distributed_optimizer.h"
 
 #include <span>
 #include <string>
@@ -17,7 +17,7 @@
 namespace meshddp {
 
 inline constexpr std::pair<OptimizerKind, const char*> kOptimizerKindNames[] = {{OptimizerKind::kAdamW, "adamw"},
-                                                                                  {OptimizerKind::kSgd, "sgd"}};
+                                                                                {OptimizerKind::kSgd, "sgd"}};
 inline constexpr std::pair<FusedStep, const char*> kFusedStepNames[] = {
     {FusedStep::kAuto, "auto"}, {FusedStep::kAlways, "always"}, {FusedStep::kNever, "never"}};
 inline std::span<const std::pair<OptimizerKind, const char*>> enum_names(OptimizerKind) { return kOptimizerKindNames; }
@@ -59,7 +59,8 @@ inline constexpr auto kOptimizerConfigFields = std::make_tuple(
     field("overlap_param_gather", &DistributedOptimizerConfig::overlap_param_gather),
     field("fused_step", &DistributedOptimizerConfig::fused_step));
 
-static_assert(std::tuple_size_v<decltype(kOptimizerConfigFields)> == aggregate_field_count<DistributedOptimizerConfig>(),
+static_assert(std::tuple_size_v<decltype(kOptimizerConfigFields)> ==
+                  aggregate_field_count<DistributedOptimizerConfig>(),
               "a field of DistributedOptimizerConfig is missing from kOptimizerConfigFields "
               "(optimizer/optimizer_config_fields.h): add it there so it is validated, agreed across ranks, settable "
               "from Python and shown by repr");

@@ -7,8 +7,8 @@
 namespace meshddp {
 
 std::vector<BucketShard> shard_buckets(const BucketLayout& layout, int64_t dp_rank, int64_t dp_size) {
-  TORCH_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "shard_buckets: DP rank ", dp_rank,
-              " is not in [0, ", dp_size, ")");
+  TORCH_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "shard_buckets: DP rank ", dp_rank, " is not in [0, ",
+              dp_size, ")");
   std::vector<BucketShard> shards;
   shards.reserve(layout.buckets.size());
   for (int64_t b = 0; b < static_cast<int64_t>(layout.buckets.size()); ++b) {

@@ -7,7 +7,7 @@
 // one param with one rank's range.
 #pragma once
 
-#include "grad_buffer/bucket_layout.h"
+#include "../grad_buffer/bucket_layout.h"
 
 #include <cstdint>
 #include <vector>
@@ -15,17 +15,17 @@
 namespace meshddp {
 
 struct ShardSegment {
-  int64_t param = -1;         // param index (registration order among trainable params)
-  int64_t param_offset = 0;   // first element, in the flattened param
-  int64_t shard_offset = 0;   // first element, in this rank's shard of the bucket
+  int64_t param = -1;        // param index (registration order among trainable params)
+  int64_t param_offset = 0;  // first element, in the flattened param
+  int64_t shard_offset = 0;  // first element, in this rank's shard of the bucket
   int64_t numel = 0;
 };
 
 struct BucketShard {
   int64_t bucket = -1;
   int64_t buffer = -1;
-  int64_t begin = 0;  // in the flat buffer
-  int64_t numel = 0;  // n / dp
+  int64_t begin = 0;                   // in the flat buffer
+  int64_t numel = 0;                   // n / dp
   std::vector<ShardSegment> segments;  // in buffer order
 };
 

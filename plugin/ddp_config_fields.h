@@ -4,27 +4,27 @@
 // added to DdpConfig or GradBufferConfig must be added here: the static_assert below says so.
 #pragma once
 
-#include "mesh/config_fields.h"
-#include "plugin/distributed_data_parallel.h"
+#include "../mesh/config_fields.h"
+#include "distributed_data_parallel.h"
 
 #include <tuple>
 
 namespace meshddp {
 
-inline constexpr auto kDdpConfigFields = std::make_tuple(
-    field("bucket_bytes", &DdpConfig::bucket_bytes),  // upper bound: GradBufferConfig::validate()
-    field("overlap_grad_reduce", &DdpConfig::overlap_grad_reduce),
-    field("grad_reduce_in_fp32", &DdpConfig::grad_reduce_in_fp32),
-    field("pad_for_reduce_scatter", &DdpConfig::pad_for_reduce_scatter),
-    field("find_unused_parameters", &DdpConfig::find_unused_parameters),
-    field("use_distributed_optimizer", &DdpConfig::use_distributed_optimizer),
-    field("gradient_accumulation_fusion", &DdpConfig::gradient_accumulation_fusion),
-    field("check_for_nan_in_grad", &DdpConfig::check_for_nan_in_grad),
-    field("comm_hook", &DdpConfig::comm_hook),  // a built-in hook's name: GradBufferConfig::validate()
-    field("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0),
-    field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
-    field("broadcast_buffers", &DdpConfig::broadcast_buffers),
-    field("tp_replica_check_interval", &DdpConfig::tp_replica_check_interval, kNonNegative));
+inline constexpr auto kDdpConfigFields =
+    std::make_tuple(field("bucket_bytes", &DdpConfig::bucket_bytes),  // upper bound: GradBufferConfig::validate()
+                    field("overlap_grad_reduce", &DdpConfig::overlap_grad_reduce),
+                    field("grad_reduce_in_fp32", &DdpConfig::grad_reduce_in_fp32),
+                    field("pad_for_reduce_scatter", &DdpConfig::pad_for_reduce_scatter),
+                    field("find_unused_parameters", &DdpConfig::find_unused_parameters),
+                    field("use_distributed_optimizer", &DdpConfig::use_distributed_optimizer),
+                    field("gradient_accumulation_fusion", &DdpConfig::gradient_accumulation_fusion),
+                    field("check_for_nan_in_grad", &DdpConfig::check_for_nan_in_grad),
+                    field("comm_hook", &DdpConfig::comm_hook),  // a built-in hook's name: GradBufferConfig::validate()
+                    field("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0),
+                    field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
+                    field("broadcast_buffers", &DdpConfig::broadcast_buffers),
+                    field("tp_replica_check_interval", &DdpConfig::tp_replica_check_interval, kNonNegative));
 
 // DdpConfig counts its GradBufferConfig base as one initializer.
 static_assert(std::tuple_size_v<decltype(kDdpConfigFields)> ==

@@ -1,10 +1,10 @@
 #include "plugin/distributed_data_parallel.h"
 
 #include "mesh/collectives.h"
-#include "plugin/ddp_config_fields.h"
-#include "plugin/tp_dim.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
+#include "plugin/ddp_config_fields.h"
+#include "plugin/tp_dim.h"
 
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
@@ -39,8 +39,9 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only
     ++count;
     std::ostringstream v;
     v << span.numel() << " x " << key.grad_dtype << ", "
-      << (key.tp_partial ? "all-reduce over the mesh"
-                         : buffer.config().use_distributed_optimizer ? "reduce-scatter" : "all-reduce")
+      << (key.tp_partial                              ? "all-reduce over the mesh"
+          : buffer.config().use_distributed_optimizer ? "reduce-scatter"
+                                                      : "all-reduce")
       << ", first param '" << buffer.params()[span.params.front()].name << "'";
     out.push_back({"bucket " + std::to_string(b), v.str()});
   }
@@ -67,22 +68,27 @@ std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vect
 std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
                       const std::vector<std::string>& dp_dims) {
   TORCH_INTERNAL_ASSERT(dim_names.size() == dim_sizes.size());
-  TORCH_CHECK(!dp_dims.empty(), "DistributedDataParallel: no DP dim given; name the dim(s) gradients are averaged over");
+  TORCH_CHECK(!dp_dims.empty(),
+              "DistributedDataParallel: no DP dim given; name the dim(s) gradients are averaged over");
   std::string all, dp_list;
-  for (size_t d = 0; d < dim_names.size(); ++d) all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
+  for (size_t d = 0; d < dim_names.size(); ++d)
+    all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
   for (size_t d = 0; d < dp_dims.size(); ++d) dp_list += (d ? "', '" : "") + dp_dims[d];
   const std::string what = dp_dims.size() == 1 ? "the DP dim" : "one of the DP dims '" + dp_list + "'";
   for (const auto& dp_dim : dp_dims) {
     TORCH_CHECK(std::find(dim_names.begin(), dim_names.end(), dp_dim) != dim_names.end(),
                 "DistributedDataParallel: the mesh (", all, ") has no dim named '", dp_dim, "' (", what, ")");
   }
-  const auto is_dp = [&](const std::string& name) { return std::find(dp_dims.begin(), dp_dims.end(), name) != dp_dims.end(); };
+  const auto is_dp = [&](const std::string& name) {
+    return std::find(dp_dims.begin(), dp_dims.end(), name) != dp_dims.end();
+  };
   std::vector<std::string> others;
   for (size_t d = 0; d < dim_names.size(); ++d) {
     if (!is_dp(dim_names[d]) && dim_sizes[d] > 1) others.push_back(dim_names[d]);
   }
   TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh (", all, ") has ", others.size(), " dims besides ",
-              dp_dims.size() == 1 ? "the DP dim '" : "the DP dims '", dp_list, "' with more than one rank; meshddp syncs over a ",
+              dp_dims.size() == 1 ? "the DP dim '" : "the DP dims '", dp_list,
+              "' with more than one rank; meshddp syncs over a ",
               dp_dims.size() == 1 ? "DP x TP mesh, " : "(DP dims) x TP mesh, ",
               "so give it one with a single model-parallel dim (or sub-groups built for DP x TP)");
   return others.empty() ? "" : others.front();
@@ -166,9 +172,10 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
       failed_ranks = verdict.item<int64_t>();
     }
     TORCH_CHECK(mismatch.empty(), mismatch);
-    TORCH_CHECK(failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
-                "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
-                "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
+    TORCH_CHECK(
+        failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+        "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
+        "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
   std::vector<NamedTensor> state, tp_replicated_state;
   for (const auto& p : unique_params_) {
@@ -217,10 +224,10 @@ void DdpEngine::before_forward() {
 void DdpEngine::maybe_check_tp_replicas() {
   const int64_t every = config_.tp_replica_check_interval;
   if (!groups_.tp || every == 0 || tp_replicated_.empty()) return;
-  const int64_t step = buffer_->syncs_completed();
+  const int64_t step = buffer_->stats().syncs_completed;
   if (step < 1 || (step - 1) % every != 0 || step == last_replica_check_) return;
   last_replica_check_ = step;
-  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // the params must be this step's
+  if (ParamGather* gather = param_gather()) gather->wait_all();  // the params must be this step's
   std::vector<NamedTensor> tensors;
   for (const auto& p : tp_replicated_) tensors.push_back({p.name, p.param});
   verify_tp_replicas_identical(*groups_.tp, tensors, step);
@@ -228,7 +235,7 @@ void DdpEngine::maybe_check_tp_replicas() {
 
 void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
   buffer_->check_no_sync_pending("DistributedDataParallel::load_state_dict");
-  if (ParamGather* gather = buffer_->param_gather()) gather->wait_all();  // it would overwrite what we load
+  if (ParamGather* gather = param_gather()) gather->wait_all();  // it would overwrite what we load
   std::unordered_map<std::string, at::Tensor> targets;
   std::vector<std::string> required;
   for (const auto& p : unique_params_) {
@@ -260,7 +267,7 @@ void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor
   }
   c10::NoGradGuard no_grad;
   for (const auto& item : state) targets.at(item.key()).detach().copy_(item.value());
-  buffer_->notify_params_changed();
+  if (ParamBuffer* params = buffer_->param_buffer()) params->notify_params_changed();
 }
 
 at::Tensor DdpEngine::main_grad(const std::string& name) const {

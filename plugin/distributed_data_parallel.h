@@ -14,9 +14,9 @@
 //   optimizer.step();
 #pragma once
 
-#include "grad_buffer/grad_buffer.h"
-#include "mesh/device_mesh.h"
-#include "plugin/model_sync.h"
+#include "../grad_buffer/grad_buffer.h"
+#include "../mesh/device_mesh.h"
+#include "model_sync.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
@@ -35,12 +35,12 @@ struct DdpConfig : GradBufferConfig {
   // grad_reduce_in_fp32 (false), pad_for_reduce_scatter (false), find_unused_parameters (false),
   // use_distributed_optimizer (false: set it to pair with DistributedOptimizer, which then owns the
   // param update and all-gather).
-  bool broadcast_from_rank0 = true;   // at construction, every DP rank takes DP rank 0's params and buffers,
-                                      // then every TP rank takes TP rank 0's replicated (non-sharded) ones
-  bool verify_model_across_ranks = true;  // at construction, check every DP rank has the same parameters
-  bool broadcast_buffers = true;      // PyTorch DDP's default: before each training forward (grad mode on,
-                                      // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
-                                      // (one flat broadcast per dtype). Nothing is done when the model has none
+  bool broadcast_from_rank0 = true;         // at construction, every DP rank takes DP rank 0's params and buffers,
+                                            // then every TP rank takes TP rank 0's replicated (non-sharded) ones
+  bool verify_model_across_ranks = true;    // at construction, check every DP rank has the same parameters
+  bool broadcast_buffers = true;            // PyTorch DDP's default: before each training forward (grad mode on,
+                                            // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
+                                            // (one flat broadcast per dtype). Nothing is done when the model has none
   int64_t tp_replica_check_interval = 100;  // with TP > 1: at the first forward of step 1 and of every N-th
                                             // step after (1, 1+N, ...), compare a bit-exact checksum of each
                                             // TP-replicated param across the TP group and name the first one
@@ -89,6 +89,8 @@ class DdpEngine {
   void load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
   // false for micro-batches before the last: backward only accumulates, no sync. Default true.
   void set_is_last_microbatch(bool is_last) { buffer_->set_is_last_microbatch(is_last); }
+  // PyTorch DDP's register_comm_hook: replaces how each bucket is reduced (GradBuffer::register_comm_hook).
+  void register_comm_hook(std::shared_ptr<CommHook> hook) { buffer_->register_comm_hook(std::move(hook)); }
 
   // RAII scope in which backward only accumulates (PyTorch's no_sync()).
   class NoSyncGuard {
@@ -108,8 +110,11 @@ class DdpEngine {
 
   // The synced gradient of a trainable parameter by module path (fp32 with grad_reduce_in_fp32).
   at::Tensor main_grad(const std::string& name) const;
-  GradBuffer& grad_buffer() { return *buffer_; }
-  const GradBuffer& grad_buffer() const { return *buffer_; }
+  // The gradient buffer, as its users see it (the optimizer, checkpoints, Python, benchmarks):
+  // read-only but for finish_grad_sync(), and its ZeRO-1 param buffer.
+  GradBufferHandle grad_buffer() const { return *buffer_; }
+  // The param all-gather of the distributed optimizer (null without use_distributed_optimizer).
+  ParamGather* param_gather() const { return buffer_->param_buffer() ? &buffer_->param_buffer()->gather() : nullptr; }
   c10d::ProcessGroup& dp_group() const { return *dp_group_; }
   const DdpConfig& config() const { return config_; }
 
@@ -133,7 +138,9 @@ class DdpEngine {
                 "return a Tensor or a std::vector<Tensor> to walk the autograd graph from");
   }
   // Open for the duration of forward: ops wait for pending param all-gathers of their own params.
-  ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(buffer_->param_gather()); }
+  ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(param_gather()); }
+  // The whole GradBuffer, for subclasses that feed it gradients of their own (plugin/python/).
+  GradBuffer& buffer() { return *buffer_; }
 
  private:
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,

@@ -23,7 +23,8 @@ std::string describe_tensor(const NamedTensor& t) {
 }
 
 // Each rank's list as text, one entry per line, gathered to every rank.
-std::vector<std::vector<std::string>> gather_descriptions(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
+std::vector<std::vector<std::string>> gather_descriptions(c10d::ProcessGroup& group,
+                                                          const std::vector<NamedTensor>& tensors,
                                                           const std::string& what) {
   std::string mine;
   for (const auto& t : tensors) mine += describe_tensor(t) + "\n";
@@ -55,8 +56,8 @@ void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::v
     for (size_t i = 0; i < std::max(ref.size(), other.size()); ++i) {
       const std::string expected = i < ref.size() ? ref[i] : "(nothing)";
       const std::string actual = i < other.size() ? other[i] : "(nothing)";
-      TORCH_CHECK(expected == actual, "DistributedDataParallel: the model differs across data-parallel ranks: ",
-                  what, " #", i, " is ", expected, " on ", rank_name(0), " but ", actual, " on ", rank_name(r), " (",
+      TORCH_CHECK(expected == actual, "DistributedDataParallel: the model differs across data-parallel ranks: ", what,
+                  " #", i, " is ", expected, " on ", rank_name(0), " but ", actual, " on ", rank_name(r), " (",
                   ref.size(), " vs ", other.size(), " ", what,
                   "s in all). Build the same model, in the same registration order, on every rank");
     }
@@ -92,10 +93,14 @@ namespace {
 at::Tensor bit_checksum(const at::Tensor& t) {
   const at::Tensor flat = t.detach().contiguous().reshape({-1});
   switch (flat.element_size()) {
-    case 1: return flat.view(at::kByte).sum(at::kLong);
-    case 2: return flat.view(at::kShort).sum(at::kLong);
-    case 4: return flat.view(at::kInt).sum(at::kLong);
-    default: return flat.view(at::kLong).sum(at::kLong);
+    case 1:
+      return flat.view(at::kByte).sum(at::kLong);
+    case 2:
+      return flat.view(at::kShort).sum(at::kLong);
+    case 4:
+      return flat.view(at::kInt).sum(at::kLong);
+    default:
+      return flat.view(at::kLong).sum(at::kLong);
   }
 }
 
@@ -120,9 +125,10 @@ void verify_tp_replicas_identical(c10d::ProcessGroup& tp_group, const std::vecto
     if (same) continue;
     std::ostringstream checksums;
     for (int64_t r = 0; r < tp; ++r) checksums << (r ? ", " : "") << "TP rank " << r << ": " << v[r * n + i];
-    TORCH_CHECK(false, "DistributedDataParallel: parameter '", tensors[i].name, "' is replicated over TP but its copies ",
-                "differ across the TP ranks of ", describe_group(tp_group), " at step ", step, " (bit checksums ",
-                checksums.str(), "). Most likely its gradient is partial over TP (a norm or bias applied to sequence-",
+    TORCH_CHECK(false, "DistributedDataParallel: parameter '", tensors[i].name,
+                "' is replicated over TP but its copies ", "differ across the TP ranks of ", describe_group(tp_group),
+                " at step ", step, " (bit checksums ", checksums.str(),
+                "). Most likely its gradient is partial over TP (a norm or bias applied to sequence-",
                 "sharded activations under sequence parallelism) and nothing sums it: give its module the ",
                 "SequenceParallelNorm plan style, or call meshddp::declare_sequence_parallel_param() on it before ",
                 "wrapping the model. (DdpConfig::tp_replica_check_interval sets how often this is checked)");

@@ -5,7 +5,7 @@
 // in the same order.
 #pragma once
 
-#include "mesh/config_fields.h"  // Setting, verify_same_settings_across_ranks
+#include "../mesh/config_fields.h"  // Setting, verify_same_settings_across_ranks
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

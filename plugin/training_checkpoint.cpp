@@ -1,10 +1,9 @@
 #include "plugin/training_checkpoint.h"
 
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <set>
 
@@ -18,14 +17,14 @@ struct Parts {
 
 Parts parts_of(const TrainingState& state) {
   TORCH_CHECK(state.module && state.ddp, "checkpoint: TrainingState needs module and ddp");
-  TORCH_CHECK(!(state.distributed_optimizer && state.optimizer),
-              "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
-  const GradBuffer& buffer = state.ddp->grad_buffer();
-  const SyncGroups& g = buffer.groups();
+  TORCH_CHECK(
+      !(state.distributed_optimizer && state.optimizer),
+      "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
+  const SyncGroups& g = state.ddp->grad_buffer()->groups();
   Parts p;
-  p.mesh = {g.world ? g.world : g.dp, buffer.dp_rank(), buffer.dp_size(), g.tp_rank, g.tp_size};
-  p.dp_rank = buffer.dp_rank();
-  p.dp_size = buffer.dp_size();
+  p.mesh = {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
+  p.dp_rank = g.dp_rank();
+  p.dp_size = g.dp_size();
   p.tp_rank = g.tp_rank;
   return p;
 }
@@ -110,7 +109,7 @@ std::string save_checkpoint(const TrainingState& state, const std::string& dir, 
                           /*for_save=*/true);
       }
     }
-    meta.optimizer = JsonValue(JsonValue::Object{{"kind", JsonValue(kind.kind)}, {"step", JsonValue(opt_step)}});
+    meta.optimizer = {{"kind", kind.kind}, {"step", opt_step}};
   }
   return save_checkpoint_files(parts.mesh, dir, meta, tensors, options);
 }
@@ -122,7 +121,7 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
   std::set<std::string> model_keys;
   std::vector<CheckpointTensor> wanted;
   size_t module_count = 0;
-  const JsonValue& saved_optimizer = reader.meta().optimizer;
+  const Json& saved_optimizer = reader.meta().optimizer;
   // Torch optimizer: fresh tensors, installed as its state after the commit.
   struct TorchSlot {
     at::Tensor param;
@@ -136,16 +135,17 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
     module_count = wanted.size();
     if (state.distributed_optimizer) {
       state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
-      for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
-      optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+      for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false))
+        wanted.push_back(std::move(t));
+      optimizer_step = json_int(json_at(saved_optimizer, "step", reader.path()), "optimizer.step");
     } else if (state.optimizer) {
       const TorchOptimizerState kind = torch_kind(*state.optimizer);
       TORCH_CHECK(!saved_optimizer.is_null(), "checkpoint '", reader.path(), "' holds no optimizer state; load it ",
                   "without an optimizer in the TrainingState, or start the optimizer afresh");
-      const std::string saved_kind = saved_optimizer.at("kind", reader.path()).as_string("optimizer.kind");
+      const std::string saved_kind = json_string(json_at(saved_optimizer, "kind", reader.path()), "optimizer.kind");
       TORCH_CHECK(saved_kind == kind.kind, "checkpoint '", reader.path(), "' holds ", saved_kind,
                   " state but this optimizer is ", kind.kind);
-      optimizer_step = saved_optimizer.at("step", reader.path()).as_int("optimizer.step");
+      optimizer_step = json_int(json_at(saved_optimizer, "step", reader.path()), "optimizer.step");
       for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
         if (!item.value().requires_grad()) continue;
         TorchSlot slot{item.value(), {}};

@@ -9,9 +9,9 @@
 //   auto loaded = meshddp::load_checkpoint(state, "ckpt");             // latest complete; loaded.step
 #pragma once
 
-#include "checkpoint/store.h"
-#include "optimizer/distributed_optimizer.h"
-#include "plugin/distributed_data_parallel.h"
+#include "../checkpoint/store.h"
+#include "../optimizer/distributed_optimizer.h"
+#include "distributed_data_parallel.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -25,8 +25,8 @@ struct TrainingState {
   torch::nn::Module* module = nullptr;  // required: params (trainable and frozen) and buffers
   DdpEngine* ddp = nullptr;             // required: its groups say who writes what, and agree over the mesh
   DistributedOptimizer* distributed_optimizer = nullptr;  // ZeRO-1: saves trainable params and state; or
-  torch::optim::Optimizer* optimizer = nullptr;  // torch::optim::AdamW or SGD over the module's params
-                                                 // (replicated over DP); or neither: model only
+  torch::optim::Optimizer* optimizer = nullptr;           // torch::optim::AdamW or SGD over the module's params
+                                                          // (replicated over DP); or neither: model only
 };
 
 // Collective over every rank of the mesh: writes <dir>/step-<step>/ and moves <dir>/latest to it.
@@ -36,9 +36,9 @@ std::string save_checkpoint(const TrainingState& state, const std::string& dir, 
                             const CheckpointValues& values = {}, const CheckpointSaveOptions& options = {});
 
 struct LoadedCheckpoint {
-  std::string path;          // <dir>/step-<N>
-  int64_t step = 0;          // the step given to save_checkpoint
-  CheckpointValues values;   // as saved
+  std::string path;         // <dir>/step-<N>
+  int64_t step = 0;         // the step given to save_checkpoint
+  CheckpointValues values;  // as saved
 };
 
 // Collective: loads `dir`'s latest complete checkpoint (or step-<step>) into the state, at this

@@ -19,6 +19,7 @@ save_safetensors() (no dependency beyond torch).
 """
 import argparse
 import json
+import math
 import os
 import re
 import stat
@@ -37,6 +38,7 @@ MAX_HEADER_BYTES = 100 << 20      # as the C++ reader
 MAX_MANIFEST_BYTES = 1 << 30     # as kMaxManifestBytes
 MAX_LATEST_BYTES = 4096           # as kMaxLatestBytes
 MAX_ELEMENTS = 1 << 60
+MAX_JSON_DEPTH = 64               # as kMaxJsonDepth
 VERSION = 3
 CHECKSUM_KEY = b'"manifest_crc32c"'
 
@@ -131,9 +133,54 @@ def _no_duplicates(pairs):
     return out
 
 
+def _int64(text):
+    v = int(text)
+    if not -(1 << 63) <= v < (1 << 63):
+        raise CheckpointError(f"integer {text} out of range (not an int64)")
+    return v
+
+
+def _finite(text):
+    v = float(text)
+    if not math.isfinite(v):
+        raise CheckpointError(f"number {text} out of range (not a finite double)")
+    return v
+
+
+def _no_constant(name):
+    raise CheckpointError(f"{name} is not JSON")
+
+
+def _check_strings_and_depth(value):
+    """Note [Strict JSON] in checkpoint/json.h: no lone surrogate in a string (Python's json reads
+    "\\ud800" as one), nesting at most MAX_JSON_DEPTH."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else None
+        if items is not None:
+            if depth + 1 > MAX_JSON_DEPTH:
+                raise CheckpointError(f"nesting deeper than {MAX_JSON_DEPTH} levels")
+            for k, child in items:
+                todo.append((k, depth + 1))
+                todo.append((child, depth + 1))
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CheckpointError(f"a lone surrogate in the string {v!r}") from None
+
+
 def _parse_json(data, what):
+    """The same JSON the C++ reader takes (Note [Strict JSON] in checkpoint/json.h): no duplicate
+    keys, integers within int64, finite numbers only (no NaN, Infinity, 1e999), no lone surrogates,
+    nesting at most 64 deep; Python's json already refuses the rest (bad escapes, raw control
+    characters, leading zeros, a byte-order mark, trailing bytes)."""
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_int=_int64,
+                           parse_float=_finite, parse_constant=_no_constant)
+        _check_strings_and_depth(value)
+        return value
     except CheckpointError as e:
         raise CheckpointError(f"{what} is not valid: {e}") from None
     except UnicodeDecodeError as e:

@@ -106,6 +106,12 @@ for s in "${stages[@]}"; do
     bench) targets+=(ddp_bench fused_step_bench) ;;
   esac
 done
+# The JSON headers (scripts/gpu_deps.sh carried the wheel): installed offline, so setup.sh finds them.
+json_wheel="$(ls "$root"/.gpu_deps/nlohmann_json-3.12.0-*.whl 2>/dev/null | head -1)"
+if [ -n "$json_wheel" ]; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 "$root/.venv/bin/python" -m pip install --quiet --no-deps --no-index "$json_wheel" >>"$log" 2>&1 ||
+    note "installing $json_wheel failed (see the log)"
+fi
 # Set-up and configure (no timeout needed: no network, seconds), then the build under its timeout.
 if ! bash "$root/scripts/setup.sh" >>"$log" 2>&1; then
   echo "setup: FAILED (no .venv with torch 2.11.0 and no network to make one; see the log)" >>"$summary"; failed+=(setup); finish

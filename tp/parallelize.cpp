@@ -1,7 +1,7 @@
 #include "tp/parallelize.h"
 
-#include "tp/glob_match.h"
 #include "mesh/placement.h"
+#include "tp/glob_match.h"
 #include "tp/tp_layers.h"
 
 #include <torch/nn/modules/normalization.h>
@@ -87,7 +87,8 @@ void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::ve
       bool covered = false;
       for (const Match& m : matches) covered = covered || m.path == item.key();
       TORCH_CHECK(covered, "parallelize: under sequence parallelism every LayerNorm runs on a sequence shard, so '",
-                  item.key(), "' must be in the plan (SequenceParallelNorm); its gradient would otherwise be a partial ",
+                  item.key(),
+                  "' must be in the plan (SequenceParallelNorm); its gradient would otherwise be a partial ",
                   "sum over TP that no one sums");
     }
   }

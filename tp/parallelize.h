@@ -20,7 +20,7 @@
 // DDP's TP-replica check (DdpConfig::tp_replica_check_interval) names any that slip through.
 #pragma once
 
-#include "mesh/device_mesh.h"
+#include "../mesh/device_mesh.h"
 
 #include <torch/nn/module.h>
 
@@ -37,9 +37,9 @@ struct ColwiseParallel {
   int64_t unit = 1;
   std::string unit_name = "features";
 };
-struct RowwiseParallel {};       // Linear: split input features; its input is a column-parallel output
-struct VocabParallel {};         // Embedding: split the vocabulary (lookup and tied output projection)
-struct SequenceSharded {};       // Embedding (positions): replicated; output sharded along the sequence (SP only)
+struct RowwiseParallel {};  // Linear: split input features; its input is a column-parallel output
+struct VocabParallel {};    // Embedding: split the vocabulary (lookup and tied output projection)
+struct SequenceSharded {};  // Embedding (positions): replicated; output sharded along the sequence (SP only)
 // Any module applied to sequence-sharded activations under SP whose params are replicated (a
 // LayerNorm, torch::nn::LayerNorm, a user's RMSNorm, a qk-norm): all its params get gradients that
 // are partial sums over TP, summed by DDP once per step. No-op without SP.

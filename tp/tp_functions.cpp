@@ -105,7 +105,8 @@ at::Tensor all_gather_dim(const at::Tensor& x, int64_t dim, Group& group) {
   const int64_t n = group.getSize();
   at::Tensor flat = x.contiguous().view({-1});
   at::Tensor out = at::empty({n * flat.numel()}, flat.options());
-  wait_collective(all_gather_into(group, out, flat, "a tensor-parallel all-gather"), group, "a tensor-parallel all-gather");
+  wait_collective(all_gather_into(group, out, flat, "a tensor-parallel all-gather"), group,
+                  "a tensor-parallel all-gather");
   std::vector<int64_t> shape{n};
   shape.insert(shape.end(), x.sizes().begin(), x.sizes().end());
   return at::cat(out.view(shape).unbind(0), dim);
@@ -117,8 +118,8 @@ at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, Group& group) {
               " does not divide by the TP size ", n, "; make the sequence length a multiple of TP");
   at::Tensor stacked = at::stack(x.chunk(n, dim), 0).contiguous();  // [n, ...chunk...]
   at::Tensor out = at::empty(stacked.sizes().slice(1), x.options());
-  wait_collective(reduce_scatter_sum(group, out.view({-1}), stacked.view({-1}), "a tensor-parallel reduce-scatter"), group,
-                  "a tensor-parallel reduce-scatter");
+  wait_collective(reduce_scatter_sum(group, out.view({-1}), stacked.view({-1}), "a tensor-parallel reduce-scatter"),
+                  group, "a tensor-parallel reduce-scatter");
   return out;
 }
 
@@ -131,7 +132,9 @@ at::Tensor local_chunk(const at::Tensor& x, int64_t dim, Group& group) {
 
 at::Tensor copy_to_tp(const at::Tensor& x, Group* g) { return trivial(g) ? x : CopyToTp::apply(x, g); }
 at::Tensor reduce_from_tp(const at::Tensor& x, Group* g) { return trivial(g) ? x : ReduceFromTp::apply(x, g); }
-at::Tensor gather_last_dim(const at::Tensor& x, Group* g) { return trivial(g) ? x : GatherDim::apply(x, x.dim() - 1, g); }
+at::Tensor gather_last_dim(const at::Tensor& x, Group* g) {
+  return trivial(g) ? x : GatherDim::apply(x, x.dim() - 1, g);
+}
 at::Tensor gather_sequence(const at::Tensor& x, Group* g) { return trivial(g) ? x : GatherSequence::apply(x, g); }
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, Group* g) {
   return trivial(g) ? x : ReduceScatterSequence::apply(x, g);

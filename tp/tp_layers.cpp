@@ -45,7 +45,8 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) : in_features(in
 
 LinearImpl::LinearImpl(torch::Tensor shared_weight)
     : in_features(shared_weight.size(1)), out_features(shared_weight.size(0)) {
-  TORCH_CHECK(shared_weight.dim() == 2, "tp::Linear: a shared weight must be 2-D [out, in], got ", shared_weight.sizes());
+  TORCH_CHECK(shared_weight.dim() == 2, "tp::Linear: a shared weight must be 2-D [out, in], got ",
+              shared_weight.sizes());
   weight = register_parameter("weight", std::move(shared_weight));
 }
 
@@ -141,7 +142,8 @@ using torch::autograd::variable_list;
 
 // Megatron's vocab-parallel cross-entropy: per-token loss = log(sum_v exp(z_v - m)) - (z_t - m).
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets, Group* g) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
+                               Group* g) {
     const int64_t vocab_local = logits.size(1), start = g->getRank() * vocab_local;
     auto max = std::get<0>(logits.detach().max(1));
     all_reduce_max_now(*g, max, "the max logit of a vocab-parallel cross-entropy");

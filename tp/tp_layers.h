@@ -9,7 +9,7 @@
 // (same TensorImpl, so optimizers and DDP see the local shard) and records each one's Placement.
 #pragma once
 
-#include "tp/tp_functions.h"
+#include "tp_functions.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

@@ -10,9 +10,6 @@
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
-#include "mesh/collectives.h"
-#include "optimizer/distributed_optimizer.h"
-#include "plugin/distributed_data_parallel.h"
 
 #include <torch/torch.h>
 
@@ -20,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <meshddp/meshddp.h>
 #include <string>
 #include <thread>
 
@@ -37,8 +35,9 @@ struct Flags {
 };
 
 std::string usage_line() {
-  return std::string("[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
-                     "[--distributed-optimizer] ") +
+  return std::string(
+             "[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
+             "[--distributed-optimizer] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
@@ -60,12 +59,18 @@ Flags parse(int argc, char** argv) {
     const std::string value = argv[++i];
     using examples::parse_int_flag;
     try {
-      if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, value, 1);
-      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, value, 0));
-      else if (arg == "--hidden") f.hidden = parse_int_flag(arg, value, 1);
-      else if (arg == "--layers") f.layers = parse_int_flag(arg, value, 1);
-      else if (arg == "--bucket-mb") f.bucket_mb = examples::parse_float_flag(arg, value, 0.0, true);
-      else if (!examples::parse_run_flag(arg, value, f.run)) usage_and_exit(argv[0], "unknown flag " + arg);
+      if (arg == "--global-batch")
+        f.global_batch = parse_int_flag(arg, value, 1);
+      else if (arg == "--seed")
+        f.seed = static_cast<uint64_t>(parse_int_flag(arg, value, 0));
+      else if (arg == "--hidden")
+        f.hidden = parse_int_flag(arg, value, 1);
+      else if (arg == "--layers")
+        f.layers = parse_int_flag(arg, value, 1);
+      else if (arg == "--bucket-mb")
+        f.bucket_mb = examples::parse_float_flag(arg, value, 0.0, true);
+      else if (!examples::parse_run_flag(arg, value, f.run))
+        usage_and_exit(argv[0], "unknown flag " + arg);
     } catch (const examples::FlagError& e) {
       usage_and_exit(argv[0], e.what());
     }
@@ -108,10 +113,12 @@ int main(int argc, char** argv) {
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / ranks_here)));
 
     const int64_t world = std::getenv("WORLD_SIZE") ? std::atoll(std::getenv("WORLD_SIZE")) : 1;
-    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}, examples::mesh_options(flags.run));
+    meshddp::DeviceMesh mesh =
+        meshddp::DeviceMesh::from_env({world, 1}, {"dp", "tp"}, examples::mesh_options(flags.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "ddp_example");  // before the flags shape anything
     const int64_t dp = mesh.size("dp"), dp_rank = mesh.coordinate("dp");
-    TORCH_CHECK(flags.global_batch % dp == 0, "--global-batch ", flags.global_batch, " must divide by the DP size ", dp);
+    TORCH_CHECK(flags.global_batch % dp == 0, "--global-batch ", flags.global_batch, " must divide by the DP size ",
+                dp);
     const int64_t local_batch = flags.global_batch / dp;
     constexpr int64_t kIn = 64, kOut = 16;
 
@@ -143,9 +150,10 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t numel = 0;
       for (const auto& p : model->parameters()) numel += p.numel();
-      std::fprintf(stderr, "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
-                  mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer().layout().buckets.size(),
-                  static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
+      std::fprintf(stderr,
+                   "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
+                   mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer()->layout().buckets.size(),
+                   static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
     }
     examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
                                              mesh.rank(), flags.seed, flags.global_batch);
@@ -182,7 +190,7 @@ int main(int argc, char** argv) {
         skipped.on_step(step, result, mesh.rank() == 0);
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
-        result.grad_norm = examples::synced_grad_norm(ddp.grad_buffer());
+        result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
         optimizer->step();
       }
       if (!result.skipped) schedule.step();

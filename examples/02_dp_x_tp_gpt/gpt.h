@@ -7,12 +7,10 @@
 // all-gathers keys and values over CP (docs/context_parallel.md).
 #pragma once
 
-#include "tp/tp_functions.h"
-#include "tp/tp_layers.h"
-
 #include <torch/torch.h>
 
 #include <cmath>
+#include <meshddp/meshddp.h>
 
 namespace gpt {
 

@@ -3,7 +3,8 @@
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt.h"
-#include "tp/parallelize.h"
+
+#include <meshddp/meshddp.h>
 
 namespace gpt {
 
@@ -11,15 +12,15 @@ inline std::vector<meshddp::PlanEntry> tp_plan(const Config& c) {
   using namespace meshddp;
   const ColwiseParallel heads{.unit = c.head_dim(), .unit_name = "heads"};
   std::vector<PlanEntry> plan{
-      {"wte", VocabParallel{}},                 // vocab-split lookup; tied LM head gives vocab-split logits
-      {"wpe", SequenceSharded{}},               // under SP: each rank keeps its sequence chunk
-      {"blocks.*.attn.q", heads},               // heads split across TP ranks
+      {"wte", VocabParallel{}},    // vocab-split lookup; tied LM head gives vocab-split logits
+      {"wpe", SequenceSharded{}},  // under SP: each rank keeps its sequence chunk
+      {"blocks.*.attn.q", heads},  // heads split across TP ranks
       {"blocks.*.attn.k", heads},
       {"blocks.*.attn.v", heads},
-      {"blocks.*.attn.o", RowwiseParallel{}},   // back to full width (all-reduce / reduce-scatter)
+      {"blocks.*.attn.o", RowwiseParallel{}},  // back to full width (all-reduce / reduce-scatter)
       {"blocks.*.mlp.fc1", ColwiseParallel{}},
       {"blocks.*.mlp.fc2", RowwiseParallel{}},
-      {"blocks.*.ln*", SequenceParallelNorm{}}, // under SP: norms on sequence shards, partial grads
+      {"blocks.*.ln*", SequenceParallelNorm{}},  // under SP: norms on sequence shards, partial grads
       {"ln_f", SequenceParallelNorm{}},
   };
   // A tied LM head module shares wte's tensor: column-parallel splits it on the vocab dim, as

@@ -11,21 +11,19 @@
 // summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
 // tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
-#include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
-#include "mesh/collectives.h"
-#include "optimizer/distributed_optimizer.h"
-#include "plugin/distributed_data_parallel.h"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <meshddp/meshddp.h>
 #include <string>
 #include <thread>
 
@@ -37,18 +35,22 @@ struct Flags {
   int64_t global_batch = 16;
   uint64_t seed = 0;
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
 
 std::string usage_line() {
-  return std::string("--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
-                     "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+  return std::string(
+             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] "
+             "[--global-batch N] "
+             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
-[[noreturn]] void usage(const char* prog, const std::string& error) { examples::exit_with_usage(prog, error, usage_line()); }
+[[noreturn]] void usage(const char* prog, const std::string& error) {
+  examples::exit_with_usage(prog, error, usage_line());
+}
 
 // Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
 void validate(const Flags& f) {
@@ -56,11 +58,15 @@ void validate(const Flags& f) {
   const auto& m = f.model;
   const auto n = [](int64_t v) { return std::to_string(v); };
   if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
-  if (m.heads % f.tp != 0) throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
-  if (m.vocab % f.tp != 0) throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % f.dp != 0) throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
+  if (m.heads % f.tp != 0)
+    throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
+  if (m.vocab % f.tp != 0)
+    throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
+  if (f.global_batch % f.dp != 0)
+    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
   if (m.seq_len % f.cp != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) + " (each CP rank holds a slice of every sequence)");
+    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
+                    " (each CP rank holds a slice of every sequence)");
   }
   if (f.sequence_parallel && m.seq_len % (f.cp * f.tp) != 0) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
@@ -74,28 +80,44 @@ Flags parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
-    if (arg == "--sequence-parallel") { f.sequence_parallel = true; continue; }
-    if (arg == "--distributed-optimizer") { f.distributed_optimizer = true; continue; }
+    if (arg == "--sequence-parallel") {
+      f.sequence_parallel = true;
+      continue;
+    }
+    if (arg == "--distributed-optimizer") {
+      f.distributed_optimizer = true;
+      continue;
+    }
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
     using examples::parse_int_flag;
     try {
-      if (arg == "--dp") f.dp = parse_int_flag(arg, v, 1);
-      else if (arg == "--tp") f.tp = parse_int_flag(arg, v, 1);
-      else if (arg == "--cp") f.cp = parse_int_flag(arg, v, 1);
-      else if (arg == "--global-batch") f.global_batch = parse_int_flag(arg, v, 1);
-      else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
+      if (arg == "--dp")
+        f.dp = parse_int_flag(arg, v, 1);
+      else if (arg == "--tp")
+        f.tp = parse_int_flag(arg, v, 1);
+      else if (arg == "--cp")
+        f.cp = parse_int_flag(arg, v, 1);
+      else if (arg == "--global-batch")
+        f.global_batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--seed")
+        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {
         if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
         f.optimizer = v;
-      }
-      else if (arg == "--layers") f.model.layers = parse_int_flag(arg, v, 1);
-      else if (arg == "--dim") f.model.dim = parse_int_flag(arg, v, 1);
-      else if (arg == "--heads") f.model.heads = parse_int_flag(arg, v, 1);
-      else if (arg == "--seq-len") f.model.seq_len = parse_int_flag(arg, v, 1);
-      else if (arg == "--vocab") f.model.vocab = parse_int_flag(arg, v, 1);
-      else if (!examples::parse_run_flag(arg, v, f.run)) usage(argv[0], "unknown flag " + arg);
+      } else if (arg == "--layers")
+        f.model.layers = parse_int_flag(arg, v, 1);
+      else if (arg == "--dim")
+        f.model.dim = parse_int_flag(arg, v, 1);
+      else if (arg == "--heads")
+        f.model.heads = parse_int_flag(arg, v, 1);
+      else if (arg == "--seq-len")
+        f.model.seq_len = parse_int_flag(arg, v, 1);
+      else if (arg == "--vocab")
+        f.model.vocab = parse_int_flag(arg, v, 1);
+      else if (!examples::parse_run_flag(arg, v, f.run))
+        usage(argv[0], "unknown flag " + arg);
     } catch (const examples::FlagError& e) {
       usage(argv[0], e.what());
     }
@@ -114,12 +136,12 @@ int main(int argc, char** argv) {
   const Flags f = parse(argc, argv);
   try {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
-                                                        std::max(1, local_world ? std::atoi(local_world) : 1))));
+    at::set_num_threads(static_cast<int>(
+        std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
     // A "cp" dim only with --cp > 1, so that DP x TP runs keep their 2-D mesh.
-    meshddp::DeviceMesh mesh = f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"},
-                                                                         examples::mesh_options(f.run))
-                                        : meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
+    meshddp::DeviceMesh mesh =
+        f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"}, examples::mesh_options(f.run))
+                 : meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
     torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
@@ -130,7 +152,8 @@ int main(int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
-    const std::vector<std::string> dp_dims = f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+    const std::vector<std::string> dp_dims =
+        f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
@@ -147,7 +170,8 @@ int main(int argc, char** argv) {
       if (sgd) {
         adamw = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(f.run.lr));
       } else {
-        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(),
+                                                      torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
       }
       schedule.attach(*adamw);
     }
@@ -162,15 +186,17 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
-      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n", mesh.describe().c_str(),
-                   f.sequence_parallel ? ", sequence parallel" : "", f.distributed_optimizer ? ", ZeRO-1" : "",
-                   static_cast<long long>(n), static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
+      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
+                   mesh.describe().c_str(), f.sequence_parallel ? ", sequence parallel" : "",
+                   f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
+                   static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
     checkpoints.track(schedule);
     const int64_t first_step = checkpoints.resume();
-    examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(), mesh.rank() == 0);
+    examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(),
+                                mesh.rank() == 0);
     examples::SkippedSteps skipped(f.run.max_skipped_steps);
     const auto named = model->named_parameters();
     const auto first_param = named.begin();
@@ -181,12 +207,14 @@ int main(int argc, char** argv) {
       ddp.zero_grad_buffer();
       const double lr = schedule.lr();
       // This DP rank's sequences, this CP rank's slice of each: tokens [cp_rank * slice, (cp_rank + 1) * slice).
-      const auto mine = [&](const torch::Tensor& t) { return t.narrow(0, dp_rank * local, local).narrow(1, cp_rank * slice, slice); };
+      const auto mine = [&](const torch::Tensor& t) {
+        return t.narrow(0, dp_rank * local, local).narrow(1, cp_rank * slice, slice);
+      };
       auto logits = ddp.forward(mine(ids));
       // The mean over this rank's tokens: slices are equal, so the DP x CP gradient mean is the
       // gradient of the whole batch's mean.
-      auto loss = meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}),
-                                             mesh["tp"].get());
+      auto loss =
+          meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mesh["tp"].get());
       inject.before_backward(step, mesh.rank());
       loss.backward();
       inject.after_backward();
@@ -196,7 +224,7 @@ int main(int argc, char** argv) {
         skipped.on_step(step, result, mesh.rank() == 0);
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
-        result.grad_norm = examples::synced_grad_norm(ddp.grad_buffer());
+        result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
         adamw->step();
       }
       if (!result.skipped) schedule.step();

@@ -3,16 +3,17 @@
 // few SGD steps; every rank also trains a copy of the model alone on the whole global batch (the
 // one-process golden) and checks that both models' params agree after every step. Exit 0 and
 // "consumer: ok" on every rank, else exit 1 naming the step and the difference.
-#include <meshddp/meshddp.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <meshddp/meshddp.h>
 
 namespace {
 
 struct Mlp : torch::nn::Module {
-  Mlp() : fc1(register_module("fc1", torch::nn::Linear(8, 16))), fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  Mlp()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))), fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
   torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
   torch::nn::Linear fc1, fc2;
 };
@@ -23,8 +24,8 @@ int main() {
   const int64_t world = std::atoll(std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE") : "1");
   auto mesh = meshddp::DeviceMesh::from_env({world}, {"dp"});
   const int64_t rank = mesh.rank();
-  std::printf("consumer: rank %lld of %lld, meshddp %s (built against torch %s)\n", (long long)rank,
-              (long long)world, MESHDDP_VERSION, MESHDDP_BUILT_WITH_TORCH);
+  std::printf("consumer: rank %lld of %lld, meshddp %s (built against torch %s)\n", (long long)rank, (long long)world,
+              MESHDDP_VERSION, MESHDDP_BUILT_WITH_TORCH);
 
   torch::manual_seed(0);
   auto model = std::make_shared<Mlp>();
@@ -44,8 +45,8 @@ int main() {
     auto y = torch::randn({per_rank * world, 4});
 
     ddp.zero_grad_buffer();
-    auto mine = torch::mse_loss(ddp.forward(x.narrow(0, rank * per_rank, per_rank)),
-                                y.narrow(0, rank * per_rank, per_rank));
+    auto mine =
+        torch::mse_loss(ddp.forward(x.narrow(0, rank * per_rank, per_rank)), y.narrow(0, rank * per_rank, per_rank));
     mine.backward();
     ddp.finish_grad_sync();  // grads: the DP mean
     opt.step();

@@ -16,16 +16,14 @@
 // global batch are saved as user values; resuming with another seed or global batch is refused.
 #pragma once
 
-#include "optimizer/lr_scheduler.h"
-#include "checkpoint/safetensors.h"
-#include "plugin/training_checkpoint.h"
-
 #include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
 
@@ -78,7 +76,11 @@ class ExampleCheckpoints {
  public:
   ExampleCheckpoints(CheckpointFlags flags, meshddp::TrainingState state, int64_t rank, uint64_t seed,
                      int64_t global_batch)
-      : f_(std::move(flags)), state_(state), rank_(rank), seed_(static_cast<int64_t>(seed)), global_batch_(global_batch) {
+      : f_(std::move(flags)),
+        state_(state),
+        rank_(rank),
+        seed_(static_cast<int64_t>(seed)),
+        global_batch_(global_batch) {
     TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
   }
 
@@ -109,8 +111,9 @@ class ExampleCheckpoints {
     const meshddp::LoadedCheckpoint& loaded = *found;
     const auto value = [&](const char* key) { return int_value(loaded, key); };
     TORCH_CHECK(value("seed") == seed_ && value("global_batch") == global_batch_, "checkpoint '", loaded.path,
-                "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"), "; this run has --seed ",
-                seed_, " --global-batch ", global_batch_, ": pass the same ones to continue the same run");
+                "' was trained with --seed ", value("seed"), " --global-batch ", value("global_batch"),
+                "; this run has --seed ", seed_, " --global-batch ", global_batch_,
+                ": pass the same ones to continue the same run");
     if (schedule_ != nullptr) {
       meshddp::SchedulerState saved;
       for (const auto& [key, v] : loaded.values) {
@@ -148,7 +151,8 @@ class ExampleCheckpoints {
     const int done = step + 1;
     if (!f_.any() || !(done == steps || (f_.save_every > 0 && done % f_.save_every == 0))) return;
     const auto start = std::chrono::steady_clock::now();
-    meshddp::CheckpointValues values{{"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}};
+    meshddp::CheckpointValues values{
+        {"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}};
     if (schedule_ != nullptr) {
       for (const auto& [key, v] : schedule_->state()) values[kSchedulePrefix + key] = v;
     }
@@ -157,7 +161,9 @@ class ExampleCheckpoints {
     const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values, options);
     if (rank_ == 0) {
       int64_t bytes = 0;
-      for (const std::string& name : meshddp::list_directory(path)) bytes += meshddp::file_bytes(path + "/" + name);
+      for (const auto& entry : std::filesystem::directory_iterator(path)) {
+        if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+      }
       std::fprintf(stderr, "# saved '%s' (%lld bytes) in %.0f ms\n", path.c_str(), static_cast<long long>(bytes),
                    ms_since(start));
     }
@@ -165,7 +171,9 @@ class ExampleCheckpoints {
 
  private:
   static const char* type_name(const meshddp::CheckpointValue& v) {
-    return std::holds_alternative<int64_t>(v) ? "an integer" : std::holds_alternative<double>(v) ? "a number" : "a string";
+    return std::holds_alternative<int64_t>(v)  ? "an integer"
+           : std::holds_alternative<double>(v) ? "a number"
+                                               : "a string";
   }
   // The saved value `key`, which this example saved as an integer.
   static int64_t int_value(const meshddp::LoadedCheckpoint& loaded, const std::string& key) {

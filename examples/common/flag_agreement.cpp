@@ -1,10 +1,9 @@
 #include "examples/common/flag_agreement.h"
 
-#include "mesh/collectives.h"
-
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <meshddp/meshddp.h>
 #include <sstream>
 
 namespace examples {
@@ -20,7 +19,8 @@ std::vector<std::pair<std::string, std::string>> flags_of_command_line(int argc,
   return {flags.begin(), flags.end()};
 }
 
-void verify_same_flags_across_ranks(const meshddp::DeviceMesh& mesh, int argc, char** argv, const std::string& program) {
+void verify_same_flags_across_ranks(const meshddp::DeviceMesh& mesh, int argc, char** argv,
+                                    const std::string& program) {
   std::string mine;
   for (const auto& [flag, value] : flags_of_command_line(argc, argv)) mine += flag + "\n" + value + "\n";
   c10d::ProcessGroup& world = *mesh.world();

@@ -3,8 +3,7 @@
 // at start compares the whole command line across the mesh and names the first flag that differs.
 #pragma once
 
-#include "mesh/device_mesh.h"
-
+#include <meshddp/meshddp.h>
 #include <string>
 #include <utility>
 #include <vector>

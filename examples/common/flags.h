@@ -1,4 +1,5 @@
-// Flag parsing shared by the examples: one strict parser per value type, so `--steps 1e3`,
+// Flag parsing shared by the examples and the benchmark (bench/bench_flags.cpp): one strict parser per
+// value type, so `--steps 1e3`,
 // `--steps 0` and `--lr 1e-2x` are refused with a message naming the flag instead of being read as
 // 1, accepted, or truncated. Pure string handling: no torch, no communication.
 #pragma once
@@ -11,6 +12,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace examples {
 
@@ -52,6 +54,17 @@ inline double parse_float_flag(const std::string& flag, const std::string& text,
     throw FlagError(flag + " must be " + (inclusive ? ">= " : "> ") + std::to_string(min) + ", got " + text);
   }
   return value;
+}
+
+// One of `known` (e.g. --lr-decay-style constant|linear|cosine).
+inline std::string parse_choice_flag(const std::string& flag, const std::string& text,
+                                     const std::vector<std::string>& known) {
+  std::string list;
+  for (const std::string& k : known) {
+    if (text == k) return text;
+    list += (list.empty() ? "" : ", ") + k;
+  }
+  throw FlagError(flag + ": '" + text + "' is not one of " + list);
 }
 
 // "STEP:RANK" (e.g. --inject-nan 3:1), both >= 0.

@@ -1,9 +1,8 @@
 #include "examples/common/step_log.h"
 
-#include <sys/resource.h>
-
 #include <cmath>
 #include <numeric>
+#include <sys/resource.h>
 
 #ifdef MESHDDP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -69,9 +68,10 @@ void StepLogger::summary() const {
   if (!enabled_ || times_.empty()) return;
   // Mean over the steps after the warm-up (all of them when the run is that short).
   const size_t first = times_.size() > static_cast<size_t>(kWarmupSteps) ? kWarmupSteps : 0;
-  const double mean = std::accumulate(times_.begin() + first, times_.end(), 0.0) / static_cast<double>(times_.size() - first);
-  std::fprintf(out_, "# summary: %zu steps, mean step time %.1f ms (steps %zu-%zu)", times_.size(), mean * 1e3, first + 1,
-               times_.size());
+  const double mean =
+      std::accumulate(times_.begin() + first, times_.end(), 0.0) / static_cast<double>(times_.size() - first);
+  std::fprintf(out_, "# summary: %zu steps, mean step time %.1f ms (steps %zu-%zu)", times_.size(), mean * 1e3,
+               first + 1, times_.size());
   if (tokens_per_sample_ > 0) {
     std::fprintf(out_, ", %.0f tokens/s", static_cast<double>(samples_ * tokens_per_sample_) / mean);
   }

@@ -13,12 +13,12 @@
 namespace examples {
 
 struct StepRecord {
-  int64_t step = 0;        // 0-based
-  double loss = 0;         // global-batch mean
-  double lr = 0;           // the LR this step used
-  double grad_norm = 0;    // global L2 norm before clipping (NaN when unknown or non-finite)
-  double seconds = 0;      // wall time of the step
-  bool skipped = false;    // the optimizer skipped it (non-finite gradients)
+  int64_t step = 0;      // 0-based
+  double loss = 0;       // global-batch mean
+  double lr = 0;         // the LR this step used
+  double grad_norm = 0;  // global L2 norm before clipping (NaN when unknown or non-finite)
+  double seconds = 0;    // wall time of the step
+  bool skipped = false;  // the optimizer skipped it (non-finite gradients)
 };
 
 // "123.4 MiB RSS" (peak resident set of this process) on CPU, "56.7 MiB CUDA peak allocated" on GPU.

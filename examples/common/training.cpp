@@ -1,7 +1,5 @@
 #include "examples/common/training.h"
 
-#include "mesh/collectives.h"
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
@@ -51,18 +49,6 @@ void NanInjector::after_backward() {
   hook_ = -1;
 }
 
-double synced_grad_norm(const meshddp::GradBuffer& buffer) {
-  const int64_t tp_rank = buffer.groups().tp_rank;
-  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer.params().size()); ++i) {
-    if (!buffer.placement(i).counts_on_tp_rank(tp_rank)) continue;
-    sum += at::linalg_vector_norm(buffer.main_grad(i), 2).to(at::kDouble).square().cpu();
-  }
-  meshddp::all_reduce_sum_now(buffer.stats_group(), sum, "the example's gradient norm");
-  // The stats group spans DP too, where every DP rank holds the same mean: count it once.
-  return std::sqrt(sum.item<double>() / static_cast<double>(buffer.dp_size()));
-}
-
 void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool print) {
   if (!result.skipped) {
     consecutive_ = 0;
@@ -70,8 +56,9 @@ void SkippedSteps::on_step(int64_t step, const meshddp::StepResult& result, bool
   }
   ++consecutive_;
   if (print) {
-    std::fprintf(stderr, "step %lld skipped (%lld in a row, --max-skipped-steps %lld): %s\n", static_cast<long long>(step),
-                 static_cast<long long>(consecutive_), static_cast<long long>(max_), result.report.c_str());
+    std::fprintf(stderr, "step %lld skipped (%lld in a row, --max-skipped-steps %lld): %s\n",
+                 static_cast<long long>(step), static_cast<long long>(consecutive_), static_cast<long long>(max_),
+                 result.report.c_str());
     std::fflush(stderr);
   }
   TORCH_CHECK(consecutive_ < max_, "stopping: ", consecutive_, " consecutive steps skipped for non-finite gradients ",

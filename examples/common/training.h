@@ -1,16 +1,13 @@
 // What both examples' training loops share besides flags and the log: the mesh options and the LR
-// schedule the flags ask for, the --inject-nan gradient hook, the plain-DDP gradient norm, and the
-// ZeRO-1 skipped-step policy (--max-skipped-steps).
+// schedule the flags ask for, the --inject-nan gradient hook and the ZeRO-1 skipped-step policy
+// (--max-skipped-steps). The plain-DDP gradient norm is the library's (tp/grad_norm.h).
 #pragma once
 
 #include "examples/common/run_flags.h"
-#include "grad_buffer/grad_buffer.h"
-#include "mesh/device_mesh.h"
-#include "optimizer/distributed_optimizer.h"
-#include "optimizer/lr_scheduler.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <meshddp/meshddp.h>
 #include <string>
 
 namespace examples {
@@ -26,7 +23,8 @@ meshddp::LrScheduleConfig lr_schedule(const RunFlags& f);
 // collective).
 class NanInjector {
  public:
-  NanInjector(StepRank at, at::Tensor param, std::string name) : at_(at), param_(std::move(param)), name_(std::move(name)) {}
+  NanInjector(StepRank at, at::Tensor param, std::string name)
+      : at_(at), param_(std::move(param)), name_(std::move(name)) {}
   // Call before backward: arms the hook if this is the step and the rank.
   void before_backward(int64_t step, int64_t rank);
   // Call after backward: disarms it.
@@ -38,11 +36,6 @@ class NanInjector {
   std::string name_;
   int64_t hook_ = -1;
 };
-
-// Global L2 norm of the DP-mean gradients after finish_grad_sync() (plain DDP), each element once
-// over DP x TP (TP-sharded params on every TP rank, replicated ones on TP rank 0). One all-reduce
-// over the buffer's stats group: every rank must call it.
-double synced_grad_norm(const meshddp::GradBuffer& buffer);
 
 // Prints "<program> (rank R): <message>" to stderr in one write(2), so that the reports of ranks
 // failing at the same moment (every rank throws the same error) do not interleave mid-line.

@@ -19,7 +19,10 @@
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 
-// Tensor parallelism: layers, plans, and the linear that writes its weight gradient into the buffer.
+// Tensor parallelism: layers, plans, the linear that writes its weight gradient into the buffer, and
+// the gradient norm and clipping over DP x TP (plain DDP).
+#include "tp/grad_norm.h"
 #include "tp/linear_with_grad_in_buffer.h"
 #include "tp/parallelize.h"
+#include "tp/tp_functions.h"
 #include "tp/tp_layers.h"

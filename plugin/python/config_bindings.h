@@ -40,12 +40,18 @@ py::object to_python(const T& v) {
 // What a field of type T takes from Python, for messages.
 template <typename T>
 const char* python_type_text() {
-  if constexpr (std::is_same_v<T, bool>) return "True or False";
-  else if constexpr (std::is_integral_v<T>) return "an int";
-  else if constexpr (std::is_floating_point_v<T>) return "a float";
-  else if constexpr (std::is_same_v<T, std::string>) return "a str";
-  else if constexpr (std::is_enum_v<T>) return "a str naming a value";
-  else return "a list of (pattern, lr or None, weight_decay or None)";
+  if constexpr (std::is_same_v<T, bool>)
+    return "True or False";
+  else if constexpr (std::is_integral_v<T>)
+    return "an int";
+  else if constexpr (std::is_floating_point_v<T>)
+    return "a float";
+  else if constexpr (std::is_same_v<T, std::string>)
+    return "a str";
+  else if constexpr (std::is_enum_v<T>)
+    return "a str naming a value";
+  else
+    return "a list of (pattern, lr or None, weight_decay or None)";
 }
 
 // `value` as the field's type; a wrong type (a bool for a number included) or a negative size is an
@@ -121,16 +127,20 @@ void bind_config_fields(py::class_<Config>& cls, const Fields& fields, const cha
           c = changed;
         });
   });
-  cls.def_static("field_names", [fields] {
-    py::list names;
-    for_each_field(fields, [&](const auto& f) { names.append(f.name); });
-    return py::tuple(names);
-  }, "the names of every field, from the C++ field list");
+  cls.def_static(
+      "field_names",
+      [fields] {
+        py::list names;
+        for_each_field(fields, [&](const auto& f) { names.append(f.name); });
+        return py::tuple(names);
+      },
+      "the names of every field, from the C++ field list");
   cls.def("__repr__", [fields, python_name](const Config& c) {
     std::string out = std::string(python_name) + "(";
     bool first = true;
     for_each_field(fields, [&](const auto& f) {
-      out += (first ? "" : ", ") + std::string(f.name) + "=" + py::cast<std::string>(py::repr(to_python(c.*(f.member))));
+      out +=
+          (first ? "" : ", ") + std::string(f.name) + "=" + py::cast<std::string>(py::repr(to_python(c.*(f.member))));
       first = false;
     });
     return out + ")";

@@ -6,21 +6,20 @@
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
-#include "tp/linear_with_grad_in_buffer.h"
 #include "plugin/python/config_bindings.h"
-#include "plugin/tp_dim.h"
 #include "plugin/python/python_ddp.h"
+#include "plugin/tp_dim.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include <torch/csrc/utils/pybind.h>
 
-#include <execinfo.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <exception>
+#include <execinfo.h>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 namespace py = pybind11;
@@ -97,7 +96,8 @@ PYBIND11_MODULE(_C, m) {
       "_register_collective_progress",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::intrusive_ptr<c10d::Store>& store,
          std::vector<int64_t> global_ranks, double report_after_s, double timeout_s) {
-        TORCH_CHECK(report_after_s >= 0 && timeout_s > 0, "meshddp.DistributedDataParallel: stuck_report_after must be ",
+        TORCH_CHECK(report_after_s >= 0 && timeout_s > 0,
+                    "meshddp.DistributedDataParallel: stuck_report_after must be ",
                     ">= 0 (0 = off) and timeout > 0 (seconds), got ", report_after_s, " and ", timeout_s);
         auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)); };
         meshddp::register_collective_progress(group, store, std::move(global_ranks), ms(report_after_s), ms(timeout_s));
@@ -105,7 +105,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group"), py::arg("store"), py::arg("global_ranks"), py::arg("report_after_s"), py::arg("timeout_s"),
       "registers a c10d group for meshddp's stuck report and timeout (mesh/collective_progress.h); the store must be "
       "private to the group and the same on all its ranks");
-  m.def("tp_dim_of", static_cast<std::string (*)(const std::vector<std::string>&, const std::vector<int64_t>&, const std::string&)>(&meshddp::tp_dim_of), py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
+  m.def("tp_dim_of",
+        static_cast<std::string (*)(const std::vector<std::string>&, const std::vector<int64_t>&, const std::string&)>(
+            &meshddp::tp_dim_of),
+        py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
         "the C++ rule for which mesh dim is TP: the one dim besides dp_dim with more than one rank ('' if none)");
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
@@ -166,36 +169,32 @@ PYBIND11_MODULE(_C, m) {
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)
-      .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer().is_last_microbatch(); })
+      .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer()->is_last_microbatch(); })
       .def("check_before_forward", &PythonDdp::check_before_forward, Release())  // TP check, buffer broadcast
       .def("open_forward_scope", &PythonDdp::open_forward_scope, Release())
       .def("mark_unused", &PythonDdp::mark_unused, Release())
       .def("main_grad", &PythonDdp::main_grad)
       .def("param_names", &PythonDdp::param_names)
-      .def("grad_buffer_bytes",
-           [](const PythonDdp& d) {
-             int64_t bytes = 0;
-             for (const auto& spec : d.grad_buffer().layout().buffers) {
-               bytes += spec.numel * static_cast<int64_t>(c10::elementSize(spec.key.grad_dtype));
-             }
-             return bytes;
-           })
-      .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer().layout().buckets.size(); })
-      .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer().buckets_launched_by_hooks(); })
-      .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer().grads_written_in_place(); })
+      .def("grad_buffer_bytes", [](const PythonDdp& d) { return d.grad_buffer()->grad_buffer_bytes(); })
+      .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
+      .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer()->stats().buckets_launched_by_hooks; })
+      .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer()->stats().grads_written_in_place; })
       // Around writing new values into the params (load_state_dict): no sync pending, pending param
       // all-gathers done first (they would overwrite what is loaded); afterwards the distributed
       // optimizer refreshes its fp32 masters before its next step.
       .def("before_params_written",
            [](PythonDdp& d, const std::string& who) {
-             d.grad_buffer().check_no_sync_pending(who.c_str());
-             if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+             d.grad_buffer()->check_no_sync_pending(who.c_str());
+             if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
            },
            Release())
-      .def("notify_params_changed", [](PythonDdp& d) { d.grad_buffer().notify_params_changed(); })
+      .def("notify_params_changed",
+           [](PythonDdp& d) {
+             if (meshddp::ParamBuffer* params = d.grad_buffer().param_buffer()) params->notify_params_changed();
+           })
       .def("pending_param_gathers",
            [](PythonDdp& d) {
-             const meshddp::ParamGather* gather = d.grad_buffer().param_gather();
+             const meshddp::ParamGather* gather = d.param_gather();
              return gather ? gather->pending() : 0;
            })
       // Before reading the params (state_dict): pending param all-gathers (ZeRO-1 with
@@ -203,7 +202,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "finish_param_gathers",
           [](PythonDdp& d) {
-            if (meshddp::ParamGather* gather = d.grad_buffer().param_gather()) gather->wait_all();
+            if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
           },
           Release())
       // ZeRO-1 ownership for DistributedOptimizer.state_dict(): for DP rank `dp_rank` (any, not only
@@ -213,10 +212,10 @@ PYBIND11_MODULE(_C, m) {
       .def("zero1_segments",
            [](const PythonDdp& d, int64_t dp_rank) {
              const meshddp::GradBuffer& buffer = d.grad_buffer();
-             TORCH_CHECK(dp_rank >= 0 && dp_rank < buffer.dp_size(), "meshddp: dp_rank ", dp_rank, " is not in [0, ",
-                         buffer.dp_size(), ")");
+             TORCH_CHECK(dp_rank >= 0 && dp_rank < buffer.groups().dp_size(), "meshddp: dp_rank ", dp_rank, " is not in [0, ",
+                         buffer.groups().dp_size(), ")");
              std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> out;
-             for (const auto& shard : meshddp::shard_buckets(buffer.layout(), dp_rank, buffer.dp_size())) {
+             for (const auto& shard : meshddp::shard_buckets(buffer.layout(), dp_rank, buffer.groups().dp_size())) {
                for (const auto& seg : shard.segments) {
                  const meshddp::NamedParam& p = buffer.params()[seg.param];
                  out.emplace_back(p.name, seg.param_offset, seg.numel, p.param.numel());
@@ -235,43 +234,47 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &DistributedOptimizer::step, Release())
       .def("finish_param_sync", &DistributedOptimizer::finish_param_sync, Release())
       .def("reload_masters_from_params", &DistributedOptimizer::reload_masters_from_params, Release())
-      .def("save_checkpoint",
-           [](DistributedOptimizer& o, const std::string& dir, int64_t keep_last) {
-             meshddp::CheckpointSaveOptions options;
-             options.keep_last = keep_last;
-             return o.save_checkpoint(dir, options);
-           },
-           py::arg("dir"), py::arg("keep_last") = 0, Release())
-      .def("load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },
-           Release())
+      .def(
+          "save_checkpoint",
+          [](DistributedOptimizer& o, const std::string& dir, int64_t keep_last) {
+            meshddp::CheckpointSaveOptions options;
+            options.keep_last = keep_last;
+            return o.save_checkpoint(dir, options);
+          },
+          py::arg("dir"), py::arg("keep_last") = 0, Release())
+      .def(
+          "load_checkpoint", [](DistributedOptimizer& o, const std::string& dir) { return o.load_checkpoint(dir); },
+          Release())
       // DistributedOptimizer.state_dict(): this rank's optimizer state as views (no copies) into its
       // shards, per segment (state kind: "master" (bf16/fp16 params only: an fp32 param is its own
       // master), "exp_avg", "exp_avg_sq" or "momentum_buffer"; param name; view; first element in the
       // flattened local param). Note [What a ZeRO-1 rank saves] in optimizer/checkpoint.cpp.
-      .def("state_pieces",
-           [](DistributedOptimizer& o) {
-             std::vector<std::tuple<std::string, std::string, at::Tensor, int64_t>> out;
-             for (const auto& piece : o.checkpoint_tensors(/*for_save=*/false)) {
-               if (piece.key.rfind("optim/", 0) != 0) continue;
-               const std::string rest = piece.key.substr(6);
-               const size_t slash = rest.find('/');
-               TORCH_INTERNAL_ASSERT(slash != std::string::npos, "checkpoint key '", piece.key, "'");
-               out.emplace_back(rest.substr(0, slash), rest.substr(slash + 1), piece.data, piece.begin);
-             }
-             return out;
-           },
-           Release())
+      .def(
+          "state_pieces",
+          [](DistributedOptimizer& o) {
+            std::vector<std::tuple<std::string, std::string, at::Tensor, int64_t>> out;
+            for (const auto& piece : o.checkpoint_tensors(/*for_save=*/false)) {
+              if (piece.key.rfind("optim/", 0) != 0) continue;
+              const std::string rest = piece.key.substr(6);
+              const size_t slash = rest.find('/');
+              TORCH_INTERNAL_ASSERT(slash != std::string::npos, "checkpoint key '", piece.key, "'");
+              out.emplace_back(rest.substr(0, slash), rest.substr(slash + 1), piece.data, piece.begin);
+            }
+            return out;
+          },
+          Release())
       // DistributedOptimizer.load_state_dict(), after the state was written into the views of
       // state_pieces(): the step count, the masters into the param buffer, the param all-gather.
-      .def("finish_state_dict_load",
-           [](DistributedOptimizer& o, int64_t step) {
-             TORCH_CHECK(step >= 0, "meshddp.DistributedOptimizer.load_state_dict: step must be >= 0, got ", step);
-             std::vector<meshddp::CheckpointTensor> wanted = o.checkpoint_tensors(/*for_save=*/false);
-             std::vector<at::Tensor> loaded;
-             for (const auto& piece : wanted) loaded.push_back(piece.data);
-             o.finish_checkpoint_load(wanted, loaded, step);
-           },
-           py::arg("step"), Release())
+      .def(
+          "finish_state_dict_load",
+          [](DistributedOptimizer& o, int64_t step) {
+            TORCH_CHECK(step >= 0, "meshddp.DistributedOptimizer.load_state_dict: step must be >= 0, got ", step);
+            std::vector<meshddp::CheckpointTensor> wanted = o.checkpoint_tensors(/*for_save=*/false);
+            std::vector<at::Tensor> loaded;
+            for (const auto& piece : wanted) loaded.push_back(piece.data);
+            o.finish_checkpoint_load(wanted, loaded, step);
+          },
+          py::arg("step"), Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
       .def("set_group_lr", &DistributedOptimizer::set_group_lr, py::arg("group"), py::arg("lr"))
       .def("set_group_weight_decay", &DistributedOptimizer::set_group_weight_decay, py::arg("group"),
@@ -282,13 +285,14 @@ PYBIND11_MODULE(_C, m) {
       .def("group_weight_decay", &DistributedOptimizer::group_weight_decay, py::arg("group"))
       .def("steps_taken", &DistributedOptimizer::steps_taken)
       .def("lr_of", &DistributedOptimizer::lr_of)
-      .def("memory", [](const DistributedOptimizer& o) {
-        const auto m = o.memory();
-        return py::dict(py::arg("param_buffer_bytes") = m.param_buffer_bytes,
-                        py::arg("grad_buffer_bytes") = m.grad_buffer_bytes,
-                        py::arg("master_weight_bytes") = m.master_weight_bytes,
-                        py::arg("optimizer_state_bytes") = m.optimizer_state_bytes,
-                        py::arg("grad_scratch_bytes") = m.grad_scratch_bytes, py::arg("total") = m.total());
-      })
+      .def("memory",
+           [](const DistributedOptimizer& o) {
+             const auto m = o.memory();
+             return py::dict(py::arg("param_buffer_bytes") = m.param_buffer_bytes,
+                             py::arg("grad_buffer_bytes") = m.grad_buffer_bytes,
+                             py::arg("master_weight_bytes") = m.master_weight_bytes,
+                             py::arg("optimizer_state_bytes") = m.optimizer_state_bytes,
+                             py::arg("grad_scratch_bytes") = m.grad_scratch_bytes, py::arg("total") = m.total());
+           })
       .def_property_readonly("config", [](const DistributedOptimizer& o) { return o.config(); });  // a copy
 }

@@ -50,22 +50,23 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
               dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",
               "buffer holds. Unused DTensor params still work without it: finish_grad_sync() reduces their zeros");
   for (const auto& d : dtensors_) {
-    const int64_t index = index_in_buffer(grad_buffer(), d);
-    grad_buffer().zero_slot_every_step(index);  // the DTensor's AccumulateGrad adds into the slot, not ours
+    const int64_t index = index_in_buffer(buffer(), d);
+    buffer().zero_slot_every_step(index);  // the DTensor's AccumulateGrad adds into the slot, not ours
     auto relay = std::make_unique<Relay>();
     relay->accumulator = torch::autograd::impl::grad_accumulator(d.leaf);
     TORCH_INTERNAL_ASSERT(relay->accumulator, "no grad accumulator for DTensor parameter ", d.name);
-    GradBuffer* buffer = &grad_buffer();
+    GradBuffer* grads = &buffer();
     const size_t which = relays_.size();
     relay->key = relay->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, buffer, index, which](const torch::autograd::variable_list& outputs,
-                                     const torch::autograd::variable_list&) {
+        [this, grads, index, which](const torch::autograd::variable_list& outputs,
+                                    const torch::autograd::variable_list&) {
           const DtensorParam& d = dtensors_[which];
-          TORCH_CHECK(which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
-                      "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",
-                      ".grad was not its slot in meshddp's buffer (was it set to None, e.g. by optimizer.zero_grad()?); ",
-                      "this gradient missed the buffer. Call ddp.zero_grad_buffer() between steps instead");
-          buffer->on_grad_accumulated(index);
+          TORCH_CHECK(
+              which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
+              "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",
+              ".grad was not its slot in meshddp's buffer (was it set to None, e.g. by optimizer.zero_grad()?); ",
+              "this gradient missed the buffer. Call ddp.zero_grad_buffer() between steps instead");
+          grads->on_grad_accumulated(index);
           return outputs;
         }));
     relays_.push_back(std::move(relay));
@@ -106,12 +107,12 @@ void PythonDdp::zero_grad_buffer() {
 }
 
 std::unique_ptr<ParamGather::ForwardScope> PythonDdp::open_forward_scope() const {
-  return std::make_unique<ParamGather::ForwardScope>(grad_buffer().param_gather());
+  return std::make_unique<ParamGather::ForwardScope>(param_gather());
 }
 
 std::vector<std::string> PythonDdp::param_names() const {
   std::vector<std::string> names;
-  for (const auto& p : grad_buffer().params()) names.push_back(p.name);
+  for (const auto& p : grad_buffer()->params()) names.push_back(p.name);
   return names;
 }
 

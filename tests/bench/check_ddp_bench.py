@@ -4,7 +4,8 @@ the copying Reducer holds two, ZeRO-1 halves the optimizer state at DP 2), and t
 bench/cost_model.py reads the JSON. Then a tiny GPT (--model gpt) in fp32 and in bf16 with every
 candidate: the JSON's model fields and parameter count (closed form), the gradient and optimizer
 memory per dtype (bf16 params keep bf16 grads in meshddp; meshddp_fp32_grads holds fp32 grads and fp32
-masters), and that every DDP candidate trained the same model (their last losses agree)."""
+masters), and that every DDP candidate trained the same model (their last losses agree). First, that
+bad flags exit 2 naming the flag (the examples' strict parsers)."""
 import json
 import os
 import subprocess
@@ -12,6 +13,16 @@ import sys
 import tempfile
 
 binary, cost_model = sys.argv[1], sys.argv[2]
+
+# Bad flags are refused by the examples' strict parsers (examples/common/flags.h), before any
+# rendezvous: exit 2, the flag named, the usage printed (no torchrun needed).
+for args, message in [(["--batch", "1e3"], "error: --batch: '1e3' is not an integer"),
+                      (["--reps", "0"], "error: --reps must be in [1, "),
+                      (["--model", "bert"], "error: --model: 'bert' is not one of mlp, gpt")]:
+    out = subprocess.run([binary] + args, capture_output=True, text=True, timeout=60)
+    if out.returncode != 2 or message not in out.stderr or "usage: " not in out.stderr:
+        sys.exit(f"FAILED: ddp_bench {' '.join(args)}: exit {out.returncode}, want 2 and '{message}'\n{out.stderr}")
+
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "bench.json")

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # The C++ package as a user gets it: install the build tree into a fresh prefix, configure and build
 # examples/04_cmake_consumer (its own project: find_package(meshddp CONFIG REQUIRED)) against that
-# prefix only, and run it on 2 ranks under torchrun; it checks its params against a one-process
+# prefix only (with a trainer's own folders named like ours first on its include path), and run it on
+# 2 ranks under torchrun; it checks its params against a one-process
 # golden every step. Then a consumer pointed at a torch of another major.minor is refused at configure
 # time, naming both versions, and one of another patch release is accepted.
-# Usage: check_cmake_consumer.sh <source dir> <build dir> <python of the venv holding torch> <work dir>
+# No compiler cache for the consumer: it sees meshddp's headers as system headers, which a cache set to
+# skip those could take from another tree's install. Usage: check_cmake_consumer.sh <source dir> <build dir> <python of the venv holding torch> <work dir>
 set -euo pipefail
 src="$1" build="$2" python="$3" work="$4"
 rm -rf "$work" && mkdir -p "$work"
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/include/meshddp/meshddp.h"
 test -f "$work/prefix/lib/cmake/meshddp/meshddpConfig.cmake"
-launcher=()
-command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+# A trainer with folders named like ours on its own include path (searched first): every one of our
+# header names there is an #error, so the build fails if one of our headers picks the trainer's.
+(cd "$work/prefix/include/meshddp" && find mesh checkpoint grad_buffer tp optimizer plugin -name '*.h') |
+  while read -r h; do mkdir -p "$work/shadow/$(dirname "$h")"; echo "#error the trainer's own $h was included" > "$work/shadow/$h"; done
 cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer" -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_PREFIX_PATH="$work/prefix" "${launcher[@]}" > "$work/configure.log"
+      -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_FLAGS="-I$work/shadow" > "$work/configure.log"
 grep -q "consumer: meshddp 0" "$work/configure.log"
-cmake --build "$work/consumer" -j 2 > "$work/build.log"
+cmake --build "$work/consumer" -j 2 > "$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
 torchrun="$(dirname "$python")/torchrun"
 "$torchrun" --standalone --nproc-per-node 2 --no-python "$work/consumer/consumer" > "$work/run.log" 2>&1 || {
   cat "$work/run.log"; exit 1; }

@@ -1,9 +1,9 @@
-// The checkpoint format's pure parts: CRC32C, the JSON value, safetensors files, and the resharding
+// The checkpoint format's pure parts: CRC32C, strict JSON, safetensors files, and the resharding
 // arithmetic (checked element by element against torch's own chunk/narrow on real tensors).
-#include "tests/support/error_of.h"
-#include "checkpoint/json_value.h"
+#include "checkpoint/json.h"
 #include "checkpoint/reshard.h"
 #include "checkpoint/safetensors.h"
+#include "tests/support/error_of.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -48,46 +48,85 @@ TEST(Crc32c, MatchesTheStandardCheckValueAndContinues) {
   EXPECT_EQ(crc_hex(0xE3069283u), "0xe3069283");
 }
 
-TEST(JsonValue, RoundTripsIntegersDoublesStringsAndNesting) {
-  JsonValue v(JsonValue::Object{{"int", JsonValue(int64_t{9007199254740993})},  // > 2^53: must stay exact
-                                {"double", JsonValue(0.1)},
-                                {"whole_double", JsonValue(2.0)},
-                                {"text", JsonValue("a \"quoted\"\n\\ string")},
-                                {"list", JsonValue(JsonValue::Array{JsonValue(1), JsonValue(), JsonValue(true)})}});
-  for (int indent : {0, 1}) {
-    const JsonValue back = JsonValue::parse(v.dump(indent), "test");
-    EXPECT_EQ(back.dump(), v.dump());
-    EXPECT_EQ(back.at("int", "t").as_int("int"), int64_t{9007199254740993});
-    EXPECT_FALSE(back.at("whole_double", "t").is_int());
-    EXPECT_EQ(back.at("double", "t").as_double("d"), 0.1);
-    EXPECT_EQ(back.at("text", "t").as_string("s"), "a \"quoted\"\n\\ string");
+TEST(Json, RoundTripsIntegersDoublesStringsAndNesting) {
+  const Json v = {{"int", int64_t{9007199254740993}},  // > 2^53: must stay exact
+                  {"double", 0.1},
+                  {"whole_double", 2.0},
+                  {"text", "a \"quoted\"\n\\ string \x01"},
+                  {"list", Json::array({1, nullptr, true})}};
+  for (int indent : {-1, 1}) {
+    const Json back = parse_json(json_text(v, indent), "test");
+    EXPECT_EQ(json_text(back), json_text(v));
+    EXPECT_EQ(json_int(json_at(back, "int", "t"), "int"), int64_t{9007199254740993});
+    EXPECT_EQ(json_kind(json_at(back, "whole_double", "t")), "number");
+    EXPECT_EQ(json_double(json_at(back, "double", "t"), "d"), 0.1);
+    EXPECT_EQ(json_string(json_at(back, "text", "t"), "s"), "a \"quoted\"\n\\ string \x01");
   }
+  // What a checkpoint written before nlohmann-json holds reads back the same (%.17g doubles).
+  EXPECT_EQ(json_double(parse_json("[0.10000000000000001]", "s")[0], "d"), 0.1);
 }
 
-TEST(JsonValue, ParseErrorsNameTheByteAndTheSource) {
-  EXPECT_THAT(error_of([] { JsonValue::parse("{\"a\": [1, 2}", "'m.json'"); }), HasSubstr("at byte 11 of 'm.json'"));
-  EXPECT_THAT(error_of([] { JsonValue::parse("{} x", "'m.json'"); }), HasSubstr("trailing bytes"));
-  EXPECT_THAT(error_of([] { JsonValue::parse("{\"a\":1,\"a\":2}", "s"); }), HasSubstr("duplicate key"));
-  EXPECT_THAT(error_of([] { JsonValue::parse("[1]", "s").at("x", "the manifest"); }), HasSubstr("expected an object at the manifest"));
+TEST(Json, ParseErrorsNameTheByteAndTheSource) {
+  EXPECT_THAT(error_of([] { parse_json("{\"a\": [1, 2}", "'m.json'"); }), HasSubstr("at byte 11 of 'm.json'"));
+  EXPECT_THAT(error_of([] { parse_json("{} x", "'m.json'"); }),
+              HasSubstr("expected end of input at byte 3 of 'm.json'"));
+  EXPECT_THAT(error_of([] { json_at(parse_json("[1]", "s"), "x", "the manifest"); }),
+              HasSubstr("expected an object at the manifest"));
+  EXPECT_THAT(error_of([] { json_int(parse_json("[1.5]", "s")[0], "shape[0]"); }),
+              HasSubstr("expected an integer at shape[0], got number"));
+}
+
+// Note [Strict JSON]: what nlohmann's own parser takes (keeping the last of two keys, reading an
+// integer past int64 as uint64 or a rounded double, 1e999 as inf) is refused, naming the source.
+TEST(Json, RefusesWhatNlohmannAloneWouldAccept) {
+  const std::string twice = "{\"step\": 1, \"step\": 2}";
+  ASSERT_EQ(Json::parse(twice)["step"], 2) << "the library alone keeps the last";
+  EXPECT_THAT(error_of([&] { parse_json(twice, "'m.json'"); }), HasSubstr("JSON: duplicate key \"step\" in 'm.json'"));
+  EXPECT_NO_THROW(parse_json("[{\"a\": 1}, {\"a\": 2}]", "s")) << "the same key in two objects is fine";
+  for (const char* text :
+       {"[9223372036854775808]", "[18446744073709551615]", "[-9223372036854775809]", "[100000000000000000000]"}) {
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr("out of range (not an int64) in 'm.json'"))
+        << text;
+  }
+  EXPECT_EQ(json_int(parse_json("[9223372036854775807]", "s")[0], "i"), INT64_MAX);
+  EXPECT_EQ(json_int(parse_json("[-9223372036854775808]", "s")[0], "i"), INT64_MIN);
+  EXPECT_THAT(error_of([] { parse_json(std::string(65, '[') + std::string(65, ']'), "'m.json'"); }),
+              HasSubstr("nesting deeper than 64 levels in 'm.json'"));
+  EXPECT_NO_THROW(parse_json(std::string(64, '[') + std::string(64, ']'), "s"));
+  EXPECT_THAT(error_of([] { parse_json("\xEF\xBB\xBF{}", "'m.json'"); }), HasSubstr("byte-order mark"));
 }
 
 // Issue 20's attack: 1e999 parsed as inf (a later, unclear error); "\u12" or "\uZZZZ" read as
 // whatever strtoul made of it; a lone surrogate written out as invalid UTF-8. Each is refused at
-// parse, naming the byte.
-TEST(JsonValue, RefusesNonFiniteNumbersAndMalformedUnicodeEscapes) {
+// parse by nlohmann's own parser, naming the byte.
+TEST(Json, RefusesNonFiniteNumbersAndMalformedUnicodeEscapes) {
   for (const char* text : {"[1e999]", "[-1e999]", "[1e400]"}) {
-    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }),
-                HasSubstr("number out of range (not a finite double) at byte ")) << text;
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr("JSON: number overflow parsing '")) << text;
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr("' at byte ")) << text;
   }
-  EXPECT_EQ(JsonValue::parse("[1e-999]", "s").as_array("a")[0].as_double("d"), 0.0) << "underflow to 0 is finite";
+  EXPECT_EQ(json_double(parse_json("[1e-999]", "s")[0], "d"), 0.0) << "underflow to 0 is finite";
   for (const char* text : {R"(["\u12"])", R"(["\uZZZZ"])", R"(["\u-123"])", R"(["\u 123"])"}) {
-    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }), HasSubstr("escape")) << text;
-  }
-  for (const char* text : {R"(["\ud800"])", R"(["\udc00"])", R"(["\ud800\u0041"])", R"(["\ud800x"])"}) {
-    EXPECT_THAT(error_of([&] { JsonValue::parse(text, "'m.json'"); }), HasSubstr("lone surrogate in a \\u escape at byte "))
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr("'\\u' must be followed by 4 hex digits"))
         << text;
   }
-  EXPECT_EQ(JsonValue::parse(R"(["\ud83d\ude00\u00e9A"])", "s").as_array("a")[0].as_string("s"), "\xF0\x9F\x98\x80\xC3\xA9" "A");
+  for (const char* text : {R"(["\ud800"])", R"(["\udc00"])", R"(["\ud800\u0041"])", R"(["\ud800x"])"}) {
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr("surrogate U+")) << text;
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr(" of 'm.json'")) << text;
+  }
+  for (const char* text : {"[\"a\x01\"]", "[\"\xff\"]", R"(["\q"])", "[01]", "[1.]"}) {
+    EXPECT_THAT(error_of([&] { parse_json(text, "'m.json'"); }), HasSubstr(" of 'm.json'")) << text;
+  }
+  EXPECT_EQ(json_string(parse_json(R"(["\ud83d\ude00\u00e9A"])", "s")[0], "s"),
+            "\xF0\x9F\x98\x80\xC3\xA9"
+            "A");
+}
+
+// A name or value that is not UTF-8 cannot be JSON text: the save refuses it by name; a status
+// message between ranks is written lossy (U+FFFD), so it still arrives.
+TEST(Json, TextThatIsNotUtf8IsRefusedOnWriteOrReplacedWhenLossy) {
+  const Json bad = {{"key", "a\xff"}};
+  EXPECT_THAT(error_of([&] { json_text(bad); }), HasSubstr("must be UTF-8 text"));
+  EXPECT_EQ(json_text(bad, -1, /*lossy=*/true), "{\"key\":\"a\xEF\xBF\xBD\"}");
 }
 
 TEST(Safetensors, WritesAFileWhoseHeaderAndBytesReadBack) {
@@ -117,7 +156,7 @@ TEST(Safetensors, WritesAFileWhoseHeaderAndBytesReadBack) {
 TEST(Safetensors, AFileSizeLimitFailsTheWriteNamingTheFileInsteadOfKillingTheProcess) {
   const std::string path = temp_path("fsize");
   const auto big = torch::zeros({10000});  // 40 KB: made before the fork
-  struct sigaction before {};
+  struct sigaction before{};
   ASSERT_EQ(::sigaction(SIGXFSZ, nullptr, &before), 0);
   int fds[2];
   ASSERT_EQ(::pipe(fds), 0);
@@ -125,10 +164,10 @@ TEST(Safetensors, AFileSizeLimitFailsTheWriteNamingTheFileInsteadOfKillingThePro
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     ::close(fds[0]);
-    const struct rlimit limit {4096, 4096};
+    const struct rlimit limit{4096, 4096};
     ::setrlimit(RLIMIT_FSIZE, &limit);
     std::string message = error_of([&] { write_safetensors_file(path, {{"big", big}}, {}); });
-    struct sigaction after {};
+    struct sigaction after{};
     ::sigaction(SIGXFSZ, nullptr, &after);
     message += after.sa_handler == before.sa_handler ? " [handler restored]" : " [handler not restored]";
     (void)!::write(fds[1], message.data(), message.size());
@@ -141,8 +180,10 @@ TEST(Safetensors, AFileSizeLimitFailsTheWriteNamingTheFileInsteadOfKillingThePro
   ::close(fds[0]);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status) << " (SIGXFSZ is " << SIGXFSZ << ")";
-  EXPECT_THAT(message, HasSubstr("checkpoint: writing '" + path + "' failed: File too large (over the file-size limit"));
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status) << " (SIGXFSZ is " << SIGXFSZ
+                                 << ")";
+  EXPECT_THAT(message,
+              HasSubstr("checkpoint: writing '" + path + "' failed: File too large (over the file-size limit"));
   EXPECT_THAT(message, HasSubstr("[handler restored]"));
   std::remove(path.c_str());
 }
@@ -151,14 +192,15 @@ TEST(Reshard, GlobalRunsOfAColumnShardAreOneRunPerRow) {
   // [4, 6] sharded on dim 1 over 3 ranks: rank 1 holds columns 2..3 of every row.
   const auto runs = global_runs({4, 6}, {1, 3, 1}, 1, 7);  // local elements 1..6 of the [4, 2] shard
   ASSERT_EQ(runs.size(), 4u);
-  EXPECT_EQ(runs[0].global_begin, 3);   // row 0, column 3
+  EXPECT_EQ(runs[0].global_begin, 3);  // row 0, column 3
   EXPECT_EQ(runs[0].numel, 1);
-  EXPECT_EQ(runs[1].global_begin, 8);   // row 1, columns 2..3
+  EXPECT_EQ(runs[1].global_begin, 8);  // row 1, columns 2..3
   EXPECT_EQ(runs[1].numel, 2);
   EXPECT_EQ(runs[3].global_begin, 20);  // row 3, column 2
   EXPECT_EQ(runs[3].local_begin, 6);
   EXPECT_EQ(global_runs({8, 4}, {0, 2, 1}, 0, 16).size(), 1u) << "a row shard is one run";
-  EXPECT_THAT(error_of([] { global_runs({5, 4}, {0, 2, 0}, 0, 1); }), HasSubstr("does not split into 2 equal TP chunks"));
+  EXPECT_THAT(error_of([] { global_runs({5, 4}, {0, 2, 0}, 0, 1); }),
+              HasSubstr("does not split into 2 equal TP chunks"));
 }
 
 // Every (saved DP x TP) -> (loaded DP x TP) pair, on shapes sharded on each dim: the planned copies
@@ -182,7 +224,8 @@ TEST(Reshard, PlannedCopiesRebuildEveryLocalShardAcrossDpAndTpSizes) {
             data.push_back(local.narrow(0, b, e - b));
           }
         }
-        for (auto [load_dp, load_tp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 4}, std::pair{4, 1}, std::pair{2, 4}}) {
+        for (auto [load_dp, load_tp] :
+             {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 4}, std::pair{4, 1}, std::pair{2, 4}}) {
           for (int64_t t = 0; t < (dim < 0 ? 1 : load_tp); ++t) {
             const TpSlice slice = dim < 0 ? TpSlice{} : TpSlice{dim, load_tp, t};
             const auto expected = local_of(global, slice).reshape({-1});

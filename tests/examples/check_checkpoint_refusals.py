@@ -221,7 +221,20 @@ try:
         with open(manifest_path, "wb") as f:
             f.write(resign_text(text))
 
+    def with_member(text):  # a member nlohmann-json alone would read (Note [Strict JSON]), re-signed
+        def damage():
+            with open(manifest_path, "rb") as f:
+                data = f.read()
+            with open(manifest_path, "wb") as f:
+                f.write(resign_text(data.replace(b"{", b'{"zz": ' + text.encode() + b",", 1)))
+        return damage
+
     for name, damage, message in (
+        ("a number past the double range (re-signed)", with_member("1e999"), "out of range (not a finite double)"),
+        ("NaN (re-signed)", with_member("NaN"), "NaN is not JSON"),
+        ("an integer past int64 (re-signed)", with_member("18446744073709551616"), "out of range (not an int64)"),
+        ("a lone surrogate (re-signed)", with_member('"\\ud800"'), "lone surrogate"),
+        ("nesting 65 deep (re-signed)", with_member("[" * 65 + "]" * 65), "nesting deeper than 64 levels"),
         ("8 bytes appended to a rank file (re-signed)", grown(8), "but its header ends its data at byte"),
         ("a 1 TiB sparse tail on a rank file (re-signed)", grown(1 << 40), "but its header ends its data at byte"),
         ("a tensor's shape edited (re-signed)", manifest_edit(flattened), "do not have the checksum the manifest gives"),

@@ -12,14 +12,14 @@
 #include "mesh/switches.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
-#include "tp/linear_with_grad_in_buffer.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
+#include "tp/linear_with_grad_in_buffer.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
 
 #include <cstdlib>
 
@@ -31,9 +31,10 @@ namespace {
 constexpr int64_t kIn = 32, kHidden = 64, kOut = 8, kBatch = 64;
 constexpr int kSteps = 10;
 
-#define SKIP_WITHOUT_GPU()                                                                                  \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine: the GPU path is checked " \
-                                                    "by scripts/gpu_check.sh on a GPU machine"
+#define SKIP_WITHOUT_GPU()                                                   \
+  if (!torch::cuda::is_available())                                          \
+  GTEST_SKIP() << "no CUDA device on this machine: the GPU path is checked " \
+                  "by scripts/gpu_check.sh on a GPU machine"
 
 // The goldens' optimizers, and the same for ZeRO-1: SGD with momentum, or AdamW.
 std::unique_ptr<torch::optim::Optimizer> torch_optimizer(Mlp& model, bool adamw) {
@@ -233,7 +234,7 @@ TEST(Gpu, Bf16ParamsWithFp32MainGradsAreWrittenInPlaceInFp32) {
       ref_b += g.to(torch::kFloat).sum(0);
     }
     ddp.finish_grad_sync();
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2) << "weight and bias written into their fp32 slots";
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2) << "weight and bias written into their fp32 slots";
     const at::Tensor w = ddp.main_grad("fc.weight"), b = ddp.main_grad("fc.bias");
     ASSERT_EQ(w.scalar_type(), torch::kFloat);
     const double w_err = ((w - ref_w).abs().max() / ref_w.abs().max()).item<double>();
@@ -269,7 +270,7 @@ TEST(Gpu, NcclWaitOrdersTheCurrentStreamAfterTheCollectiveWithDataThatMoves) {
     wait_collective(all_gather_into(group, gathered, input, "the ordering test's all-gather"), group, "all-gather");
     wait_collective(reduce_scatter_sum(group, scattered, input.clone(), "the ordering test's reduce-scatter"), group,
                     "reduce-scatter");
-    const bool gathered_ok = torch::equal(gathered, input);    // reads on the current stream
+    const bool gathered_ok = torch::equal(gathered, input);  // reads on the current stream
     const bool scattered_ok = torch::equal(scattered, input);
     EXPECT_TRUE(gathered_ok) << "round " << round << ": the all-gather's output is not its input";
     EXPECT_TRUE(scattered_ok) << "round " << round << ": the reduce-scatter's output is not its input";

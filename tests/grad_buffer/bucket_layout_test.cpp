@@ -1,5 +1,6 @@
 // assign_buckets: boundaries, padding, ordering and offsets, computed by hand. No process group.
 #include "grad_buffer/bucket_layout.h"
+
 #include "tests/support/param_specs.h"
 
 #include <c10/util/Exception.h>
@@ -18,7 +19,7 @@ TEST(BucketLayout, PlacesParamsInReverseRegistrationOrderDensely) {
   auto layout = assign_buckets(fp32_params({10, 20, 30}), LayoutConfig{size_t{1} << 30, false, 4});
   ASSERT_EQ(layout.buffers.size(), 1u);
   ASSERT_EQ(layout.buckets.size(), 1u);
-  EXPECT_EQ(layout.slots[2].offset, 0);   // last registered first
+  EXPECT_EQ(layout.slots[2].offset, 0);  // last registered first
   EXPECT_EQ(layout.slots[1].offset, 30);
   EXPECT_EQ(layout.slots[0].offset, 50);
   EXPECT_EQ(layout.buckets[0].params, (std::vector<int64_t>{2, 1, 0}));
@@ -30,9 +31,9 @@ TEST(BucketLayout, ClosesABucketOnceItReachesTheCapAndNeverSplitsAParam) {
   // 4-byte elements, cap 100 bytes = 25 elements. Reverse order: 30 | 10,10,10 | 5
   auto layout = assign_buckets(fp32_params({5, 10, 10, 10, 30}), LayoutConfig{100, false, 1});
   ASSERT_EQ(layout.buckets.size(), 3u);
-  EXPECT_EQ(layout.buckets[0].params, (std::vector<int64_t>{4}));  // 120 bytes >= 100: closes alone
+  EXPECT_EQ(layout.buckets[0].params, (std::vector<int64_t>{4}));        // 120 bytes >= 100: closes alone
   EXPECT_EQ(layout.buckets[1].params, (std::vector<int64_t>{3, 2, 1}));  // 80 < 100, then 120
-  EXPECT_EQ(layout.buckets[2].params, (std::vector<int64_t>{0}));   // the remainder
+  EXPECT_EQ(layout.buckets[2].params, (std::vector<int64_t>{0}));        // the remainder
   EXPECT_EQ(layout.buckets[1].begin, 30);
   EXPECT_EQ(layout.buckets[1].end, 60);
   for (int64_t p = 0; p < 5; ++p) {
@@ -71,7 +72,7 @@ TEST(BucketLayout, PadsEachBucketToMultipleOfDpSizeAndAlignsParams) {
 TEST(BucketLayout, OneBufferPerDtypeAndBucketsOrderedByWhenTheyClose) {
   auto params = fp32_params({8, 8, 8, 8});
   params[1].param_dtype = params[1].grad_dtype = c10::kBFloat16;  // bf16 param with bf16 grads
-  params[3].param_dtype = c10::kBFloat16;                          // bf16 param, fp32 main grad
+  params[3].param_dtype = c10::kBFloat16;                         // bf16 param, fp32 main grad
   // Reverse walk: p3 (bf16/fp32) -> buffer 0, p2 (fp32/fp32) -> buffer 1, p1 (bf16/bf16) -> buffer 2, p0 -> buffer 1.
   auto layout = assign_buckets(params, LayoutConfig{0, false, 1});
   ASSERT_EQ(layout.buffers.size(), 3u);

@@ -15,8 +15,8 @@
 #include <atomic>
 
 using namespace meshddp;
-using ::testing::HasSubstr;
 using meshddp::test::error_of;
+using ::testing::HasSubstr;
 
 namespace {
 
@@ -105,8 +105,9 @@ TEST(CommHook, Bf16CompressGivesTheGoldenGradientRoundedThroughBf16OnAllReduceAn
         EXPECT_TRUE(at::equal(got, expected[i].masked_select(m)))
             << "param " << i << " zero1=" << zero1 << " rank " << mesh.rank() << ": max diff to the closed form "
             << (got - expected[i].masked_select(m)).abs().max().item<double>();
-        const at::Tensor bound = (g0[i].masked_select(m).abs() / 2 + g1[i].masked_select(m).abs() / 2 + got.abs()) *
-                                     std::ldexp(1.0, -8) + 1e-7;
+        const at::Tensor bound =
+            (g0[i].masked_select(m).abs() / 2 + g1[i].masked_select(m).abs() / 2 + got.abs()) * std::ldexp(1.0, -8) +
+            1e-7;
         const at::Tensor ratio = (got - golden[i].masked_select(m)).abs() / bound;
         if (got.numel() > 0) worst = std::max(worst, ratio.max().item<double>());
       }
@@ -143,7 +144,8 @@ TEST(CommHook, Bf16CompressAlsoReducesTpPartialBucketsOverTheWholeMesh) {
     GradBuffer buffer(params, SyncGroups{mesh["dp"], mesh.world(), mesh.coordinate("tp"), 2}, config);
     (params[0].param * ((1 + std::ldexp(1.0, -12)) * (1 << mesh.rank()))).sum().backward();
     buffer.finish_grad_sync();
-    EXPECT_TRUE(at::all(buffer.main_grad(0) == 7.5).item<bool>()) << "rank " << mesh.rank() << ": " << buffer.main_grad(0);
+    EXPECT_TRUE(at::all(buffer.main_grad(0) == 7.5).item<bool>())
+        << "rank " << mesh.rank() << ": " << buffer.main_grad(0);
   });
 }
 
@@ -170,7 +172,8 @@ TEST(CommHook, RegisteredHookSeesEveryBucketInOrderAndItsFinishRuns) {
     buffer.register_comm_hook(hook);
     EXPECT_EQ(buffer.comm_hook().name(), "counting");
     auto [x, y] = test::make_batch(kSeed, 0, kBatch, kIn, kOut);
-    torch::mse_loss(model->forward(test::shard_rows(x, mesh.rank(), 2)), test::shard_rows(y, mesh.rank(), 2)).backward();
+    torch::mse_loss(model->forward(test::shard_rows(x, mesh.rank(), 2)), test::shard_rows(y, mesh.rank(), 2))
+        .backward();
     buffer.finish_grad_sync();
     const auto n = static_cast<int64_t>(buffer.layout().buckets.size());
     ASSERT_EQ(static_cast<int64_t>(hook->indices.size()), n);

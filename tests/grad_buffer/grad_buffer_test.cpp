@@ -1,9 +1,10 @@
 // GradBuffer on real Gloo groups (ranks as threads): which group it reduces over, when buckets
 // launch, in what order, and the errors for misuse.
-#include "tests/support/error_of.h"
 #include "grad_buffer/grad_buffer.h"
+
 #include "mesh/placement.h"
 #include "mesh/switches.h"
+#include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -82,9 +83,9 @@ TEST(GradBuffer, LaunchesBucketsDuringBackwardWhenOverlapIsOn) {
       GradBuffer buffer(params, mesh["dp"], config);
       backward_with_grads(params, {1, 2, 3, 4}, {0, 1, 2, 3});
       // Backward has returned, finish_grad_sync() not called: with overlap, every bucket is already launched.
-      EXPECT_EQ(buffer.buckets_launched_by_hooks(), overlap ? 4 : 0) << "overlap=" << overlap;
+      EXPECT_EQ(buffer.stats().buckets_launched_by_hooks, overlap ? 4 : 0) << "overlap=" << overlap;
       buffer.finish_grad_sync();
-      EXPECT_EQ(buffer.buckets_launched(), 4);
+      EXPECT_EQ(buffer.stats().buckets_launched, 4);
       EXPECT_TRUE(at::all(buffer.main_grad(3) == 4.0).item<bool>());
     }
   });
@@ -102,7 +103,8 @@ TEST(GradBuffer, LaunchesInBucketOrderWhateverOrderHooksFireIn) {
     buffer.finish_grad_sync();
     for (size_t i = 0; i < params.size(); ++i) {
       const double expected = (i + 1) * (1 + 2) / 2.0;
-      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>()) << params[i].name << ": " << buffer.main_grad(i);
+      EXPECT_TRUE(at::all(buffer.main_grad(i) == expected).item<bool>())
+          << params[i].name << ": " << buffer.main_grad(i);
     }
   });
 }
@@ -127,7 +129,7 @@ TEST(GradBuffer, AccumulatesMicroBatchesAndSyncsOnceOnTheLast) {
     for (int m = 0; m < 4; ++m) {
       buffer.set_is_last_microbatch(m == 3);
       backward_with_grads(params, std::vector<double>(4, mesh.rank() + m), {0, 1, 2, 3});
-      EXPECT_EQ(buffer.buckets_launched(), m == 3 ? 4 : 0) << "micro-batch " << m;
+      EXPECT_EQ(buffer.stats().buckets_launched, m == 3 ? 4 : 0) << "micro-batch " << m;
     }
     buffer.finish_grad_sync();
     // sum over m of (r + m) = 4r + 6; mean over r in {0, 1} = 8 / 2 = 8.
@@ -257,7 +259,8 @@ TEST(GradBuffer, DebugSyncModeNamesACommHookRegisteredOnOneRankOnly) {
   });
   override_switch_for_testing(Switch::kDebugSync, std::nullopt);
   for (const auto& e : errors) {
-    EXPECT_THAT(e, HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
+    EXPECT_THAT(e,
+                HasSubstr("= [0 all-reduce 4 Float none] while rank 1 launches [0 all-reduce 4 Float bf16_compress]"));
   }
 }
 

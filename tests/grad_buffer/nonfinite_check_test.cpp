@@ -65,7 +65,8 @@ TEST(CheckForNanInGrad, EveryRankThrowsNamingTheParamTheRankAndTheStep) {
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_THAT(errors[r], HasSubstr("step 1: GradBuffer: non-finite gradients at step 1 (check_for_nan_in_grad"));
-    EXPECT_THAT(errors[r], HasSubstr("rank 1 (DP rank 1): parameter 'layer1.weight' has 1 NaN/Inf gradient value(s) of 5"));
+    EXPECT_THAT(errors[r],
+                HasSubstr("rank 1 (DP rank 1): parameter 'layer1.weight' has 1 NaN/Inf gradient value(s) of 5"));
     EXPECT_THAT(errors[r], Not(HasSubstr("layer0")));
     EXPECT_THAT(errors[r], Not(HasSubstr("rank 0 (DP rank 0)")));
   }
@@ -111,7 +112,8 @@ TEST(CheckForNanInGrad, CountsWhatFp16CompressionSendsSoAnOverflowOfTheCastIsRep
     EXPECT_THAT(errors[r], Not(HasSubstr("step 0")));
     EXPECT_THAT(errors[r], HasSubstr("step 1: GradBuffer: non-finite gradients at step 1"));
     EXPECT_THAT(errors[r], HasSubstr("as sent to their collective (after the comm hook's cast, if any)"));
-    EXPECT_THAT(errors[r], HasSubstr("rank 1 (DP rank 1): parameter 'layer2.weight' has 1 NaN/Inf gradient value(s) of 6"));
+    EXPECT_THAT(errors[r],
+                HasSubstr("rank 1 (DP rank 1): parameter 'layer2.weight' has 1 NaN/Inf gradient value(s) of 6"));
     EXPECT_THAT(errors[r], Not(HasSubstr("rank 0 (DP rank 0)")));
   }
 }

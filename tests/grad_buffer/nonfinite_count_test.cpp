@@ -3,8 +3,9 @@
 // the largest finite values (whose sum overflows), subnormals and empty pieces; on CUDA, the same
 // counts as on CPU (skipped without a GPU: scripts/gpu_check.sh runs it there); and through a
 // GradBuffer, a NaN in a param bigger than one piece is attributed to that param.
-#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/nonfinite_count.h"
+
+#include "grad_buffer/grad_buffer.h"
 #include "tests/support/param_specs.h"
 #include "tests/support/rank_threads.h"
 
@@ -19,7 +20,7 @@ using namespace meshddp;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA_KERNELS()                                                 \
+#define SKIP_WITHOUT_CUDA_KERNELS()                                           \
   if (!kCudaKernelsBuilt) GTEST_SKIP() << "a build without the CUDA kernels"; \
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: scripts/gpu_check.sh runs this on a GPU"
 
@@ -50,11 +51,13 @@ at::Tensor planted(int64_t n, at::ScalarType dtype, uint64_t seed) {
   const double specials[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
                              -std::numeric_limits<double>::infinity()};
   uint64_t state = seed;
-  auto next = [&] { return static_cast<int64_t>((state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33); };
+  auto next = [&] {
+    return static_cast<int64_t>((state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33);
+  };
   for (int64_t k = 0; n > 0 && k < 1 + n / 97; ++k) data[next() % n] = specials[k % 3];
   if (n >= 5) {
-    const auto info_max = dtype == at::kDouble ? std::numeric_limits<double>::max()
-                          : dtype == at::kFloat ? std::numeric_limits<float>::max()
+    const auto info_max = dtype == at::kDouble     ? std::numeric_limits<double>::max()
+                          : dtype == at::kFloat    ? std::numeric_limits<float>::max()
                           : dtype == at::kBFloat16 ? 3.3895313892515355e38
                                                    : 65504.0;
     data[n - 1] = info_max;
@@ -79,8 +82,8 @@ void compare_with_aten(const at::Device& device) {
     for (int64_t n : {0, 1, 7, 33, 1000, 65537, 100003}) {
       const at::Tensor data = planted(n, dtype, static_cast<uint64_t>(n) * 31 + static_cast<uint64_t>(dtype));
       const std::vector<int64_t> offsets = uneven_offsets(n);
-      const at::Tensor counts = count_nonfinite_pieces(data.to(device),
-                                                       at::tensor(offsets, at::TensorOptions().dtype(at::kLong)).to(device));
+      const at::Tensor counts =
+          count_nonfinite_pieces(data.to(device), at::tensor(offsets, at::TensorOptions().dtype(at::kLong)).to(device));
       EXPECT_EQ(counts.device(), device);
       EXPECT_EQ(to_vector(counts), aten_counts(data, offsets)) << dtype << " n=" << n;
     }
@@ -108,8 +111,7 @@ TEST(NonfinitePieces, CoverTheBucketInPiecesOfAtMostMaxPieceAttributingPaddingTo
   EXPECT_EQ(pieces.offsets, (std::vector<int64_t>{0, 64, 128, 192, 256, 320, 384}));
   EXPECT_EQ(pieces.param, (std::vector<int64_t>{2, 2, 1, 0, 0, 0}));
   // Unpadded, one piece per param when they are small; a zero-element param gets no piece.
-  const BucketLayout dense =
-      assign_buckets(test::fp32_param_specs({3, 0, 5}), LayoutConfig{size_t{1} << 30, false, 1});
+  const BucketLayout dense = assign_buckets(test::fp32_param_specs({3, 0, 5}), LayoutConfig{size_t{1} << 30, false, 1});
   const NonfinitePieces whole = nonfinite_pieces(dense, 0);
   EXPECT_EQ(whole.offsets, (std::vector<int64_t>{0, 5, 8}));
   EXPECT_EQ(whole.param, (std::vector<int64_t>{2, 0}));

@@ -75,7 +75,8 @@ TEST(CollectiveDivergence, RanksWaitingInCollectivesOfDifferentGroupsFailWithinS
     EXPECT_THAT(errors[r], HasSubstr("meshddp: ranks are in different collectives, so none of them can finish"));
     EXPECT_THAT(errors[r], HasSubstr("all-reduce of the checkpoint save's agreement (launch #2 on group "
                                      "'meshddp/world/ranks=0,1')"));
-    EXPECT_THAT(errors[r], HasSubstr("all-reduce of gradient bucket 0 of 1 (launch #2 on group 'meshddp/dp/ranks=0,1')"));
+    EXPECT_THAT(errors[r],
+                HasSubstr("all-reduce of gradient bucket 0 of 1 (launch #2 on group 'meshddp/dp/ranks=0,1')"));
     EXPECT_THAT(errors[r], HasSubstr("each waits for the other"));
     EXPECT_LT(seconds[r], 10.0) << "seconds, not the 30 s timeout";
   }
@@ -97,8 +98,9 @@ TEST(CollectiveDivergence, ASlowPeerIsReportedWithTheAgeOfItsCountAndNotFailed) 
   });
   const std::string err = testing::internal::GetCapturedStderr();
   std::cout << err;
-  EXPECT_THAT(err, HasSubstr("still waiting after 0.4 s for the collective for the test's all-reduce; it is launch #2 on "
-                             "this group; rank(s) that have not reached it (global ranks): 1 (at launch #1, as of 0."));
+  EXPECT_THAT(err,
+              HasSubstr("still waiting after 0.4 s for the collective for the test's all-reduce; it is launch #2 on "
+                        "this group; rank(s) that have not reached it (global ranks): 1 (at launch #1, as of 0."));
   EXPECT_THAT(err, HasSubstr(" s ago) (each count as of the time given; counts are republished every 0.1 s"));
   EXPECT_THAT(err, ::testing::Not(HasSubstr("different collectives")));
 }
@@ -148,8 +150,8 @@ std::string wait_beside_a_peer_record(const std::string& label, const std::strin
 // (each rank's own GPU) is not: rank 0 waits until rank 1 joins.
 TEST(CollectiveDivergence, APeerWaitingInAnotherCollectiveAtTheSameLaunchFailsAtOnce) {
   const auto start = Clock::now();
-  const std::string error = wait_beside_a_peer_record("the loss report", "gradient bucket 0 of 1",
-                                                      std::chrono::seconds(20));
+  const std::string error =
+      wait_beside_a_peer_record("the loss report", "gradient bucket 0 of 1", std::chrono::seconds(20));
   EXPECT_THAT(error, HasSubstr("rank 0 waits in the collective for all-reduce of the loss report (launch #2 on group "
                                "'meshddp/dp/ranks=0,1') while rank 1 waits in the collective for all-reduce of "
                                "gradient bucket 0 of 1 (launch #2 on group 'meshddp/dp/ranks=0,1'): the same launch "

@@ -2,6 +2,7 @@
 // names the ranks that have not reached it, and a timeout's error names them too. Ranks are
 // threads over one HashStore; one rank stops (sleeps, or never calls) on purpose.
 #include "mesh/collective_progress.h"
+
 #include "mesh/collectives.h"
 #include "mesh/device_mesh.h"
 #include "tests/support/rank_threads.h"
@@ -93,7 +94,8 @@ TEST(CollectiveProgress, LaunchBookkeepingCostsUnderTwoMicrosecondsPerCollective
     constexpr int kLaunches = 200000;
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < kLaunches; ++i) note_collective_launch(*mesh["dp"], work);
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / kLaunches;
+    const double ns =
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / kLaunches;
     std::cout << "[ " << ns << " ns per launch ]" << std::endl;
     EXPECT_LT(ns, 2000.0);
   });
@@ -179,7 +181,8 @@ TEST(CollectiveProgress, PollingDeadlineComesBeforeTheBackendsTimeoutCountedFrom
     done = true;
   });
   std::cout << "[ failed " << seconds_after_launch << " s after the launch: " << error << " ]" << std::endl;
-  EXPECT_THAT(error, HasSubstr("(host polling; meshddp's deadline, 1800 ms, comes before the group's timeout of 2000 ms)"));
+  EXPECT_THAT(error,
+              HasSubstr("(host polling; meshddp's deadline, 1800 ms, comes before the group's timeout of 2000 ms)"));
   EXPECT_LT(seconds_after_launch, 2.0);
 }
 

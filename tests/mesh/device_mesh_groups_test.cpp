@@ -30,8 +30,8 @@ void expect_sums_exactly(const DeviceMesh& mesh, c10d::ProcessGroup& group, cons
   all_reduce_sum_now(group, t, "test " + what);
   double expected = 0;
   for (int64_t r : expected_ranks) expected += 1 << r;
-  EXPECT_TRUE(at::all(t == expected).item<bool>()) << what << " on rank " << mesh.rank() << ": " << t[0].item<float>()
-                                                   << " != " << expected;
+  EXPECT_TRUE(at::all(t == expected).item<bool>())
+      << what << " on rank " << mesh.rank() << ": " << t[0].item<float>() << " != " << expected;
   EXPECT_EQ(group.getSize(), static_cast<int64_t>(expected_ranks.size())) << what;
 }
 
@@ -70,9 +70,8 @@ TEST(DeviceMeshGroups, FlattenedGroupsAreMadeOnceAndOneDimOrAllDimsReuseTheMeshs
     EXPECT_EQ(mesh.flattened({"dp", "cp", "tp"}).get(), mesh.world().get());
   });
   // A dim of size 1 adds no member: dp x cp(1) is the dp group.
-  test::run_on_mesh({2, 1, 2}, kNames, [](DeviceMesh& mesh) {
-    EXPECT_EQ(mesh.flattened({"dp", "cp"}).get(), mesh["dp"].get());
-  });
+  test::run_on_mesh({2, 1, 2}, kNames,
+                    [](DeviceMesh& mesh) { EXPECT_EQ(mesh.flattened({"dp", "cp"}).get(), mesh["dp"].get()); });
 }
 
 TEST(DeviceMeshGroups, ExpertParallelAndExpertDataParallelGroupsWithEp2SumExactlyTheirMembers) {
@@ -158,7 +157,8 @@ TEST(DeviceMeshGroups, AMeshFromGroupsMakesFlattenedGroupsOverItsWorldGroupsStor
     DeviceMesh mesh = DeviceMesh::from_groups(kSizes, kNames, built.rank(), {built["dp"], built["cp"], built["tp"]},
                                               c10::DeviceType::CPU, built.world());
     expect_sums_exactly(mesh, *mesh.flattened({"dp", "cp"}), mesh.flattened_ranks({"dp", "cp"}), "dp+cp");
-    DeviceMesh without_world = DeviceMesh::from_groups(kSizes, kNames, built.rank(), {built["dp"], built["cp"], built["tp"]});
+    DeviceMesh without_world =
+        DeviceMesh::from_groups(kSizes, kNames, built.rank(), {built["dp"], built["cp"], built["tp"]});
     try {
       without_world.flattened({"dp", "cp"});
       ADD_FAILURE() << "expected an error";

@@ -1,6 +1,7 @@
 // DeviceMesh over Gloo with ranks as threads: groups per dim, the right members, env errors.
-#include "mesh/collectives.h"
 #include "mesh/device_mesh.h"
+
+#include "mesh/collectives.h"
 #include "tests/support/rank_threads.h"
 
 #include <ATen/ATen.h>
@@ -10,12 +11,11 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <arpa/inet.h>
+#include <chrono>
+#include <cstdlib>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <chrono>
-#include <cstdlib>
 
 using namespace meshddp;
 using ::testing::HasSubstr;
@@ -130,7 +130,8 @@ TEST(DeviceMesh, FromEnvNamesMasterAddrAndPortWhenTheStoreCannotBeReachedOrServe
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(),
                 HasSubstr("DeviceMesh::from_env: rank 0 of 1 cannot serve the TCPStore on MASTER_ADDR=127.0.0.1 "
-                          "MASTER_PORT=" + port));
+                          "MASTER_PORT=" +
+                          port));
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("A port in use: pick a free MASTER_PORT"));
   }
   close(listener);  // now nothing listens there
@@ -142,7 +143,8 @@ TEST(DeviceMesh, FromEnvNamesMasterAddrAndPortWhenTheStoreCannotBeReachedOrServe
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(),
                 HasSubstr("DeviceMesh::from_env: rank 1 of 2 cannot reach the TCPStore at MASTER_ADDR=127.0.0.1 "
-                          "MASTER_PORT=" + port + " (rank 0 serves it) within the timeout of 1000 ms: "));
+                          "MASTER_PORT=" +
+                          port + " (rank 0 serves it) within the timeout of 1000 ms: "));
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("Check that MASTER_ADDR names a host this node can reach"));
   }
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);

@@ -1,6 +1,7 @@
 // Rank <-> coordinate arithmetic and mesh validation: no process groups.
-#include "tests/support/error_of.h"
 #include "mesh/mesh_layout.h"
+
+#include "tests/support/error_of.h"
 
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
@@ -11,9 +12,7 @@ using ::testing::HasSubstr;
 
 using meshddp::test::error_of;
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 TEST(MeshLayout, CoordinatesAreRowMajorWithTpInnermost) {
   const std::vector<int64_t> sizes{2, 3};  // dp=2, tp=3
@@ -67,8 +66,8 @@ TEST(MeshLayout, RejectsDuplicateNamesMismatchedLengthsAndEmptySizes) {
 // Note [CUDA device of a rank]: the index arithmetic, without a GPU.
 TEST(MeshLayout, CudaDeviceIndexComesFromTheCallerThenLocalRankThenRankModuloGpus) {
   EXPECT_EQ(cuda_device_index(/*requested=*/2, "5", /*rank=*/7, /*device_count=*/8), 2);  // the caller wins
-  EXPECT_EQ(cuda_device_index(-1, "5", 13, 8), 5);                                       // then LOCAL_RANK
-  EXPECT_EQ(cuda_device_index(-1, nullptr, 13, 8), 5);                                   // then rank % GPUs
+  EXPECT_EQ(cuda_device_index(-1, "5", 13, 8), 5);                                        // then LOCAL_RANK
+  EXPECT_EQ(cuda_device_index(-1, nullptr, 13, 8), 5);                                    // then rank % GPUs
   EXPECT_EQ(cuda_device_index(-1, "", 3, 2), 1);
   EXPECT_EQ(cuda_device_index(-1, "0", 0, 1), 0);
 }
@@ -77,7 +76,9 @@ TEST(MeshLayout, CudaDeviceIndexErrorsNameTheSourceAndTheVisibleGpus) {
   EXPECT_THAT(error_of([] { cuda_device_index(-1, "4", 12, 4); }),
               HasSubstr("rank 12 would use GPU 4 (from LOCAL_RANK=4) but this process sees 4 GPU(s)"));
   EXPECT_THAT(error_of([] { cuda_device_index(1, "0", 0, 1); }), HasSubstr("from MeshOptions::device_index=1"));
-  EXPECT_THAT(error_of([] { cuda_device_index(-1, "1x", 1, 8); }), HasSubstr("LOCAL_RANK=1x is not a non-negative integer"));
-  EXPECT_THAT(error_of([] { cuda_device_index(-1, "-1", 1, 8); }), HasSubstr("LOCAL_RANK=-1 is not a non-negative integer"));
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "1x", 1, 8); }),
+              HasSubstr("LOCAL_RANK=1x is not a non-negative integer"));
+  EXPECT_THAT(error_of([] { cuda_device_index(-1, "-1", 1, 8); }),
+              HasSubstr("LOCAL_RANK=-1 is not a non-negative integer"));
   EXPECT_THAT(error_of([] { cuda_device_index(-1, "0", 0, 0); }), HasSubstr("this process sees no GPU (rank 0)"));
 }

@@ -1,7 +1,8 @@
 // Reduction-group arithmetic (mesh/reduction_groups.h) as pure functions: checked by property loops
 // over every mesh shape of 1 to 4 dims of sizes 1 to 3, and against Megatron-core's rank layouts.
-#include "mesh/mesh_layout.h"
 #include "mesh/reduction_groups.h"
+
+#include "mesh/mesh_layout.h"
 
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
@@ -113,7 +114,8 @@ TEST(ReductionGroups, FlattenedGroupsPutEveryRankInExactlyOneGroupOfTheProductSi
       SCOPED_TRACE(describe(shape, dims));
       EXPECT_NO_THROW(validate_rank_groups(groups, product(shape), "test"));
       EXPECT_EQ(static_cast<int64_t>(groups.size()), product(shape) / size_over(shape, names_of(shape), dims));
-      for (const auto& group : groups) EXPECT_EQ(static_cast<int64_t>(group.size()), size_over(shape, names_of(shape), dims));
+      for (const auto& group : groups)
+        EXPECT_EQ(static_cast<int64_t>(group.size()), size_over(shape, names_of(shape), dims));
       EXPECT_TRUE(std::is_sorted(groups.begin(), groups.end()));
     }
   }
@@ -225,7 +227,8 @@ TEST(ReductionGroups, OptimizerInstancesAreContiguousBlocksAndCrossInstanceGroup
           EXPECT_EQ(common(mine, across), std::vector<int64_t>{r});
           const auto index = std::find(dp_group.begin(), dp_group.end(), r) - dp_group.begin();
           const auto per = dp_size / k;
-          EXPECT_EQ(mine, std::vector<int64_t>(dp_group.begin() + index / per * per, dp_group.begin() + (index / per + 1) * per));
+          EXPECT_EQ(mine, std::vector<int64_t>(dp_group.begin() + index / per * per,
+                                               dp_group.begin() + (index / per + 1) * per));
           for (int64_t i = 0; i < k; ++i) EXPECT_EQ(across[i], dp_group[index % per + i * per]);
         }
       }
@@ -240,10 +243,11 @@ TEST(ReductionGroups, OptimizerInstancesAreContiguousBlocksAndCrossInstanceGroup
 TEST(ReductionGroups, MatchMegatronCoreOnDp2Cp2Tp2WithEp2) {
   const std::vector<int64_t> sizes = {2, 2, 2};
   const std::vector<std::string> names = {"dp", "cp", "tp"};
-  EXPECT_EQ(flattened_groups(sizes, names, {"dp", "cp"}), (RankGroups{{0, 2, 4, 6}, {1, 3, 5, 7}}));  // get_ranks("dp-cp")
-  EXPECT_EQ(flattened_groups(sizes, names, {"cp"}), (RankGroups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));   // get_ranks("cp")
-  EXPECT_EQ(flattened_groups(sizes, names, {"dp"}), (RankGroups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));   // get_ranks("dp")
-  EXPECT_EQ(flattened_groups(sizes, names, {"tp"}), (RankGroups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));   // get_ranks("tp")
+  EXPECT_EQ(flattened_groups(sizes, names, {"dp", "cp"}),
+            (RankGroups{{0, 2, 4, 6}, {1, 3, 5, 7}}));  // get_ranks("dp-cp")
+  EXPECT_EQ(flattened_groups(sizes, names, {"cp"}), (RankGroups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));  // get_ranks("cp")
+  EXPECT_EQ(flattened_groups(sizes, names, {"dp"}), (RankGroups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));  // get_ranks("dp")
+  EXPECT_EQ(flattened_groups(sizes, names, {"tp"}), (RankGroups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));  // get_ranks("tp")
   EXPECT_EQ(expert_parallel_groups(sizes, names, {"dp", "cp"}, 2),
             (RankGroups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));  // expert get_ranks("ep")
   EXPECT_EQ(expert_data_parallel_groups(sizes, names, {"dp", "cp"}, 2),
@@ -278,7 +282,8 @@ TEST(ReductionGroups, BadDimsEpSizesAndInstanceCountsAreRefusedNamingWhatDivides
   EXPECT_THAT(error_of([&] { flattened_groups(sizes, names, {"cp", "dp"}); }),
               HasSubstr("are not in mesh order ('dp', 'cp', 'tp'); give them as 'dp', 'cp'"));
   EXPECT_THAT(error_of([&] { flattened_groups(sizes, names, {}); }), HasSubstr("no dims given to flatten"));
-  EXPECT_THAT(error_of([&] { flattened_group_ranks(8, sizes, names, {"dp"}); }), HasSubstr("rank 8 is out of range [0, 8)"));
+  EXPECT_THAT(error_of([&] { flattened_group_ranks(8, sizes, names, {"dp"}); }),
+              HasSubstr("rank 8 is out of range [0, 8)"));
   EXPECT_THAT(error_of([&] { expert_parallel_groups(sizes, names, {"dp", "cp"}, 3); }),
               HasSubstr("EP size 3 does not divide the 4 ranks of the data-parallel group dp(2) x cp(2) of mesh "
                         "dp(2) x cp(2) x tp(2); EP is carved out of those ranks (as in Megatron-core), so pick an "

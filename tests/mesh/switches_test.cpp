@@ -1,6 +1,7 @@
 // The environment switches (mesh/switches.h): values, overrides, and docs/api.md's table against the
 // one list in the header.
 #include "mesh/switches.h"
+
 #include "tests/support/error_of.h"
 
 #include <gmock/gmock.h>
@@ -57,5 +58,6 @@ TEST(Switches, DocsTableListsEverySwitchWithItsDefault) {
     EXPECT_EQ(documented[name], spec.default_on ? "on" : "off") << name;
     documented.erase(name);
   }
-  for (const auto& [name, unused] : documented) ADD_FAILURE() << "docs/api.md documents " << name << ", not in kSwitches";
+  for (const auto& [name, unused] : documented)
+    ADD_FAILURE() << "docs/api.md documents " << name << ", not in kSwitches";
 }

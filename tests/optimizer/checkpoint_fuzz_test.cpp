@@ -60,33 +60,48 @@ bool same(const State& a, const State& b) {
 }
 
 // Every JSON node of the manifest (objects, arrays and leaves), with its path.
-void collect(JsonValue& v, const std::string& path, std::vector<std::pair<std::string, JsonValue*>>& out) {
+void collect(Json& v, const std::string& path, std::vector<std::pair<std::string, Json*>>& out) {
   out.push_back({path, &v});
   if (v.is_object()) {
-    for (auto& [k, child] : v.object()) collect(child, path + "." + k, out);
+    for (auto& [k, child] : v.items()) collect(child, path + "." + k, out);
   } else if (v.is_array()) {
-    for (size_t i = 0; i < v.array().size(); ++i) collect(v.array()[i], path + "[" + std::to_string(i) + "]", out);
+    for (size_t i = 0; i < v.size(); ++i) collect(v[i], path + "[" + std::to_string(i) + "]", out);
   }
 }
 
-std::vector<JsonValue*> all_pieces(JsonValue& m) {
-  std::vector<JsonValue*> out;
-  for (auto& [key, t] : m.object()["tensors"].object()) {
-    for (JsonValue& p : t.object()["pieces"].array()) out.push_back(&p);
+std::vector<Json*> all_pieces(Json& m) {
+  std::vector<Json*> out;
+  for (auto& [key, t] : m["tensors"].items()) {
+    for (Json& p : t["pieces"]) out.push_back(&p);
   }
   return out;
 }
 
 // Values of every JSON kind, including ones that are valid elsewhere in a manifest.
-JsonValue some_value(std::mt19937_64& gen, const JsonValue& old) {
-  const std::vector<JsonValue> values = {
-      JsonValue(int64_t{-1}), JsonValue(int64_t{0}), JsonValue(int64_t{1}), JsonValue(int64_t{3}),
-      JsonValue(int64_t{1} << 31), JsonValue(INT64_MAX), JsonValue(INT64_MIN), JsonValue(1.5), JsonValue(2.0),
-      JsonValue("0"), JsonValue(""), JsonValue("F16"), JsonValue("I64"), JsonValue("../rank00000.safetensors"),
-      JsonValue("/etc/passwd"), JsonValue("rank00001.safetensors"), JsonValue("0x00000000"), JsonValue(),
-      JsonValue(true), JsonValue(JsonValue::Array{}), JsonValue(JsonValue::Array{JsonValue(int64_t{2})}),
-      JsonValue(JsonValue::Object{})};
-  if (old.is_int() && gen() % 3 == 0) return JsonValue(old.as_int("v") + static_cast<int64_t>(gen() % 5) - 2);
+Json some_value(std::mt19937_64& gen, const Json& old) {
+  const std::vector<Json> values = {Json(int64_t{-1}),
+                                    Json(int64_t{0}),
+                                    Json(int64_t{1}),
+                                    Json(int64_t{3}),
+                                    Json(int64_t{1} << 31),
+                                    Json(INT64_MAX),
+                                    Json(INT64_MIN),
+                                    Json(1.5),
+                                    Json(2.0),
+                                    Json("0"),
+                                    Json(""),
+                                    Json("F16"),
+                                    Json("I64"),
+                                    Json("../rank00000.safetensors"),
+                                    Json("/etc/passwd"),
+                                    Json("rank00001.safetensors"),
+                                    Json("0x00000000"),
+                                    Json(),
+                                    Json(true),
+                                    Json::array(),
+                                    Json::array({int64_t{2}}),
+                                    Json::object()};
+  if (old.is_number_integer() && gen() % 3 == 0) return Json(json_int(old, "v") + static_cast<int64_t>(gen() % 5) - 2);
   return values[gen() % values.size()];
 }
 
@@ -148,34 +163,34 @@ TEST(CheckpointFuzz, EveryDamagedCheckpointIsRefusedByNameOrLoadsExactlyTheOrigi
           write_text(step_dir + "/" + b, pristine[a]);
         }
       } else {  // JSON-valid manifest edits: any field, or pieces swapped / relabelled
-        JsonValue m = JsonValue::parse(pristine["manifest.json"], "manifest");
+        Json m = parse_json(pristine["manifest.json"], "manifest");
         if (kind == 3) {
-          std::vector<std::pair<std::string, JsonValue*>> nodes;
+          std::vector<std::pair<std::string, Json*>> nodes;
           collect(m, "", nodes);
           auto& [field, node] = nodes[1 + gen() % (nodes.size() - 1)];
           *node = some_value(gen, *node);
           what = "manifest" + field + " = " + node->dump();
         } else if (kind == 4) {
-          std::vector<JsonValue*> pieces = all_pieces(m);
-          JsonValue* a = pieces[gen() % pieces.size()];
-          JsonValue* b = pieces[gen() % pieces.size()];
+          std::vector<Json*> pieces = all_pieces(m);
+          Json* a = pieces[gen() % pieces.size()];
+          Json* b = pieces[gen() % pieces.size()];
           what = "pieces " + a->dump() + " and " + b->dump() + " swap";
           for (const char* f : {"file", "tp_rank", "begin", "end", "crc32c"}) {
             if (gen() % 2) {
-              std::swap(a->object()[f], b->object()[f]);
+              std::swap((*a)[f], (*b)[f]);
               what += std::string(" ") + f;
             }
           }
         } else {
-          std::vector<JsonValue*> pieces = all_pieces(m);
-          JsonValue* p = pieces[gen() % pieces.size()];
+          std::vector<Json*> pieces = all_pieces(m);
+          Json* p = pieces[gen() % pieces.size()];
           const int64_t shift = static_cast<int64_t>(gen() % 7) - 3;
-          for (const char* f : {"begin", "end"}) p->object()[f] = JsonValue(p->at(f, "p").as_int("p") + shift);
+          for (const char* f : {"begin", "end"}) (*p)[f] = json_int((*p)[f], "p") + shift;
           what = "piece " + p->dump() + " shifted by " + std::to_string(shift);
         }
         resigned = gen() % 4 != 0;  // mostly consistent edits: those must be caught by what lies beneath
         if (resigned) {
-          m.object().erase("manifest_crc32c");
+          m.erase("manifest_crc32c");
           write_text(step_dir + "/manifest.json", manifest_text(m));
           what += " (re-signed)";
         } else {
@@ -193,7 +208,8 @@ TEST(CheckpointFuzz, EveryDamagedCheckpointIsRefusedByNameOrLoadsExactlyTheOrigi
       } catch (const c10::Error& e) {
         ++refused;
         EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("checkpoint"));
-        EXPECT_TRUE(same(state_of(rank), baseline)) << "a refused load changed the state: " << e.what_without_backtrace();
+        EXPECT_TRUE(same(state_of(rank), baseline))
+            << "a refused load changed the state: " << e.what_without_backtrace();
       }
     }
   });

@@ -23,7 +23,7 @@ using ::testing::Not;
 namespace {
 
 bool exists(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0;
 }
 void write_text(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
@@ -71,7 +71,8 @@ TEST(CheckpointResume, ADamagedLatestIsANamedErrorNotAFreshStart) {
   EXPECT_EQ(resume_finds(dir)[1], dir + "/step-4");
   write_text(dir + "/latest", "stdp-4\n");
   for (const std::string& e : resume_finds(dir)) {
-    EXPECT_THAT(e, HasSubstr("'" + dir + "/latest' holds 'stdp-4', which is not a step directory name: the file is damaged"));
+    EXPECT_THAT(
+        e, HasSubstr("'" + dir + "/latest' holds 'stdp-4', which is not a step directory name: the file is damaged"));
     EXPECT_THAT(e, HasSubstr("(complete: step-2 step-4; incomplete: none)"));
     EXPECT_THAT(e, HasSubstr("--resume-step N"));
   }
@@ -103,13 +104,18 @@ TEST(CheckpointResume, ALatestThatIsNotExactlyAStepNameIsRefusedNamingTheFile) {
       EXPECT_THAT(e, HasSubstr("(complete: step-2 step-4; incomplete: none); load one of the complete steps")) << what;
     }
   };
-  for (const auto& [text, shown] : std::vector<std::pair<std::string, std::string>>{
-           {"", "holds ''"}, {"\n", "holds ''"}, {"../x/step-2\n", "holds '../x/step-2'"},
-           {std::string("step-2\0", 7), "holds 'step-2\\x00'"}, {"step-2\r\n", "holds 'step-2\\x0d'"},
-           {"step-2\n\n", "holds 'step-2\\x0a'"}, {" step-2\n", "holds ' step-2'"}}) {
+  for (const auto& [text, shown] :
+       std::vector<std::pair<std::string, std::string>>{{"", "holds ''"},
+                                                        {"\n", "holds ''"},
+                                                        {"../x/step-2\n", "holds '../x/step-2'"},
+                                                        {std::string("step-2\0", 7), "holds 'step-2\\x00'"},
+                                                        {"step-2\r\n", "holds 'step-2\\x0d'"},
+                                                        {"step-2\n\n", "holds 'step-2\\x0a'"},
+                                                        {" step-2\n", "holds ' step-2'"}}) {
     std::remove(latest.c_str());
     write_text(latest, text);
-    expect_refused(shown, shown + ", which is not a step directory name: the file is damaged (a save writes exactly "
+    expect_refused(shown, shown +
+                              ", which is not a step directory name: the file is damaged (a save writes exactly "
                               "\"step-<N>\" and a newline; fix or delete it)");
   }
   std::remove(latest.c_str());
@@ -145,7 +151,7 @@ TEST(CheckpointResume, ASaveNeverWritesThroughALinkPlantedAtItsTempFile) {
   std::ifstream victim(outside);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(victim), {}), "precious\n");
   EXPECT_EQ(read_latest_pointer(dir), "step-4");
-  struct stat st {};
+  struct stat st{};
   EXPECT_NE(::lstat((dir + "/latest.tmp").c_str(), &st), 0) << "the link is gone";
   std::remove(outside.c_str());
   remove_dir(dir);
@@ -208,7 +214,8 @@ TEST(CheckpointResume, StrayStepDirectoriesAreSkippedWithAWarning) {
   const std::vector<std::string> found = resume_finds(dir);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_EQ(found[0], dir + "/step-6");
-  EXPECT_THAT(err, HasSubstr("meshddp: warning: checkpoint: skipping '" + dir + "/step-99999999999999999999': not a "
+  EXPECT_THAT(err, HasSubstr("meshddp: warning: checkpoint: skipping '" + dir +
+                             "/step-99999999999999999999': not a "
                              "checkpoint step directory"));
   EXPECT_THAT(err, HasSubstr("skipping '" + dir + "/step-007'"));
   EXPECT_THAT(err, HasSubstr("skipping '" + dir + "/step-9': not a directory"));
@@ -226,7 +233,8 @@ TEST(CheckpointResume, APruningFailureAfterTheCommitIsReportedAsSuch) {
   testing::internal::CaptureStderr();
   EXPECT_NO_THROW(train_and_save(dir, 4, {6}, /*keep_last=*/4));
   const std::string err = testing::internal::GetCapturedStderr();
-  EXPECT_THAT(err, HasSubstr("meshddp: warning: checkpoint '" + dir + "/step-6' is saved and committed (`latest` names "
+  EXPECT_THAT(err, HasSubstr("meshddp: warning: checkpoint '" + dir +
+                             "/step-6' is saved and committed (`latest` names "
                              "it), but pruning the older checkpoints (keep_last 4) failed: "));
   EXPECT_THAT(err, HasSubstr(dir + "/step-2/manifest.json"));
   EXPECT_THAT(err, Not(HasSubstr("nothing was committed")));

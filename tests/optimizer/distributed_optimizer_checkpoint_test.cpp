@@ -15,11 +15,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <optional>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,11 +31,11 @@ namespace {
 
 std::string scratch_dir(const std::string& name) { return test::fresh_dir("ckpt-" + name); }
 bool exists(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0;
 }
 int64_t size_of(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   ::stat(path.c_str(), &st);
   return st.st_size;
 }
@@ -92,7 +92,8 @@ std::vector<std::string> load_errors(const ZeroScenario& s, int dp, const std::s
       messages[mesh.rank()] = e.what_without_backtrace();
     }
     auto after = rank.params();
-    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "rank " << mesh.rank() << " param " << i;
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(torch::equal(before[i], after[i])) << "rank " << mesh.rank() << " param " << i;
     EXPECT_EQ(rank.opt->steps_taken(), 0) << "nothing is half-loaded";
   });
   return messages;
@@ -117,7 +118,8 @@ TEST(Checkpoint, RoundTripAtTheSameDpSizeContinuesBitExactly) {
     latest >> name;
     EXPECT_EQ(name, "step-6");
     auto resumed = load_and_continue(s, 4, dir);
-    for (size_t i = 0; i < uninterrupted.size(); ++i) EXPECT_TRUE(torch::equal(uninterrupted[i], resumed[i])) << "param " << i;
+    for (size_t i = 0; i < uninterrupted.size(); ++i)
+      EXPECT_TRUE(torch::equal(uninterrupted[i], resumed[i])) << "param " << i;
     remove_dir(dir);
   }
 }
@@ -287,24 +289,24 @@ void write_text(const std::string& path, const std::string& text) { std::ofstrea
 
 // The manifest of `dir`/step-6 after `edit`: re-signed (a deliberate, consistent edit: a matching
 // manifest_crc32c) or not (damage, or an edit by hand).
-std::string edited_manifest(const std::string& dir, const std::function<void(JsonValue&)>& edit, bool resign) {
-  JsonValue m = JsonValue::parse(read_text(dir + "/step-6/manifest.json"), "test");
+std::string edited_manifest(const std::string& dir, const std::function<void(Json&)>& edit, bool resign) {
+  Json m = parse_json(read_text(dir + "/step-6/manifest.json"), "test");
   edit(m);
   if (!resign) return m.dump(1) + "\n";
-  m.object().erase("manifest_crc32c");
+  m.erase("manifest_crc32c");
   return manifest_text(m);
 }
 
 // The first tensor saved in two pieces (its key), for the piece edits.
-std::string two_piece_tensor(const JsonValue& m) {
-  for (const auto& [key, t] : m.at("tensors", "m").as_object("t")) {
-    if (t.at("pieces", key).as_array(key).size() == 2 && key.rfind("model/", 0) == 0) return key;
+std::string two_piece_tensor(const Json& m) {
+  for (const auto& [key, t] : json_object(json_at(m, "tensors", "m"), "t")) {
+    if (json_array(json_at(t, "pieces", key), key).size() == 2 && key.rfind("model/", 0) == 0) return key;
   }
   ADD_FAILURE() << "no tensor in two pieces";
   return "";
 }
-JsonValue& piece(JsonValue& m, const std::string& key, size_t i) {
-  return m.object()["tensors"].object()[key].object()["pieces"].array()[i];
+Json& piece(Json& m, const std::string& key, size_t i) {
+  return m["tensors"][key]["pieces"].get_ref<Json::array_t&>()[i];
 }
 
 }  // namespace
@@ -314,20 +316,23 @@ TEST(CheckpointManifest, RefusesPieceFilesThatAreNotThisCheckpointsOwn) {
   auto dir = scratch_dir("names");
   train_and_save(s, 2, dir);
   const std::string path = dir + "/step-6/manifest.json";
-  const std::string key = two_piece_tensor(JsonValue::parse(read_text(path), "m"));
+  const std::string key = two_piece_tensor(parse_json(read_text(path), "m"));
   for (const std::string bad : {"../../other/step-6/rank00000.safetensors", "/etc/passwd", "sub/rank00000.safetensors",
                                 "rank00009.safetensors", ""}) {
-    const std::string text = edited_manifest(dir, [&](JsonValue& m) { piece(m, key, 0).object()["file"] = JsonValue(bad); }, true);
+    const std::string text = edited_manifest(dir, [&](Json& m) { piece(m, key, 0)["file"] = Json(bad); }, true);
     EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
-                HasSubstr(".pieces[0].file is " + JsonValue(bad).dump() + ", which is not one of the checkpoint's files"))
+                HasSubstr(".pieces[0].file is " + Json(bad).dump() + ", which is not one of the checkpoint's files"))
         << bad;
   }
   // A file entry renamed to reach outside the directory.
-  const std::string text = edited_manifest(dir, [&](JsonValue& m) {
-    auto& files = m.object()["files"].object();
-    files["../rank00000.safetensors"] = files["rank00000.safetensors"];
-    files.erase("rank00000.safetensors");
-  }, true);
+  const std::string text = edited_manifest(
+      dir,
+      [&](Json& m) {
+        auto& files = m["files"];
+        files["../rank00000.safetensors"] = files["rank00000.safetensors"];
+        files.erase("rank00000.safetensors");
+      },
+      true);
   EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
               HasSubstr("files[\"../rank00000.safetensors\"] is rank 0's file, whose name is rank00000.safetensors"));
   remove_dir(dir);
@@ -338,31 +343,33 @@ TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
   auto dir = scratch_dir("cover");
   train_and_save(s, 2, dir);
   const std::string path = dir + "/step-6/manifest.json";
-  const std::string key = two_piece_tensor(JsonValue::parse(read_text(path), "m"));
-  auto error_after = [&](const std::function<void(JsonValue&)>& edit) {
+  const std::string key = two_piece_tensor(parse_json(read_text(path), "m"));
+  auto error_after = [&](const std::function<void(Json&)>& edit) {
     const std::string text = edited_manifest(dir, edit, true);
     return error_of([&] { parse_manifest(text, path); });
   };
   // Today's attack: a second copy of piece 0 in the other file, the first moved to a negative begin
   // (the sizes still sum to the tensor's).
-  EXPECT_THAT(error_after([&](JsonValue& m) {
-    const int64_t n = piece(m, key, 0).at("end", "p").as_int("e") - piece(m, key, 0).at("begin", "p").as_int("b");
-    piece(m, key, 0).object()["begin"] = JsonValue(-n);
-    piece(m, key, 0).object()["end"] = JsonValue(int64_t{0});
-  }), HasSubstr(".pieces[0].begin is -"));
-  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["end"] = JsonValue(piece(m, key, 0).at("end", "p").as_int("e") - 1); }),
+  EXPECT_THAT(error_after([&](Json& m) {
+                const int64_t n = json_int(piece(m, key, 0)["end"], "e") - json_int(piece(m, key, 0)["begin"], "b");
+                piece(m, key, 0)["begin"] = Json(-n);
+                piece(m, key, 0)["end"] = Json(int64_t{0});
+              }),
+              HasSubstr(".pieces[0].begin is -"));
+  EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["end"] = Json(json_int(piece(m, key, 0)["end"], "e") - 1); }),
               HasSubstr(".pieces leave a gap in TP chunk 0"));
-  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["end"] = JsonValue(piece(m, key, 0).at("end", "p").as_int("e") + 1); }),
+  EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["end"] = Json(json_int(piece(m, key, 0)["end"], "e") + 1); }),
               HasSubstr(".pieces overlap in TP chunk 0"));
-  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 1).object()["end"] = JsonValue(int64_t{1} << 40); }),
+  EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 1)["end"] = Json(int64_t{1} << 40); }),
               HasSubstr(".pieces[1].end is 1099511627776; expected an integer in ["));
-  EXPECT_THAT(error_after([&](JsonValue& m) {
-    auto& pieces = m.object()["tensors"].object()[key].object()["pieces"].array();
-    pieces.push_back(pieces[0]);
-  }), HasSubstr("for a second piece of this tensor"));
-  EXPECT_THAT(error_after([&](JsonValue& m) { m.object()["tensors"].object()[key].object()["pieces"].array().pop_back(); }),
+  EXPECT_THAT(error_after([&](Json& m) {
+                auto& pieces = m["tensors"][key]["pieces"].get_ref<Json::array_t&>();
+                pieces.push_back(pieces[0]);
+              }),
+              HasSubstr("for a second piece of this tensor"));
+  EXPECT_THAT(error_after([&](Json& m) { m["tensors"][key]["pieces"].get_ref<Json::array_t&>().pop_back(); }),
               HasSubstr(".pieces cover "));
-  EXPECT_THAT(error_after([&](JsonValue& m) { piece(m, key, 0).object()["begin"] = JsonValue(1.5); }),
+  EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["begin"] = Json(1.5); }),
               HasSubstr(".pieces[0].begin is number 1.5; expected an integer"));
   remove_dir(dir);
 }
@@ -374,12 +381,12 @@ TEST(CheckpointManifest, RefusesAnyEditThatDoesNotCarryAMatchingChecksum) {
   const std::string path = dir + "/step-6/manifest.json";
   const std::string original = read_text(path);
   EXPECT_NO_THROW(parse_manifest(original, path));
-  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object()["step"] = JsonValue(int64_t{5}); }, false));
+  write_text(path, edited_manifest(dir, [](Json& m) { m["step"] = Json(int64_t{5}); }, false));
   expect_every_rank_says(load_errors(s, 2, dir), "manifest_crc32c is 0x");
   expect_every_rank_says(load_errors(s, 2, dir), "but the manifest's content has CRC32C 0x");
-  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object()["values"].object()["data_position"] = JsonValue(int64_t{99}); }, false));
+  write_text(path, edited_manifest(dir, [](Json& m) { m["values"]["data_position"] = Json(int64_t{99}); }, false));
   expect_every_rank_says(load_errors(s, 2, dir), "manifest_crc32c is 0x");
-  write_text(path, edited_manifest(dir, [](JsonValue& m) { m.object().erase("manifest_crc32c"); }, false));
+  write_text(path, edited_manifest(dir, [](Json& m) { m.erase("manifest_crc32c"); }, false));
   expect_every_rank_says(load_errors(s, 2, dir), "has no manifest_crc32c");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
@@ -393,10 +400,10 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
   train_and_save(s, 2, dir);
   const std::string path = dir + "/step-6/manifest.json";
   const std::string original = read_text(path);
-  const std::string key = two_piece_tensor(JsonValue::parse(original, "m"));
+  const std::string key = two_piece_tensor(parse_json(original, "m"));
   auto swap_fields = [&](std::vector<const char*> fields) {
-    return [=](JsonValue& m) {
-      for (const char* f : fields) std::swap(piece(m, key, 0).object()[f], piece(m, key, 1).object()[f]);
+    return [=](Json& m) {
+      for (const char* f : fields) std::swap(piece(m, key, 0)[f], piece(m, key, 1)[f]);
     };
   };
   // The two ranks' pieces swapped (files), relabelled (ranges), and the two AdamW moments swapped.
@@ -407,23 +414,28 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
   }
   const std::string param = key.substr(std::string("model/").size());
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
-    auto& t = m.object()["tensors"].object();
-    std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
-  }, true));
+  write_text(path, edited_manifest(
+                       dir,
+                       [&](Json& m) {
+                         auto& t = m["tensors"];
+                         std::swap(t["optim/exp_avg/" + param], t["optim/exp_avg_sq/" + param]);
+                       },
+                       true));
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
-    m.object()["tensors"].object()["optim/exp_avg/" + param].object()["dtype"] = JsonValue("I32");
-  }, true));
+  write_text(path, edited_manifest(
+                       dir, [&](Json& m) { m["tensors"]["optim/exp_avg/" + param]["dtype"] = Json("I32"); }, true));
   expect_every_rank_says(load_errors(s, 2, dir), "holds 'optim/exp_avg/" + param + "' as F32 [");
   // The tensor's shape edited (same element count, so the pieces still tile it): the piece checksum
   // covers it. Before: the file checks passed and the model check spoke of a reshaped tensor.
   write_text(path, original);
-  write_text(path, edited_manifest(dir, [&](JsonValue& m) {
-    auto& shape = m.object()["tensors"].object()[key].object()["shape"].array();
-    std::reverse(shape.begin(), shape.end());
-  }, true));
+  write_text(path, edited_manifest(
+                       dir,
+                       [&](Json& m) {
+                         auto& shape = m["tensors"][key]["shape"].get_ref<Json::array_t&>();
+                         std::reverse(shape.begin(), shape.end());
+                       },
+                       true));
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
@@ -485,11 +497,14 @@ TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
 
   write_text(rank1, rank1_bytes + std::string(8, '\0'));  // appended, and the manifest re-signed to match
   const WrittenFile appended = checksum_file(rank1);
-  write_text(manifest, edited_manifest(dir, [&](JsonValue& m) {
-    auto& f = m.object()["files"].object()["rank00001.safetensors"].object();
-    f["bytes"] = JsonValue(appended.bytes);
-    f["crc32c"] = JsonValue(crc_hex(appended.crc));
-  }, true));
+  write_text(manifest, edited_manifest(
+                           dir,
+                           [&](Json& m) {
+                             auto& f = m["files"]["rank00001.safetensors"];
+                             f["bytes"] = Json(appended.bytes);
+                             f["crc32c"] = Json(crc_hex(appended.crc));
+                           },
+                           true));
   expect_every_rank_says(load_errors(s, 2, dir), "but its header ends its data at byte " +
                                                      std::to_string(rank1_bytes.size()) + " (bytes appended");
   write_text(rank1, rank1_bytes);
@@ -503,4 +518,3 @@ TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
   remove_dir(dir);
 }
-

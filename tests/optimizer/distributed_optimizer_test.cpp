@@ -104,7 +104,8 @@ TEST(DistributedOptimizer, ClipsByTheGlobalNormLikeClipGradNorm) {
   EXPECT_GT(clipped, 0);
   EXPECT_LT(clipped, s.steps);
   const double diff = max_abs_diff(golden, zero);
-  std::cout << "[ clipped " << clipped << "/" << s.steps << " steps; max |zero1 - golden| = " << diff << " ]" << std::endl;
+  std::cout << "[ clipped " << clipped << "/" << s.steps << " steps; max |zero1 - golden| = " << diff << " ]"
+            << std::endl;
   EXPECT_LE(diff, kFp32Tol);
 }
 
@@ -112,7 +113,8 @@ TEST(DistributedOptimizer, Bf16ParamsWithFp32MasterWeightsMatchGolden) {
   expect_matches_golden({.world = 4, .bf16 = true});
   expect_matches_golden({.world = 2, .overlap_param_gather = true, .clip = 0.35, .bf16 = true});
   expect_matches_golden({.world = 4, .kind = OptimizerKind::kSgd, .bf16 = true});
-  expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true, .clip = 0.35, .bf16 = true});
+  expect_matches_golden(
+      {.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true, .clip = 0.35, .bf16 = true});
 }
 
 // The fused kernels (FusedStep::kAlways: the CUDA default, forced on CPU here) inside step(): the
@@ -120,8 +122,8 @@ TEST(DistributedOptimizer, Bf16ParamsWithFp32MasterWeightsMatchGolden) {
 // update per step, far inside kFp32Tol), with clipping, groups, bf16 params and both optimizers.
 TEST(DistributedOptimizer, FusedStepKernelsMatchGolden) {
   expect_matches_golden({.world = 4, .clip = 0.35, .fused_step = FusedStep::kAlways});
-  expect_matches_golden({.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true,
-                         .fused_step = FusedStep::kAlways});
+  expect_matches_golden(
+      {.world = 2, .kind = OptimizerKind::kSgd, .overlap_param_gather = true, .fused_step = FusedStep::kAlways});
   expect_matches_golden({.world = 2, .clip = 0.35, .bf16 = true, .fused_step = FusedStep::kAlways});
   expect_matches_golden({.world = 4, .kind = OptimizerKind::kSgd, .bf16 = true, .fused_step = FusedStep::kAlways});
 }
@@ -136,7 +138,8 @@ TEST(DistributedOptimizer, FusedStepReportsTheSameNormAndSkipsLikeTheForeachPath
   for (int step = 0; step < s.steps; ++step) {
     // fp64 sums in another order than linalg_vector_norm's fp32 one: relative 1e-6 (measured ~1e-7).
     EXPECT_NEAR(fused_results[0][step].grad_norm, foreach_results[0][step].grad_norm,
-                1e-6 * foreach_results[0][step].grad_norm) << "step " << step;
+                1e-6 * foreach_results[0][step].grad_norm)
+        << "step " << step;
     EXPECT_EQ(fused_results[0][step].clipped, foreach_results[0][step].clipped) << "step " << step;
     clipped += fused_results[0][step].clipped;
   }
@@ -145,35 +148,35 @@ TEST(DistributedOptimizer, FusedStepReportsTheSameNormAndSkipsLikeTheForeachPath
 
 TEST(DistributedOptimizer, NanOnOneRankSkipsTheStepEverywhereAndNamesParamAndRank) {
   for (FusedStep fused : {FusedStep::kNever, FusedStep::kAlways}) {
-  SCOPED_TRACE(fused == FusedStep::kAlways ? "fused step kernels" : "foreach path");
-  run_on_mesh({2}, {"dp"}, [fused](DeviceMesh& mesh) {
-    ZeroScenario s{.world = 2, .fused_step = fused};
-    ZeroRank rank(mesh, s, kZeroSeed);
-    rank.train(0, 3);
-    auto before = rank.params();
-    // Step 3: on DP rank 1 a gradient hook poisons one element of fc2.weight's gradient, as a bad
-    // kernel would: it reaches the buffer before the bucket's reduce-scatter.
-    if (mesh.rank() == 1) {
-      rank.model->fc2->weight.register_hook([](torch::Tensor g) {
-        g = g.clone();
-        g[3][4] = std::numeric_limits<float>::quiet_NaN();
-        return g;
-      });
-    }
-    rank.ddp->zero_grad_buffer();
-    auto x = torch::randn({16, kZeroIn});
-    rank.ddp->forward(x).sum().backward();
-    StepResult r = rank.opt->step();
-    EXPECT_TRUE(r.skipped);
-    EXPECT_THAT(r.report, HasSubstr("DP rank 1 produced 1 non-finite value(s) in its local gradient of parameter "
-                                    "'fc2.weight'"));
-    EXPECT_THAT(r.report, Not(HasSubstr("'fc1.weight'")));  // clean params are not named
-    EXPECT_THAT(r.report, HasSubstr("parameter 'fc2.weight' has a non-finite reduced gradient"));
-    EXPECT_EQ(rank.opt->steps_taken(), 3);
-    auto after = rank.params();
-    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
-    std::cout << r.report;
-  });
+    SCOPED_TRACE(fused == FusedStep::kAlways ? "fused step kernels" : "foreach path");
+    run_on_mesh({2}, {"dp"}, [fused](DeviceMesh& mesh) {
+      ZeroScenario s{.world = 2, .fused_step = fused};
+      ZeroRank rank(mesh, s, kZeroSeed);
+      rank.train(0, 3);
+      auto before = rank.params();
+      // Step 3: on DP rank 1 a gradient hook poisons one element of fc2.weight's gradient, as a bad
+      // kernel would: it reaches the buffer before the bucket's reduce-scatter.
+      if (mesh.rank() == 1) {
+        rank.model->fc2->weight.register_hook([](torch::Tensor g) {
+          g = g.clone();
+          g[3][4] = std::numeric_limits<float>::quiet_NaN();
+          return g;
+        });
+      }
+      rank.ddp->zero_grad_buffer();
+      auto x = torch::randn({16, kZeroIn});
+      rank.ddp->forward(x).sum().backward();
+      StepResult r = rank.opt->step();
+      EXPECT_TRUE(r.skipped);
+      EXPECT_THAT(r.report, HasSubstr("DP rank 1 produced 1 non-finite value(s) in its local gradient of parameter "
+                                      "'fc2.weight'"));
+      EXPECT_THAT(r.report, Not(HasSubstr("'fc1.weight'")));  // clean params are not named
+      EXPECT_THAT(r.report, HasSubstr("parameter 'fc2.weight' has a non-finite reduced gradient"));
+      EXPECT_EQ(rank.opt->steps_taken(), 3);
+      auto after = rank.params();
+      for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
+      std::cout << r.report;
+    });
   }
 }
 
@@ -196,12 +199,12 @@ TEST(DistributedOptimizer, ParamAllGatherOverlapsTheNextForwardAndItsResultIsExa
     ZeroRank rank(mesh, s, kZeroSeed);
     rank.train(0, s.steps);
     rank.opt->finish_param_sync();
-    GradBuffer& buffer = rank.ddp->grad_buffer();
-    ParamGather* gather = buffer.param_gather();
+    const GradBuffer& buffer = rank.ddp->grad_buffer();
+    ParamGather* gather = rank.ddp->param_gather();
     if (mesh.rank() == 0) {
       torch::NoGradGuard no_grad;
       for (const BucketShard& shard : rank.opt->shards()) {
-        at::Tensor full = buffer.bucket_param_data(shard.bucket);
+        at::Tensor full = buffer.param_buffer()->bucket_data(shard.bucket);
         const int64_t mine = shard.begin - buffer.layout().buckets[shard.bucket].begin;
         full.narrow(0, 0, mine).fill_(1e6);
         full.narrow(0, mine + shard.numel, full.numel() - mine - shard.numel).fill_(1e6);
@@ -343,7 +346,8 @@ TEST(DistributedOptimizer, AGroupRuleThatMatchesNoParamIsAnErrorNamingIt) {
       DistributedOptimizer opt(ddp.grad_buffer(), oc);
       ADD_FAILURE() << "a rule matching nothing was accepted";
     } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("group rule #1 with pattern '*.baises' matches no trainable parameter"));
+      EXPECT_THAT(e.what_without_backtrace(),
+                  HasSubstr("group rule #1 with pattern '*.baises' matches no trainable parameter"));
     }
   });
 }

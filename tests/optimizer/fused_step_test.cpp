@@ -113,7 +113,9 @@ int64_t max_update_ulps(const at::Tensor& master, const AdamWState& aten, const 
   return worst;
 }
 
-AdamWState clone(const AdamWState& s) { return {s.grad.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone(), s.master.clone()}; }
+AdamWState clone(const AdamWState& s) {
+  return {s.grad.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone(), s.master.clone()};
+}
 
 // Today's path: DistributedOptimizer::step's clip and update_adamw, op for op.
 void aten_adamw(AdamWState& s, const AdamWConfig& c, int64_t step, double grad_scale) {
@@ -246,8 +248,8 @@ void compare_stats_with_aten(const at::Device& device) {
   }
 }
 
-#define SKIP_WITHOUT_CUDA()                                                                                 \
-  if (!at::hasCUDA() || !fused_kernels_available(at::Device(at::kCUDA, 0)))                                 \
+#define SKIP_WITHOUT_CUDA()                                                 \
+  if (!at::hasCUDA() || !fused_kernels_available(at::Device(at::kCUDA, 0))) \
   GTEST_SKIP() << "no CUDA device (or a build without the CUDA kernels): scripts/gpu_check.sh runs this on a GPU"
 
 }  // namespace
@@ -287,20 +289,25 @@ TEST(FusedStep, MasterThatIsTheParamIsWrittenOnce) {
 TEST(FusedStep, RejectsOperandsThatDoNotFitNamingThem) {
   const AdamWState s = adamw_state(10, false, at::kCPU);
   const auto scalars = adamw_scalars(1e-3, 0, 0.9, 0.999, 1e-8, 1);
-  EXPECT_NE(error_of([&] { fused_adamw_step(s.grad, s.exp_avg.narrow(0, 0, 9), s.exp_avg_sq, s.master, {}, scalars); })
-                .find("'exp_avg' has 9 elements, 'grad' has 10"),
+  EXPECT_NE(error_of([&] {
+              fused_adamw_step(s.grad, s.exp_avg.narrow(0, 0, 9), s.exp_avg_sq, s.master, {}, scalars);
+            }).find("'exp_avg' has 9 elements, 'grad' has 10"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { fused_adamw_step(s.grad, s.exp_avg, s.exp_avg_sq.to(at::kDouble), s.master, {}, scalars); })
-                .find("'exp_avg_sq' must be fp32, got Double"),
+  EXPECT_NE(error_of([&] {
+              fused_adamw_step(s.grad, s.exp_avg, s.exp_avg_sq.to(at::kDouble), s.master, {}, scalars);
+            }).find("'exp_avg_sq' must be fp32, got Double"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { fused_adamw_step(s.grad, s.exp_avg, s.exp_avg_sq, s.master, at::zeros({10}, at::kHalf), scalars); })
-                .find("'param' must be fp32 or bf16, got Half"),
+  EXPECT_NE(error_of([&] {
+              fused_adamw_step(s.grad, s.exp_avg, s.exp_avg_sq, s.master, at::zeros({10}, at::kHalf), scalars);
+            }).find("'param' must be fp32 or bf16, got Half"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { fused_sgd_step(s.grad, at::Tensor(), s.master, {}, sgd_scalars(0.1, 0, 0.9)); })
-                .find("'momentum_buffer' must be given exactly when momentum != 0"),
+  EXPECT_NE(error_of([&] {
+              fused_sgd_step(s.grad, at::Tensor(), s.master, {}, sgd_scalars(0.1, 0, 0.9));
+            }).find("'momentum_buffer' must be given exactly when momentum != 0"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { fused_grad_stats(s.grad, at::zeros({2})); }).find("'out' must be a contiguous 2-element fp64"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { fused_grad_stats(s.grad, at::zeros({2})); }).find("'out' must be a contiguous 2-element fp64"),
+      std::string::npos);
 }
 
 TEST(FusedStepCuda, AdamWWithinUlpBoundOfAtenForeachOnCuda) {

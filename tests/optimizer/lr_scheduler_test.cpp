@@ -1,8 +1,9 @@
 // LrScheduler: the pure schedule against closed-form values (Megatron's formulas), driving
 // torch::optim and DistributedOptimizer param groups, state save/restore, and a ZeRO-1 run under a
 // schedule against torch::optim::AdamW under the same schedule, step by step.
-#include "tests/support/error_of.h"
 #include "optimizer/lr_scheduler.h"
+
+#include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
 

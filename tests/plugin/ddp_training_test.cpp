@@ -32,13 +32,14 @@ struct Scenario {
   Opt opt = Opt::kSgd;
   bool side_layer_every_third_step = false;  // params unused on 2 of 3 steps
   DdpConfig config;
-  bool create_graph = false;        // backward(create_graph=true) on every micro-batch
-  bool evaluate_on_rank0 = false;   // rank 0 alone runs no-grad forwards: after zero_grad_buffer(), after the step
-  bool grads_in_buffer = false;     // DDP's model runs meshddp::linear_with_grad_in_buffer (the golden: torch's Linear)
+  bool create_graph = false;       // backward(create_graph=true) on every micro-batch
+  bool evaluate_on_rank0 = false;  // rank 0 alone runs no-grad forwards: after zero_grad_buffer(), after the step
+  bool grads_in_buffer = false;    // DDP's model runs meshddp::linear_with_grad_in_buffer (the golden: torch's Linear)
 };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
-  if (opt == Opt::kSgd) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  if (opt == Opt::kSgd)
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
 }
 
@@ -98,7 +99,7 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
         // Every weight and bias of the layers this step ran went in place (none under create_graph,
         // or with the feature off), or the test is not testing the in-place path.
         const bool in_place = s.config.gradient_accumulation_fusion && !s.create_graph;
-        EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), in_place ? (use_side(s, step) ? 8 : 6) : 0)
+        EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, in_place ? (use_side(s, step) ? 8 : 6) : 0)
             << "step " << step;
       }
       opt->step();
@@ -111,7 +112,8 @@ std::vector<torch::Tensor> train_ddp(const Scenario& s) {
   });
   for (int r = 1; r < s.world; ++r) {
     for (size_t i = 0; i < per_rank[0].size(); ++i) {
-      EXPECT_TRUE(torch::equal(per_rank[0][i], per_rank[r][i])) << "rank " << r << " param " << i << " differs from rank 0";
+      EXPECT_TRUE(torch::equal(per_rank[0][i], per_rank[r][i]))
+          << "rank " << r << " param " << i << " differs from rank 0";
     }
   }
   return per_rank[0];
@@ -124,8 +126,8 @@ void expect_matches_golden(const Scenario& s) {
   double max_diff = 0;
   for (size_t i = 0; i < golden.size(); ++i) {
     max_diff = std::max(max_diff, (golden[i] - ddp[i]).abs().max().item<double>());
-    EXPECT_TRUE(torch::allclose(ddp[i], golden[i], kFp32Rtol, kFp32Atol)) << "param " << i << " max |diff| "
-                                                                         << (golden[i] - ddp[i]).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(ddp[i], golden[i], kFp32Rtol, kFp32Atol))
+        << "param " << i << " max |diff| " << (golden[i] - ddp[i]).abs().max().item<double>();
   }
   // Training must have moved the params, or the comparison says nothing.
   Mlp init = make_mlp(kSeed, kIn, kHidden, kOut, s.side_layer_every_third_step);
@@ -179,10 +181,14 @@ TEST(DistributedDataParallel, MatchesGoldenWithOverlapOff) {
 // backward(create_graph=true) makes AccumulateGrad replace .grad by `.grad + new` out of place; the
 // slot must still get each micro-batch's gradient once (not the slot's earlier contents again).
 TEST(DistributedDataParallel, MatchesGoldenWithCreateGraphAndFourMicroBatches) {
-  expect_matches_golden({.world = 2, .micro_batches = 4, .opt = Opt::kSgd, .config = bucket_bytes(1024), .create_graph = true});
+  expect_matches_golden(
+      {.world = 2, .micro_batches = 4, .opt = Opt::kSgd, .config = bucket_bytes(1024), .create_graph = true});
   DdpConfig one_param_per_bucket_no_overlap = bucket_bytes(0);
   one_param_per_bucket_no_overlap.overlap_grad_reduce = false;
-  expect_matches_golden({.world = 2, .micro_batches = 4, .opt = Opt::kSgd, .config = one_param_per_bucket_no_overlap,
+  expect_matches_golden({.world = 2,
+                         .micro_batches = 4,
+                         .opt = Opt::kSgd,
+                         .config = one_param_per_bucket_no_overlap,
                          .create_graph = true});
 }
 
@@ -191,8 +197,8 @@ TEST(DistributedDataParallel, MatchesGoldenWithCreateGraphAndFourMicroBatches) {
 TEST(DistributedDataParallel, EvaluationForwardOnOneRankBetweenStepsLeavesTheSyncAlone) {
   DdpConfig config = bucket_bytes(1024);
   config.find_unused_parameters = true;
-  expect_matches_golden({.world = 2, .opt = Opt::kSgd, .side_layer_every_third_step = true, .config = config,
-                         .evaluate_on_rank0 = true});
+  expect_matches_golden(
+      {.world = 2, .opt = Opt::kSgd, .side_layer_every_third_step = true, .config = config, .evaluate_on_rank0 = true});
 }
 
 TEST(DistributedDataParallel, MatchesGoldenWithFourAccumulatedMicroBatches) {
@@ -224,16 +230,27 @@ TEST(DistributedDataParallel, BroadcastsDpRankZerosParamsAtConstruction) {
 // zero_grad_buffer() no longer zeroes), later ones accumulate, and a layer unused on 2 of 3 steps
 // (its slot stale after a step that used it, zeroed after one that did not) contributes zeros.
 TEST(DistributedDataParallel, MatchesGoldenWithGradientsWrittenInPlaceByTheWeightGradientGemm) {
-  expect_matches_golden({.world = 2, .micro_batches = 3, .opt = Opt::kSgd, .side_layer_every_third_step = true,
-                         .config = bucket_bytes(1024), .grads_in_buffer = true});
+  expect_matches_golden({.world = 2,
+                         .micro_batches = 3,
+                         .opt = Opt::kSgd,
+                         .side_layer_every_third_step = true,
+                         .config = bucket_bytes(1024),
+                         .grads_in_buffer = true});
   DdpConfig no_overlap = bucket_bytes(0);
   no_overlap.overlap_grad_reduce = false;
-  expect_matches_golden({.world = 4, .opt = Opt::kSgd, .side_layer_every_third_step = true, .config = no_overlap,
+  expect_matches_golden({.world = 4,
+                         .opt = Opt::kSgd,
+                         .side_layer_every_third_step = true,
+                         .config = no_overlap,
                          .grads_in_buffer = true});
   DdpConfig find_unused = bucket_bytes(1024);
   find_unused.find_unused_parameters = true;
-  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kAdam, .side_layer_every_third_step = true,
-                         .config = find_unused, .grads_in_buffer = true});
+  expect_matches_golden({.world = 2,
+                         .micro_batches = 2,
+                         .opt = Opt::kAdam,
+                         .side_layer_every_third_step = true,
+                         .config = find_unused,
+                         .grads_in_buffer = true});
 }
 
 // The same layers with the feature off, and under create_graph (the gradient must carry its graph):
@@ -241,10 +258,18 @@ TEST(DistributedDataParallel, MatchesGoldenWithGradientsWrittenInPlaceByTheWeigh
 TEST(DistributedDataParallel, GradientsInBufferFallBackToAutogradWhenOffOrUnderCreateGraph) {
   DdpConfig off = bucket_bytes(1024);
   off.gradient_accumulation_fusion = false;
-  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kSgd, .side_layer_every_third_step = true,
-                         .config = off, .grads_in_buffer = true});
-  expect_matches_golden({.world = 2, .micro_batches = 2, .opt = Opt::kSgd, .config = bucket_bytes(1024),
-                         .create_graph = true, .grads_in_buffer = true});
+  expect_matches_golden({.world = 2,
+                         .micro_batches = 2,
+                         .opt = Opt::kSgd,
+                         .side_layer_every_third_step = true,
+                         .config = off,
+                         .grads_in_buffer = true});
+  expect_matches_golden({.world = 2,
+                         .micro_batches = 2,
+                         .opt = Opt::kSgd,
+                         .config = bucket_bytes(1024),
+                         .create_graph = true,
+                         .grads_in_buffer = true});
 }
 
 // No zeroing pass: zero_grad_buffer() leaves a slot whose param got a gradient in the last step (it
@@ -271,7 +296,8 @@ TEST(DistributedDataParallel, ZeroGradBufferZeroesOnlySlotsThatTheNextGradientWi
       EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad)) << "zeroed a slot that the next step overwrites";
       torch::mse_loss(ddp.forward(x, /*use_side=*/true), y).backward();
       ddp.finish_grad_sync();
-      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad)) << "same batch and params: overwritten, not added";
+      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad))
+          << "same batch and params: overwritten, not added";
       EXPECT_TRUE(torch::equal(ddp.main_grad("side.weight"), side_grad));
       step(/*use_side=*/false);
       EXPECT_EQ(ddp.main_grad("side.weight").abs().max().item<double>(), 0) << "no gradient, yet its stale slot kept";

@@ -86,7 +86,7 @@ std::pair<at::Tensor, int64_t> main_grad_after_two_micro_batches(SlotDtypes acce
       ddp.finish_grad_sync();
     }
     main_grad = ddp.main_grad("w").clone();
-    in_place = ddp.grad_buffer().grads_written_in_place();
+    in_place = ddp.grad_buffer()->stats().grads_written_in_place;
   });
   return {main_grad, in_place};
 }
@@ -105,7 +105,8 @@ TEST(GradInPlace, Fp32SlotsOfBf16ParamsGoOnlyToWritersThatTakeThem) {
   // Widened in place: both micro-batches' products summed in fp32 (first written, then added).
   const at::Tensor fp32_sum = wgrad(0, w, torch::kFloat) + wgrad(1, w, torch::kFloat);
   // Autograd path: each micro-batch's gradient rounded to bf16, then added into the fp32 slot.
-  const at::Tensor bf16_sum = wgrad(0, w, torch::kBFloat16).to(torch::kFloat) + wgrad(1, w, torch::kBFloat16).to(torch::kFloat);
+  const at::Tensor bf16_sum =
+      wgrad(0, w, torch::kBFloat16).to(torch::kFloat) + wgrad(1, w, torch::kBFloat16).to(torch::kFloat);
   ASSERT_FALSE(torch::equal(fp32_sum, bf16_sum)) << "the two paths must be told apart by their rounding";
 
   auto [widened, widened_in_place] = main_grad_after_two_micro_batches(SlotDtypes::kParamDtypeOrFp32);

@@ -48,8 +48,8 @@ std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> golden() {
   return {params, first_grads};
 }
 
-void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, const std::string& what,
-                  int64_t rank) {
+void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
+                  const std::string& what, int64_t rank) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_TRUE(torch::allclose(got[i], want[i], kFp32Rtol, kFp32Atol))

@@ -28,7 +28,8 @@ struct LinearRank {
     }
     ddp = std::make_unique<DistributedDataParallel<torch::nn::LinearImpl>>(model.ptr(), mesh, "dp");
     if (sgd) {
-      optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
+      optimizer =
+          std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
     } else {
       optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2));
     }

@@ -3,6 +3,7 @@
 // ZeRO-1); frozen params, buffers, torch AdamW state and user values come back at another DP size;
 // a changed model is named.
 #include "plugin/training_checkpoint.h"
+
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
@@ -54,8 +55,8 @@ TEST(TrainingCheckpoint, ResumingAtFourByOneOneByFourAndTwoByTwoContinuesTheLoss
           EXPECT_NEAR(b, a, 2e-6 * std::abs(a)) << (zero ? "ZeRO-1 " : "") << dp << "x" << tp << " step " << 5 + k;
         }
       }
-      std::cout << "[ " << (zero ? "ZeRO-1 " : "") << "2x2 -> " << dp << "x" << tp << ": max relative loss diff " << worst
-                << " ]" << std::endl;
+      std::cout << "[ " << (zero ? "ZeRO-1 " : "") << "2x2 -> " << dp << "x" << tp << ": max relative loss diff "
+                << worst << " ]" << std::endl;
     }
     std::system(("rm -rf '" + dir + "'").c_str());
   }
@@ -140,6 +141,39 @@ TEST(TrainingCheckpoint, FrozenParamsBuffersAdamWStateAndUserValuesComeBackAtAno
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
+// tests/data/checkpoint_saved_before_nlohmann_json: the checkpoint the test above saves at step 3,
+// saved by the build before checkpoint/ used nlohmann-json (its writer put arrays on one line and
+// doubles as %.17g: rank 0's header records values {"lr":0.00025000000000000001,...}, where this
+// build writes 0.00025). Its bytes are checked as they are (manifest_crc32c, file CRCs, the recorded
+// values compared by content), so it still loads. Tolerance on the params: the same 3 steps
+// retrained here; another CPU may vectorize AdamW's fp32 arithmetic differently: 1e-6 relative.
+TEST(TrainingCheckpoint, ACheckpointSavedBeforeNlohmannJsonStillLoads) {
+  const std::string dir = scratch_dir("before-nlohmann");
+  ASSERT_EQ(
+      std::system(
+          ("cp -r '" MESHDDP_SOURCE_DIR "/tests/data/checkpoint_saved_before_nlohmann_json' '" + dir + "'").c_str()),
+      0);
+  std::vector<torch::Tensor> retrained;
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    StatefulRank rank(mesh, 1);
+    rank.train(3);
+    if (mesh.rank() == 0) retrained = {rank.model->fc->weight.clone(), rank.model->fc->bias.clone()};
+  });
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    StatefulRank rank(mesh, 2);
+    const LoadedCheckpoint loaded = load_checkpoint(rank.state(), dir);
+    EXPECT_EQ(loaded.step, 3);
+    EXPECT_EQ(std::get<int64_t>(loaded.values.at("data_position")), 4096);
+    EXPECT_EQ(std::get<double>(loaded.values.at("lr")), 2.5e-4);
+    EXPECT_EQ(std::get<std::string>(loaded.values.at("scheduler")), "{\"warmup\": 10}");
+    if (mesh.rank() == 0) {
+      EXPECT_TRUE(torch::allclose(rank.model->fc->weight, retrained[0], 1e-6, 1e-7));
+      EXPECT_TRUE(torch::allclose(rank.model->fc->bias, retrained[1], 1e-6, 1e-7));
+    }
+  });
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
   const std::string dir = scratch_dir("changed"), old_dir = scratch_dir("changed-old");
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
@@ -165,8 +199,10 @@ TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
               HasSubstr("the checkpoint has no 'model/extra' (global shape [2] here)"));
   EXPECT_THAT(error_at_load(dir, [](StatefulImpl& m) { m.seen.set_(torch::zeros({7}, torch::kLong)); }),
               HasSubstr("'model/seen' has global shape [5] in the checkpoint but [7] here"));
-  EXPECT_THAT(error_at_load(old_dir, [](StatefulImpl&) {}),
-              HasSubstr("the checkpoint has 'model/retired' (global shape [2]) but this model has no such parameter or buffer"));
+  EXPECT_THAT(
+      error_at_load(old_dir, [](StatefulImpl&) {}),
+      HasSubstr(
+          "the checkpoint has 'model/retired' (global shape [2]) but this model has no such parameter or buffer"));
   EXPECT_EQ(error_at_load(dir, [](StatefulImpl&) {}), "(no error)");
   std::system(("rm -rf '" + dir + "' '" + old_dir + "'").c_str());
 }

@@ -4,10 +4,11 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
-#include "plugin/training_checkpoint.h"
 #include "plugin/distributed_data_parallel.h"
-#include "tp/tp_layers.h"
+#include "plugin/training_checkpoint.h"
 #include "tests/support/rank_threads.h"
+#include "tp/grad_norm.h"
+#include "tp/tp_layers.h"
 
 #include <cmath>
 #include <mutex>
@@ -40,7 +41,9 @@ std::vector<torch::Tensor> synced_grads(DdpEngine& ddp, const DistributedOptimiz
     for (const BucketShard& shard : zero->shards()) {
       const at::Tensor data = buffer.bucket_shard(shard.bucket);
       for (const ShardSegment& seg : shard.segments) {
-        by_buffer_index[seg.param].view({-1}).narrow(0, seg.param_offset, seg.numel)
+        by_buffer_index[seg.param]
+            .view({-1})
+            .narrow(0, seg.param_offset, seg.numel)
             .copy_(data.narrow(0, seg.shard_offset, seg.numel));
       }
     }
@@ -148,12 +151,13 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       all_reduce_sum_now(*mesh[dp_dim], global_loss, "test loss");
       run.losses.push_back(global_loss.item<double>());
       ddp.finish_grad_sync();
-      run.grads_written_in_place.push_back(ddp.grad_buffer().grads_written_in_place());
+      run.grads_written_in_place.push_back(ddp.grad_buffer()->stats().grads_written_in_place);
       if (step == 0) run.first_grads = synced_grads(ddp, zero.get());
       if (zero) {
         auto result = zero->step();
         run.grad_norms.push_back(result.grad_norm);
       } else {
+        if (s.clip > 0) run.grad_norms.push_back(clip_grad_norm_(ddp.grad_buffer(), s.clip));
         opt->step();
       }
     }

@@ -14,14 +14,14 @@ struct GptScenario {
   int64_t dp = 2, tp = 2;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
-  double clip = 0.0;  // with the distributed optimizer
+  double clip = 0.0;  // max_norm: DistributedOptimizerConfig::clip_grad_norm, or meshddp::clip_grad_norm_ in plain DDP
   int steps = 6;
   int micro_batches = 1;
   int64_t global_batch = 8;
   size_t bucket_bytes = 4096;
   gpt::Config model{};
   std::vector<std::string> dims = {"dp", "tp"};  // the mesh's dim names (DP first, then TP)
-  bool create_graph = false;             // backward(create_graph=true) on every micro-batch
+  bool create_graph = false;                     // backward(create_graph=true) on every micro-batch
   // Checkpoints (plugin/training_checkpoint.h, with either optimizer): save into `save_dir` (as step
   // `save_before_step`) before that step; or start at step `first_step` from `load_dir`'s latest.
   std::string save_dir = {};
@@ -31,15 +31,15 @@ struct GptScenario {
 };
 
 struct GptRun {
-  std::vector<double> losses;                 // per step, mean over the global batch
-  std::vector<torch::Tensor> first_grads;     // golden: full grads of step 0; distributed: rank-local
-                                              // (ZeRO-1: NaN outside the elements this DP rank owns)
-  std::vector<torch::Tensor> params;          // final; distributed: rank-local shards
-  std::vector<double> grad_norms;             // per step (clipping runs only)
-  std::vector<Placement> placements;          // distributed: each param's placement on this rank
+  std::vector<double> losses;                   // per step, mean over the global batch
+  std::vector<torch::Tensor> first_grads;       // golden: full grads of step 0; distributed: rank-local
+                                                // (ZeRO-1: NaN outside the elements this DP rank owns)
+  std::vector<torch::Tensor> params;            // final; distributed: rank-local shards
+  std::vector<double> grad_norms;               // per step (clipping runs only)
+  std::vector<Placement> placements;            // distributed: each param's placement on this rank
   std::vector<int64_t> grads_written_in_place;  // distributed: per step, params whose gradient the layers
                                                 // wrote straight into the flat buffer
-  int64_t linear_weights = 0;                 // distributed: distinct weights of tp::Linear layers
+  int64_t linear_weights = 0;                   // distributed: distinct weights of tp::Linear layers
 };
 
 constexpr uint64_t kGptSeed = 5;

@@ -33,7 +33,8 @@ Mlp make_mlp(uint64_t seed, int64_t in, int64_t hidden, int64_t out, bool with_s
   return Mlp(in, hidden, out, with_side);
 }
 
-std::pair<torch::Tensor, torch::Tensor> make_batch(uint64_t seed, int64_t step, int64_t batch, int64_t in, int64_t out) {
+std::pair<torch::Tensor, torch::Tensor> make_batch(uint64_t seed, int64_t step, int64_t batch, int64_t in,
+                                                   int64_t out) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + step);
   auto x = torch::randn({batch, in}, gen);
   auto y = torch::randn({batch, out}, gen);

@@ -21,7 +21,8 @@ DistributedOptimizerConfig zero_optimizer_config(const ZeroScenario& s) {
 
 namespace {
 
-std::unique_ptr<torch::optim::Optimizer> golden_optimizer(const ZeroScenario& s, const std::vector<torch::Tensor>& weights,
+std::unique_ptr<torch::optim::Optimizer> golden_optimizer(const ZeroScenario& s,
+                                                          const std::vector<torch::Tensor>& weights,
                                                           const std::vector<torch::Tensor>& biases) {
   const auto c = zero_optimizer_config(s);
   std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -35,7 +36,8 @@ std::unique_ptr<torch::optim::Optimizer> golden_optimizer(const ZeroScenario& s,
     return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   }
   auto opts = [&](double wd) {
-    return std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(c.lr).momentum(c.momentum).weight_decay(wd));
+    return std::make_unique<torch::optim::SGDOptions>(
+        torch::optim::SGDOptions(c.lr).momentum(c.momentum).weight_decay(wd));
   };
   groups.emplace_back(weights, opts(c.weight_decay));
   groups.emplace_back(biases, opts(0.0));

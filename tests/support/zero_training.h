@@ -24,11 +24,11 @@ struct ZeroScenario {
   OptimizerKind kind = OptimizerKind::kAdamW;
   bool overlap_param_gather = false;
   double clip = 0.0;
-  bool bf16 = false;            // bf16 params, fp32 main grads and master weights
-  size_t bucket_bytes = 512;    // several buckets, params straddling shards
+  bool bf16 = false;          // bf16 params, fp32 main grads and master weights
+  size_t bucket_bytes = 512;  // several buckets, params straddling shards
   int64_t hidden = kZeroHidden;
   std::optional<LrScheduleConfig> schedule = {};  // drives both the golden's and the ZeRO-1 optimizer
-  FusedStep fused_step = FusedStep::kAuto;   // kAlways: the fused kernels on CPU (fused_step_test)
+  FusedStep fused_step = FusedStep::kAuto;        // kAlways: the fused kernels on CPU (fused_step_test)
 };
 
 // lr 1e-2, AdamW betas (0.9, 0.999) eps 1e-8 weight decay 0.1; SGD momentum 0.9 weight decay 0.01;

@@ -4,11 +4,12 @@
 // also through tp::Linear on a TP mesh) and double backward (a gradient penalty, with autocast and
 // through tp::Linear).
 // Golden: the same layer as torch::linear on a copy of the params, in one process.
-#include "plugin/distributed_data_parallel.h"
 #include "tp/linear_with_grad_in_buffer.h"
+
+#include "plugin/distributed_data_parallel.h"
+#include "tests/support/rank_threads.h"
 #include "tp/parallelize.h"
 #include "tp/tp_layers.h"
-#include "tests/support/rank_threads.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -70,12 +71,12 @@ TEST(LinearWithGradInBuffer, AutogradGradReturnsTheGradientAndLeavesTheBufferAlo
     const auto got = torch::autograd::grad({loss_of(ddp.forward(x))}, {model->fc->weight, model->fc->bias});
     EXPECT_TRUE(torch::equal(got[0], golden[0])) << "autograd::grad's weight gradient:\n" << got[0];
     EXPECT_TRUE(torch::equal(got[1], golden[1])) << "autograd::grad's bias gradient:\n" << got[1];
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 0);
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 0);
     EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), torch::zeros_like(w0))) << "the slot was written";
 
     loss_of(ddp.forward(x)).backward();
     ddp.finish_grad_sync();
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // the real backward still writes in place
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2);  // the real backward still writes in place
     const double ratio = (ddp.main_grad("fc.weight").sum() / golden[0].sum()).item<double>();
     EXPECT_DOUBLE_EQ(ratio, 1.0);
     EXPECT_TRUE(torch::equal(ddp.main_grad("fc.weight"), golden[0]));
@@ -134,12 +135,14 @@ TEST(LinearWithGradInBuffer, UnderCpuAutocastBehavesAsFunctionalLinear) {
       ddp.finish_grad_sync();
       const torch::Tensor gw = ddp.main_grad("fc.weight"), gb = ddp.main_grad("fc.bias");
       ASSERT_EQ(gw.scalar_type(), torch::kFloat);
-      EXPECT_TRUE((gw - golden->weight.grad()).abs().le(bound_w + 1e-6).all().item<bool>())
-          << "step " << step << ":\n" << gw << "\nvs\n" << golden->weight.grad();
-      EXPECT_TRUE((gb - golden->bias.grad()).abs().le(bound_b + 1e-6).all().item<bool>())
-          << "step " << step << ":\n" << gb << "\nvs\n" << golden->bias.grad();
+      EXPECT_TRUE((gw - golden->weight.grad()).abs().le(bound_w + 1e-6).all().item<bool>()) << "step " << step << ":\n"
+                                                                                            << gw << "\nvs\n"
+                                                                                            << golden->weight.grad();
+      EXPECT_TRUE((gb - golden->bias.grad()).abs().le(bound_b + 1e-6).all().item<bool>()) << "step " << step << ":\n"
+                                                                                          << gb << "\nvs\n"
+                                                                                          << golden->bias.grad();
     }
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 2);  // both written in place, not through autograd
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place, 2);  // both written in place, not through autograd
   });
 }
 
@@ -224,9 +227,11 @@ TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo)
       const torch::Tensor got = ddp.main_grad(name);
       ASSERT_EQ(got.scalar_type(), torch::kFloat) << name;
       EXPECT_TRUE(torch::allclose(got, want, 1.0 / 32, 1.0 / 128)) << name << " on TP rank " << r << ":\n"
-                                                                  << got << "\nvs\n" << want;
+                                                                   << got << "\nvs\n"
+                                                                   << want;
     }
-    EXPECT_EQ(ddp.grad_buffer().grads_written_in_place(), 3);  // fc2.bias (added after the TP sum) goes through autograd
+    EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place,
+              3);  // fc2.bias (added after the TP sum) goes through autograd
   });
 }
 
@@ -245,7 +250,8 @@ TEST(LinearWithGradInBuffer, GradientPenaltyUnderCpuAutocastReachesTheWeightAsFu
       CpuAutocast autocast;
       out = f(x);
     }
-    const torch::Tensor gx = torch::autograd::grad({loss_of(out)}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    const torch::Tensor gx =
+        torch::autograd::grad({loss_of(out)}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
     EXPECT_EQ(gx.scalar_type(), torch::kFloat);
     loss_of(gx).backward();
   };
@@ -256,7 +262,8 @@ TEST(LinearWithGradInBuffer, GradientPenaltyUnderCpuAutocastReachesTheWeightAsFu
   ASSERT_TRUE(model->fc->weight.grad().defined()) << "the penalty did not reach the weight";
   EXPECT_EQ(model->fc->weight.grad().scalar_type(), torch::kFloat);
   EXPECT_TRUE(torch::allclose(model->fc->weight.grad(), w0.grad(), 1.0 / 128, 1e-5))
-      << model->fc->weight.grad() << "\nvs\n" << w0.grad();
+      << model->fc->weight.grad() << "\nvs\n"
+      << w0.grad();
   EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1.0 / 128, 1e-5)) << x.grad() << "\nvs\n" << x_ref.grad();
 }
 
@@ -301,7 +308,8 @@ TEST(LinearWithGradInBuffer, TpLinearGradientPenaltyMatchesTheGoldenOnOneByTwo) 
     for (const auto& [name, want] : expected) {
       const torch::Tensor got = ddp.main_grad(name);
       EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6)) << name << " on TP rank " << r << ":\n"
-                                                          << got << "\nvs\n" << want;
+                                                          << got << "\nvs\n"
+                                                          << want;
     }
   });
 }

@@ -8,15 +8,16 @@
 // Params after 6 AdamW steps: Adam divides by sqrt(v), so elements with gradients near 1e-6 turn
 // those ulp differences into larger update differences; measured max 1.4e-5 (1x4), asserted 5e-5.
 // Losses (mean over the global batch): measured 4.8e-7, asserted 1e-5.
-#include "tests/support/error_of.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "plugin/distributed_data_parallel.h"
+#include "tests/support/error_of.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
 
 #include <gmock/gmock.h>
-#include <unistd.h>
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 using namespace meshddp;
 using namespace meshddp::test;
@@ -47,9 +48,9 @@ void expect_matches_golden(const GptScenario& s) {
       owned_grad_elements += owned.sum().item<int64_t>();
       const auto got = torch::where(owned, run.first_grads[i], g);
       max_grad = std::max(max_grad, (g - got).abs().max().item<double>());
-      EXPECT_TRUE(torch::allclose(got, g, 1e-4, 1e-5)) << "rank " << rank << " grad " << i << " ("
-                                                        << run.placements[i].str() << ") max |diff| "
-                                                        << (g - got).abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(got, g, 1e-4, 1e-5))
+          << "rank " << rank << " grad " << i << " (" << run.placements[i].str() << ") max |diff| "
+          << (g - got).abs().max().item<double>();
     }
     EXPECT_GT(owned_grad_elements, 0) << "rank " << rank << " checked no gradient element";
     // The tp::Linear layers (every style, the tied LM head) wrote their weight gradients into the
@@ -61,9 +62,9 @@ void expect_matches_golden(const GptScenario& s) {
       EXPECT_NEAR(run.losses[step], golden.losses[step], 1e-5) << "rank " << rank << " step " << step;
     }
   }
-  std::cout << "[ " << s.dp << "x" << s.tp << (s.sequence_parallel ? " SP" : "") << (s.distributed_optimizer ? " ZeRO-1" : "")
-            << ": max |param diff| " << max_param << ", |grad diff| " << max_grad << ", |loss diff| " << max_loss << " ]"
-            << std::endl;
+  std::cout << "[ " << s.dp << "x" << s.tp << (s.sequence_parallel ? " SP" : "")
+            << (s.distributed_optimizer ? " ZeRO-1" : "") << ": max |param diff| " << max_param << ", |grad diff| "
+            << max_grad << ", |loss diff| " << max_loss << " ]" << std::endl;
 }
 
 }  // namespace
@@ -101,6 +102,39 @@ TEST(TensorParallel, DistributedOptimizerWithClippingOnTwoByTwoMatchesGolden) {
   expect_matches_golden(s);
 }
 
+// Plain DDP with meshddp::clip_grad_norm_ (tp/grad_norm.h) on 2x2 against torch's clip_grad_norm_ on
+// the whole model in one process: TP shards' squares summed over TP, replicated and TP-partial params
+// (sequence-parallel norms) counted once, the tied LM head once. Norms: the TP/DP summation order
+// moves the params by a few 1e-6 over the steps (see kParamTol), and the norms with them: measured
+// relative diff <= 7.4e-7 (step 0: 1.9e-8), asserted 5e-6; replicated params counted TP times make it
+// 0.10 at step 0.
+TEST(TensorParallel, ClipGradNormWithPlainDdpOnTwoByTwoMatchesTorchOnTheWholeModel) {
+  for (const GptScenario& s : {GptScenario{.dp = 2, .tp = 2, .sequence_parallel = true, .clip = 1.0},
+                               GptScenario{.dp = 2, .tp = 2, .clip = 1.0, .model = {.lm_head_module = true}}}) {
+    const GptRun golden = train_gpt_golden(s);
+    const auto runs = train_gpt_on_mesh(s);
+    double max_rel = 0;
+    for (int step = 0; step < s.steps; ++step) {
+      for (const GptRun& run : runs) {
+        ASSERT_EQ(run.grad_norms.size(), golden.grad_norms.size());
+        EXPECT_EQ(run.grad_norms[step], runs[0].grad_norms[step]) << "every rank gets the same norm";
+      }
+      const double rel = std::abs(runs[0].grad_norms[step] - golden.grad_norms[step]) / golden.grad_norms[step];
+      max_rel = std::max(max_rel, rel);
+      EXPECT_LE(rel, 5e-6) << "step " << step << ": " << runs[0].grad_norms[step] << " vs torch "
+                           << golden.grad_norms[step];
+    }
+    int clipped = 0;
+    for (double n : golden.grad_norms) clipped += n > s.clip;
+    EXPECT_GT(clipped, 0) << "make the test clip on some steps";
+    EXPECT_LT(clipped, s.steps) << "make the test leave some steps unclipped";
+    std::cout << "[ clipped " << clipped << "/" << s.steps << " steps; relative norm diff at step 0 "
+              << std::abs(runs[0].grad_norms[0] - golden.grad_norms[0]) / golden.grad_norms[0] << ", max " << max_rel
+              << " ]" << std::endl;
+    expect_matches_golden(s);
+  }
+}
+
 // Tied weights: the LM head is a module of its own whose weight is the token embedding's tensor,
 // registered twice ("wte.weight", "lm_head.weight"). One tensor must be one parameter: one slot,
 // one reduction, one master and one norm term. Doubled, its gradient and update would be off by 2x.
@@ -120,14 +154,18 @@ TEST(TensorParallel, TiedLmHeadRegisteredTwiceIsOneParamWithZeroOneAndClipping) 
 
 TEST(TensorParallel, TiedLmHeadRegisteredTwiceIsOneParamOnTwoByTwo) {
   expect_matches_golden({.dp = 2, .tp = 2, .model = {.lm_head_module = true}});
-  expect_matches_golden({.dp = 2, .tp = 2, .sequence_parallel = true, .distributed_optimizer = true,
-                         .model = {.lm_head_module = true}});
+  expect_matches_golden(
+      {.dp = 2, .tp = 2, .sequence_parallel = true, .distributed_optimizer = true, .model = {.lm_head_module = true}});
 }
 
 // The TP dim need not be called "tp": with dims ("data", "model"), partial gradients are summed
 // over "model", the clipping norm counts replicated params once, and ZeRO-1 matches the golden.
 TEST(TensorParallel, AnyDimNamesWorkForDpAndTp) {
-  GptScenario s{.dp = 2, .tp = 2, .sequence_parallel = true, .distributed_optimizer = true, .clip = 1.0,
+  GptScenario s{.dp = 2,
+                .tp = 2,
+                .sequence_parallel = true,
+                .distributed_optimizer = true,
+                .clip = 1.0,
                 .dims = {"data", "model"}};
   const GptRun golden = train_gpt_golden(s);
   const auto runs = train_gpt_on_mesh(s);
@@ -151,8 +189,9 @@ TEST(TensorParallel, DdpFromADpGroupRefusesTpPartialParams) {
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }
-    EXPECT_THAT(msg, HasSubstr("GradBuffer: parameter 'ln_f.weight' has a gradient that is partial over TP (PartialGrad over "
-                               "group 'meshddp/model/ranks="));
+    EXPECT_THAT(
+        msg, HasSubstr("GradBuffer: parameter 'ln_f.weight' has a gradient that is partial over TP (PartialGrad over "
+                       "group 'meshddp/model/ranks="));
     EXPECT_THAT(msg, HasSubstr("build DistributedDataParallel from the DeviceMesh the model was parallelized over"));
   });
 }
@@ -205,11 +244,14 @@ TEST(TensorParallel, PlanErrorsNameTheModuleStyleAndSizes) {
     gpt::Gpt d(c);
     EXPECT_THAT(error_of([&] { parallelize(*d, mesh, {{"blocks.*.attn.qq", RowwiseParallel{}}}); }),
                 HasSubstr("plan entry 'blocks.*.attn.qq' (RowwiseParallel) matches no module"));
-    EXPECT_THAT(error_of([&] { parallelize(*d, mesh, {{"ln_f", ColwiseParallel{}}}); }),
-                HasSubstr("'ln_f' is a meshddp::tp::LayerNormImpl, but ColwiseParallel applies to a meshddp::tp::Linear"));
+    EXPECT_THAT(
+        error_of([&] { parallelize(*d, mesh, {{"ln_f", ColwiseParallel{}}}); }),
+        HasSubstr("'ln_f' is a meshddp::tp::LayerNormImpl, but ColwiseParallel applies to a meshddp::tp::Linear"));
     auto no_norms = gpt::tp_plan(c);
     no_norms.pop_back();  // drop ln_f
-    EXPECT_THAT(error_of([&] { parallelize(*d, mesh, no_norms, {.sequence_parallel = true}); }),
-                HasSubstr("under sequence parallelism every LayerNorm runs on a sequence shard, so 'ln_f' must be in the plan"));
+    EXPECT_THAT(
+        error_of([&] { parallelize(*d, mesh, no_norms, {.sequence_parallel = true}); }),
+        HasSubstr(
+            "under sequence parallelism every LayerNorm runs on a sequence shard, so 'ln_f' must be in the plan"));
   });
 }

@@ -7,10 +7,10 @@
 // measured max |diff| after 3 SGD steps 1.2e-7; asserted 1e-6. A TP sum that is missing (the
 // undeclared norm) or doubled is off by >= 1e-3 here.
 #include "plugin/distributed_data_parallel.h"
-#include "tp/parallelize.h"
-#include "tp/tp_layers.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"
+#include "tp/parallelize.h"
+#include "tp/tp_layers.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -132,7 +132,9 @@ TEST(TensorParallel, UserRmsNormUnderSequenceParallelDeclaredByPlanStyleMatchesG
   expect_matches_golden(Declare::kPlanStyle);
 }
 
-TEST(TensorParallel, UserRmsNormUnderSequenceParallelDeclaredByApiMatchesGolden) { expect_matches_golden(Declare::kApi); }
+TEST(TensorParallel, UserRmsNormUnderSequenceParallelDeclaredByApiMatchesGolden) {
+  expect_matches_golden(Declare::kApi);
+}
 
 TEST(TensorParallel, UndeclaredSequenceParallelNormIsNamedByTheTpReplicaCheckAtStepOne) {
   std::string error;
@@ -141,8 +143,9 @@ TEST(TensorParallel, UndeclaredSequenceParallelNormIsNamedByTheTpReplicaCheckAtS
   } catch (const std::exception& e) {
     error = e.what();
   }
-  EXPECT_THAT(error, HasSubstr("parameter 'norm.weight' is replicated over TP but its copies differ across the TP ranks "
-                               "of group 'meshddp/tp/ranks="));
+  EXPECT_THAT(error,
+              HasSubstr("parameter 'norm.weight' is replicated over TP but its copies differ across the TP ranks "
+                        "of group 'meshddp/tp/ranks="));
   EXPECT_THAT(error, HasSubstr("at step 1"));
   EXPECT_THAT(error, HasSubstr("SequenceParallelNorm"));
 }

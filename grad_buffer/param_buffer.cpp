@@ -1,0 +1,72 @@
+#include "grad_buffer/param_buffer.h"
+
+#include "grad_buffer/grad_buffer.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace meshddp {
+namespace {
+
+std::vector<at::Tensor> allocate(const BucketLayout& layout) {
+  std::vector<at::Tensor> buffers;
+  for (const auto& spec : layout.buffers) {
+    buffers.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.param_dtype).device(spec.key.device)));
+  }
+  return buffers;
+}
+
+std::vector<at::Tensor> bucket_ranges(const BucketLayout& layout, const std::vector<at::Tensor>& buffers) {
+  std::vector<at::Tensor> ranges;
+  for (const BucketSpan& span : layout.buckets)
+    ranges.push_back(buffers[span.buffer].narrow(0, span.begin, span.numel()));
+  return ranges;
+}
+
+std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& ranges,
+                                                const c10d::ProcessGroup& dp_group,
+                                                const std::vector<std::string>& bucket_names) {
+  std::vector<ParamGather::Bucket> buckets;
+  for (size_t b = 0; b < ranges.size(); ++b) {
+    const at::Tensor& full = ranges[b];
+    const int64_t n = full.numel() / dp_group.getSize();
+    buckets.push_back({full, full.narrow(0, dp_group.getRank() * n, n), "param all-gather of " + bucket_names[b]});
+  }
+  return buckets;
+}
+
+}  // namespace
+
+ParamBuffer::ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params,
+                         c10::intrusive_ptr<c10d::ProcessGroup> dp_group, const std::vector<std::string>& bucket_names)
+    : buffers_(allocate(layout)),
+      bucket_data_(bucket_ranges(layout, buffers_)),
+      gather_(dp_group, gather_buckets(bucket_data_, *dp_group, bucket_names)) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSlot& slot = layout.slots[i];
+    at::Tensor& param = params[i].param;
+    at::Tensor view = buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(param.sizes());
+    view.copy_(param.detach());
+    // Same TensorImpl (modules, optimizers and autograd keep their references), new storage: the
+    // param all-gather now writes the module's parameters in place.
+    param.set_data(view);
+  }
+}
+
+int64_t ParamBuffer::bytes() const {
+  int64_t bytes = 0;
+  for (const at::Tensor& buffer : buffers_) bytes += static_cast<int64_t>(buffer.nbytes());
+  return bytes;
+}
+
+void ParamBuffer::check_param_in_place(const NamedParam& p, const ParamSlot& slot, const char* who) const {
+  const auto* expected = static_cast<const char*>(buffers_[slot.buffer].const_data_ptr()) +
+                         slot.offset * static_cast<int64_t>(buffers_[slot.buffer].element_size());
+  TORCH_CHECK(p.param.const_data_ptr() == expected, "GradBuffer::", who, ": parameter ", describe_param_name(p),
+              " no longer lives in its place of the distributed optimizer's param buffer (its data was replaced ",
+              "after wrapping: param.data = ..., param.set_data(...)); the optimizer's updates and the param ",
+              "all-gather would no longer reach it. Write new values in place (param.copy_(...) under no_grad, ",
+              "then opt.reload_masters_from_params(), or ddp.load_state_dict(...))");
+}
+
+}  // namespace meshddp

@@ -1,0 +1,58 @@
+// ParamBuffer: the ZeRO-1 side of a GradBuffer built with use_distributed_optimizer. One flat param
+// buffer per grad buffer (param dtype), laid out like it, of which every trainable param becomes a
+// view (same TensorImpl, new storage), and the per-bucket all-gather that writes the updated shards
+// back into it (ParamGather). It also keeps the params' version, which whoever caches copies of the
+// params (the distributed optimizer's fp32 masters) compares to know when to refresh them.
+#pragma once
+
+#include "bucket_layout.h"
+#include "param_gather.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshddp {
+
+struct NamedParam;
+
+class ParamBuffer {
+ public:
+  // Allocates the flat param buffers of `layout`, copies each param of `params` (the layout's, in
+  // its order) into its slot and points the param at it. `bucket_names[b]` names bucket b in
+  // messages. The all-gathers run over `dp_group`; this rank's shard of a bucket is its DP rank's
+  // 1/DP of it (buckets are padded to a multiple of the DP size).
+  ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params,
+              c10::intrusive_ptr<c10d::ProcessGroup> dp_group, const std::vector<std::string>& bucket_names);
+  ParamBuffer(const ParamBuffer&) = delete;
+  ParamBuffer& operator=(const ParamBuffer&) = delete;
+
+  // Bucket `b`'s range of its flat param buffer, padding included.
+  const at::Tensor& bucket_data(int64_t b) const { return bucket_data_[b]; }
+  // Bytes of the flat param buffers (full, not sharded).
+  int64_t bytes() const;
+  // The all-gather of updated param shards into the buffer.
+  ParamGather& gather() { return gather_; }
+  const ParamGather& gather() const { return gather_; }
+
+  // Bumped by notify_params_changed(): see the file comment.
+  int64_t params_version() const { return params_version_.load(); }
+  // Call after writing new values into the params outside an optimizer step (loading weights).
+  void notify_params_changed() { ++params_version_; }
+
+  // Throws naming `p` if it no longer lives at `slot` of this buffer (its data was replaced after
+  // wrapping). `who` names the caller.
+  void check_param_in_place(const NamedParam& p, const ParamSlot& slot, const char* who) const;
+
+ private:
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> bucket_data_;  // per bucket: its range of buffers_
+  ParamGather gather_;
+  std::atomic<int64_t> params_version_{0};
+};
+
+}  // namespace meshddp

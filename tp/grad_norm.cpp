@@ -1,0 +1,104 @@
+#include "tp/grad_norm.h"
+
+#include "mesh/collectives.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace meshddp {
+
+NormPieces norm_pieces(const at::Tensor& flat, const std::vector<GradRun>& runs, int64_t tp_rank) {
+  NormPieces pieces;
+  for (const GradRun& run : runs) {
+    TORCH_INTERNAL_ASSERT(run.placement != nullptr, "norm_pieces: a run without a placement");
+    pieces.all_count = pieces.all_count && run.placement->counts_on_tp_rank(tp_rank);
+  }
+  if (pieces.all_count) {
+    pieces.counted.push_back(flat);
+    return pieces;
+  }
+  for (const GradRun& run : runs) {
+    auto& into = run.placement->counts_on_tp_rank(tp_rank) ? pieces.counted : pieces.not_counted;
+    into.push_back(flat.narrow(0, run.offset, run.numel));
+  }
+  return pieces;
+}
+
+NormPieces norm_pieces(const GradBuffer& buffer) {
+  const int64_t tp_rank = buffer.groups().tp_rank;
+  NormPieces pieces;
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer.params().size()); ++i) {
+    const bool counts = buffer.placement(i).counts_on_tp_rank(tp_rank);
+    pieces.all_count = pieces.all_count && counts;
+    (counts ? pieces.counted : pieces.not_counted).push_back(buffer.main_grad(i));
+  }
+  return pieces;
+}
+
+void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& acc) {
+  // `acc` may be a view of one element of a larger tensor: add in place, never rebind.
+  at::Tensor target = acc;
+  for (const at::Tensor& piece : pieces) target += at::linalg_vector_norm(piece, 2).to(at::kDouble).square();
+}
+
+namespace {
+
+void check_plain_ddp(const GradBuffer& buffer, const char* who) {
+  TORCH_CHECK(
+      !buffer.config().use_distributed_optimizer, "meshddp::", who, ": the grad buffer is sharded for the ",
+      "ZeRO-1 distributed optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of ",
+      "its shard only; set DistributedOptimizerConfig::clip_grad_norm instead (its step() clips and reports ",
+      "StepResult::grad_norm)");
+}
+
+// "'a.weight', 'b.bias'": this rank's params whose gradient has a NaN or Inf (for the error).
+std::string nonfinite_params(const GradBuffer& buffer) {
+  std::ostringstream names;
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer.params().size()); ++i) {
+    if (at::isfinite(buffer.main_grad(i)).all().item<bool>()) continue;
+    names << (names.tellp() > 0 ? ", " : "") << describe_param_name(buffer.params()[i]);
+  }
+  return names.tellp() > 0 ? names.str() : std::string("none (another rank's are)");
+}
+
+}  // namespace
+
+double grad_norm(GradBufferHandle buffer) {
+  check_plain_ddp(*buffer, "grad_norm");
+  buffer.finish_grad_sync();
+  // On the host, as the sum over the mesh is read there anyway (CPU fp64: one element).
+  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  const NormPieces pieces = norm_pieces(*buffer);
+  for (const at::Tensor& g : pieces.counted) sum += at::linalg_vector_norm(g, 2).to(at::kDouble).square().cpu();
+  all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
+  // The stats group spans DP too, where every DP rank holds the same mean: count it once.
+  return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().dp_size()));
+}
+
+double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {
+  check_plain_ddp(*buffer, "clip_grad_norm_");
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "meshddp::clip_grad_norm_: max_norm must be positive and ",
+              "finite, got ", max_norm);
+  const double norm = grad_norm(buffer);
+  if (error_if_nonfinite) {
+    TORCH_CHECK(std::isfinite(norm), "meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is ",
+                "non-finite (", norm, "), so it cannot be clipped. Params with non-finite gradients on DP rank ",
+                buffer->groups().dp_rank(), ", TP rank ", buffer->groups().tp_rank, ": ", nonfinite_params(*buffer),
+                ". Nothing was scaled; skip this step (zero_grad_buffer()), or pass error_if_nonfinite=false to ",
+                "scale by the non-finite norm as torch does");
+  }
+  // torch: clamp(max_norm / (norm + 1e-6), max=1); clamp keeps a NaN, and multiplying by 1 changes nothing.
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return norm;
+  c10::NoGradGuard no_grad;
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+    at::Tensor g = buffer->main_grad(i);
+    g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace meshddp

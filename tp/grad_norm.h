@@ -1,0 +1,78 @@
+// The global gradient norm over a DP x TP mesh, and gradient clipping by it for plain DDP
+// (torch.nn.utils.clip_grad_norm_ for a model that DDP and tensor parallelism have cut up). The one
+// place that decides which gradient elements a rank counts (Note [Gradient norm over DP x TP]): the
+// ZeRO-1 optimizer (optimizer/distributed_optimizer.cpp) and plain-DDP users (the examples, your
+// training loop) all count through norm_pieces().
+//
+// Why tp/ and not optimizer/: the rule is about TP placements (set by the TP layers of this folder)
+// and needs only the GradBuffer below; the ZeRO-1 optimizer above includes it, and a plain-DDP user
+// (no ZeRO) should not need the optimizer's floor for a norm. Not here: the ZeRO-1 optimizer's own
+// clipping (DistributedOptimizerConfig::clip_grad_norm), which scales its fp32 shards.
+#pragma once
+
+#include "../grad_buffer/grad_buffer.h"
+#include "../mesh/placement.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace meshddp {
+
+// Note [Gradient norm over DP x TP]
+// The norm of the model's whole gradient counts each element once over the mesh. Over TP: a
+// TP-sharded param (Placement::kShard) has a different chunk on each TP rank, so every TP rank
+// counts its chunk; a replicated param (and a TP-partial one, summed over TP by the sync) has the
+// same gradient on every TP rank, so TP rank 0 alone counts it (Placement::counts_on_tp_rank). Over
+// DP: ZeRO-1 shards are disjoint, so every DP rank counts its shard; in plain DDP every DP rank holds
+// the whole DP mean, so the sum over the mesh counts it DP times and is divided by the DP size. Tied
+// weights are one param in the GradBuffer (deduplicate_params), hence one term. Every rank gets the
+// same bits: the sum is one all-reduce over the buffer's stats group (the whole mesh).
+
+// A run of a flat gradient (e.g. a ZeRO-1 bucket shard) that belongs to one param.
+struct GradRun {
+  int64_t offset = 0;  // into the flat tensor
+  int64_t numel = 0;
+  const Placement* placement = nullptr;  // the param's; not null
+};
+
+// The parts of a gradient this rank counts toward the mesh-wide norm, and the parts it does not
+// (for callers that also need every element, e.g. a non-finite count).
+struct NormPieces {
+  bool all_count = true;                // every run counts: `counted` is the whole flat tensor, one piece
+  std::vector<at::Tensor> counted;      // in run order
+  std::vector<at::Tensor> not_counted;  // in run order
+};
+
+// `flat` cut by `runs` for TP rank `tp_rank`: when every run counts, the whole of `flat` as one
+// piece (one kernel instead of one per param: TP 1, or TP rank 0), else one piece per run. Pure: no
+// kernels, no communication.
+NormPieces norm_pieces(const at::Tensor& flat, const std::vector<GradRun>& runs, int64_t tp_rank);
+
+// Plain DDP: each param's main gradient (the whole DP mean, after finish_grad_sync()) as one piece.
+NormPieces norm_pieces(const GradBuffer& buffer);
+
+// Adds each piece's squared L2 norm, in fp64, into `acc` (a one-element fp64 tensor on the pieces'
+// device, or a view of one element), piece by piece in order.
+void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& acc);
+
+// Plain DDP (not with use_distributed_optimizer): the L2 norm of the model's whole gradient (the DP
+// mean, TP shards joined, each element once: Note [Gradient norm over DP x TP]). Finishes the
+// gradient sync first if it has not (a no-op after finish_grad_sync()). One all-reduce over the
+// mesh: every rank must call it; every rank gets the same value. NaN or Inf if any gradient element is.
+double grad_norm(GradBufferHandle buffer);
+
+// torch.nn.utils.clip_grad_norm_(params, max_norm, 2.0, error_if_nonfinite) for plain DDP over a
+// DP x TP mesh: the norm of grad_norm(), then every main gradient (param.grad() is a view of it)
+// (param.grad() is a view of it; with grad_reduce_in_fp32 the fp32 main gradient)
+// scaled by min(max_norm / (norm + 1e-6), 1), torch's formula (a NaN coefficient included: with a
+// non-finite norm and error_if_nonfinite false the gradients become NaN, or 0 where the norm is
+// Inf, as in torch). With error_if_nonfinite, a non-finite norm throws on every rank (every rank has
+// the same norm) naming this rank's params with non-finite gradients, and nothing is scaled.
+// Returns the norm before clipping. Every rank must call it, after backward, before the optimizer.
+// Throws if the buffer is sharded for the ZeRO-1 optimizer (use DistributedOptimizerConfig::
+// clip_grad_norm there) or max_norm is not positive and finite.
+double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite = false);
+
+}  // namespace meshddp
