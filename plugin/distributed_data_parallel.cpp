@@ -49,22 +49,47 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only
   return out;
 }
 
+// The group gradients are averaged over: one dim's group (mesh[dim] names an unknown dim, as
+// always), or the flattened group of several (DP x CP), checked first by tp_dim_of so that an unknown
+// or extra dim is named as DDP's.
+c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims) {
+  if (dp_dims.size() == 1) return mesh[dp_dims.front()];
+  (void)tp_dim_of(mesh.names(), mesh.sizes(), dp_dims);
+  return mesh.flattened(dp_dims);
+}
+
 }  // namespace
 
 std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
                       const std::string& dp_dim) {
+  return tp_dim_of(dim_names, dim_sizes, std::vector<std::string>{dp_dim});
+}
+
+std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
+                      const std::vector<std::string>& dp_dims) {
   TORCH_INTERNAL_ASSERT(dim_names.size() == dim_sizes.size());
-  std::string all;
+  TORCH_CHECK(!dp_dims.empty(),
+              "DistributedDataParallel: no DP dim given; name the dim(s) gradients are averaged over");
+  std::string all, dp_list;
   for (size_t d = 0; d < dim_names.size(); ++d)
     all += (d ? ", " : "") + dim_names[d] + "=" + std::to_string(dim_sizes[d]);
-  TORCH_CHECK(std::find(dim_names.begin(), dim_names.end(), dp_dim) != dim_names.end(),
-              "DistributedDataParallel: the mesh (", all, ") has no dim named '", dp_dim, "' (the DP dim)");
+  for (size_t d = 0; d < dp_dims.size(); ++d) dp_list += (d ? "', '" : "") + dp_dims[d];
+  const std::string what = dp_dims.size() == 1 ? "the DP dim" : "one of the DP dims '" + dp_list + "'";
+  for (const auto& dp_dim : dp_dims) {
+    TORCH_CHECK(std::find(dim_names.begin(), dim_names.end(), dp_dim) != dim_names.end(),
+                "DistributedDataParallel: the mesh (", all, ") has no dim named '", dp_dim, "' (", what, ")");
+  }
+  const auto is_dp = [&](const std::string& name) {
+    return std::find(dp_dims.begin(), dp_dims.end(), name) != dp_dims.end();
+  };
   std::vector<std::string> others;
   for (size_t d = 0; d < dim_names.size(); ++d) {
-    if (dim_names[d] != dp_dim && dim_sizes[d] > 1) others.push_back(dim_names[d]);
+    if (!is_dp(dim_names[d]) && dim_sizes[d] > 1) others.push_back(dim_names[d]);
   }
-  TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh (", all, ") has ", others.size(),
-              " dims besides the DP dim '", dp_dim, "' with more than one rank; meshddp syncs over a DP x TP mesh, ",
+  TORCH_CHECK(others.size() <= 1, "DistributedDataParallel: the mesh (", all, ") has ", others.size(), " dims besides ",
+              dp_dims.size() == 1 ? "the DP dim '" : "the DP dims '", dp_list,
+              "' with more than one rank; meshddp syncs over a ",
+              dp_dims.size() == 1 ? "DP x TP mesh, " : "(DP dims) x TP mesh, ",
               "so give it one with a single model-parallel dim (or sub-groups built for DP x TP)");
   return others.empty() ? "" : others.front();
 }
@@ -76,15 +101,19 @@ void DdpConfig::validate() const {
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
                      DdpConfig config)
-    : dp_group_(mesh[dp_dim]), config_(config) {
+    : DdpEngine(std::move(module), mesh, std::vector<std::string>{dp_dim}, config) {}
+
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh,
+                     const std::vector<std::string>& dp_dims, DdpConfig config)
+    : dp_group_(dp_group_over(mesh, dp_dims)), config_(config) {
   groups_.dp = dp_group_;
   groups_.world = mesh.world();
-  if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dim); !tp_dim.empty()) {
+  if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dims); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];
     groups_.tp_rank = mesh.coordinate(tp_dim);
     groups_.tp_size = mesh.size(tp_dim);
   }
-  init(module, mesh.group_ranks(dp_dim), groups_.world ? *groups_.world : *dp_group_);
+  init(module, mesh.flattened_ranks(dp_dims), groups_.world ? *groups_.world : *dp_group_);
 }
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,

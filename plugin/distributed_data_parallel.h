@@ -22,9 +22,11 @@
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace meshddp {
 
@@ -55,6 +57,11 @@ struct DdpConfig : GradBufferConfig {
 class DdpEngine {
  public:
   DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::string& dp_dim,
+            DdpConfig config);
+  // Over several dims (e.g. {"dp", "cp"}, in mesh order): every gradient is averaged over their
+  // flattened group (mesh.flattened(dp_dims), 1/(dp*cp)); the one remaining dim with more than one
+  // rank is TP. Collective over the whole mesh (the flattened group may be made here).
+  DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::vector<std::string>& dp_dims,
             DdpConfig config);
   DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
             DdpConfig config);
@@ -158,6 +165,16 @@ class DistributedDataParallel : public DdpEngine {
   DistributedDataParallel(std::shared_ptr<ModuleT> module, const DeviceMesh& mesh, const std::string& dp_dim = "dp",
                           DdpConfig config = {})
       : DdpEngine(module, mesh, dp_dim, config), module_(std::move(module)) {}
+  // Context parallel: DistributedDataParallel(model, mesh, {"dp", "cp"}, config) averages every
+  // gradient over the flattened DP x CP group (DdpEngine's constructor above).
+  DistributedDataParallel(std::shared_ptr<ModuleT> module, const DeviceMesh& mesh, std::vector<std::string> dp_dims,
+                          DdpConfig config = {})
+      : DdpEngine(module, mesh, dp_dims, config), module_(std::move(module)) {}
+  // So that a braced list ({"dp", "cp"}) picks the constructor above rather than std::string's
+  // iterator-pair constructor (the call would otherwise be ambiguous).
+  DistributedDataParallel(std::shared_ptr<ModuleT> module, const DeviceMesh& mesh,
+                          std::initializer_list<std::string> dp_dims, DdpConfig config = {})
+      : DistributedDataParallel(std::move(module), mesh, std::vector<std::string>(dp_dims), config) {}
   DistributedDataParallel(std::shared_ptr<ModuleT> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
                           DdpConfig config = {})
       : DdpEngine(module, std::move(dp_group), config), module_(std::move(module)) {}

@@ -15,5 +15,9 @@ namespace meshddp {
 // silent skip.
 std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
                       const std::string& dp_dim);
+// The same over several DP dims (e.g. {"dp", "cp"}: gradients are reduced over their flattened group):
+// the one dim outside all of them with more than one rank. One dim: exactly the overload above.
+std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
+                      const std::vector<std::string>& dp_dims);
 
 }  // namespace meshddp

@@ -2,7 +2,9 @@
 // pre-norm blocks (causal self-attention + MLP), a final norm and an LM head tied to the token
 // embedding. No parallelism here: gpt_plan.h parallelizes it. Shapes are read from tensors (heads
 // from the projection's width / head_dim, the sequence length from q), so the same code runs on one
-// device, on TP shards, and on sequence shards.
+// device, on TP shards, and on sequence shards. Context parallel (set_context_parallel): each rank of
+// the CP group holds a contiguous slice of every sequence; positions are global and attention
+// all-gathers keys and values over CP (docs/context_parallel.md).
 #pragma once
 
 #include <torch/torch.h>
@@ -39,16 +41,28 @@ struct AttentionImpl : torch::nn::Module {
     auto split = [&](const torch::Tensor& t) {  // [B, T, h * d] -> [B, h, T, d]
       return t.view({t.size(0), t.size(1), -1, head_dim}).transpose(1, 2);
     };
-    auto qh = split(q(x)), kh = split(k(x)), vh = split(v(x));
+    auto keys = k(x), values = v(x);
+    int64_t offset = 0;  // global position of this rank's first query
+    if (cp && cp->getSize() > 1) {
+      // Local queries attend to the whole sequence: keys and values are all-gathered over CP in
+      // forward (their gradients reduce-scattered back in backward). Under sequence parallelism the
+      // TP gather already happened inside k and v, so this gathers whole CP slices.
+      offset = cp->getRank() * keys.size(1);
+      keys = meshddp::tp::gather_sequence(keys, cp);
+      values = meshddp::tp::gather_sequence(values, cp);
+    }
+    auto qh = split(q(x)), kh = split(keys), vh = split(values);
     const int64_t T = qh.size(2);
     auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-    auto causal = torch::ones({T, T}, torch::kBool).triu(1);
+    // Query i (global position offset + i) sees keys 0..offset + i.
+    auto causal = torch::ones({T, kh.size(2)}, torch::kBool).triu(1 + offset);
     auto att = torch::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
     auto y = torch::matmul(att, vh).transpose(1, 2).contiguous();
     return o(y.view({y.size(0), T, -1}));
   }
   int64_t head_dim;
   meshddp::tp::Linear q, k, v, o;
+  meshddp::tp::Group* cp = nullptr;  // the context-parallel group (null: the whole sequence is here)
 };
 TORCH_MODULE(Attention);
 
@@ -87,9 +101,16 @@ struct GptImpl : torch::nn::Module {
     register_module("blocks", blocks);
     if (c.lm_head_module) lm_head = register_module("lm_head", meshddp::tp::Linear(wte->weight));
   }
+  // Context parallel over `cp` (kept by pointer; must outlive the model): forward then takes this
+  // rank's slice of each sequence, tokens [r * T / cp, (r + 1) * T / cp) for CP rank r.
+  void set_context_parallel(meshddp::tp::Group* group) {
+    cp = group;
+    for (const auto& block : *blocks) block->as<BlockImpl>()->attn->cp = group;
+  }
   // ids [B, T] -> logits [B, T, vocab] (this rank's vocab shard once parallelized).
   torch::Tensor forward(const torch::Tensor& ids) {
-    auto positions = torch::arange(ids.size(1), torch::kLong).unsqueeze(0);
+    const int64_t start = cp ? cp->getRank() * ids.size(1) : 0;  // global position of ids[:, 0]
+    auto positions = torch::arange(start, start + ids.size(1), torch::kLong).unsqueeze(0);
     auto h = wte(ids) + wpe(positions);
     for (const auto& block : *blocks) h = block->as<BlockImpl>()->forward(h);
     return lm_head ? lm_head(ln_f(h)) : wte->unembed(ln_f(h));
@@ -98,6 +119,7 @@ struct GptImpl : torch::nn::Module {
   torch::nn::ModuleList blocks;
   meshddp::tp::LayerNorm ln_f;
   meshddp::tp::Linear lm_head{nullptr};
+  meshddp::tp::Group* cp = nullptr;
 };
 TORCH_MODULE(Gpt);
 

@@ -1,6 +1,8 @@
 // Example 02: a tiny GPT trained on a DP x TP mesh of torchrun ranks. The model (gpt.h) is plain
 // single-device code; gpt_plan.h parallelizes it over "tp"; DistributedDataParallel syncs gradients
-// over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism).
+// over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism). --cp N adds a
+// context-parallel dim ("dp" x "cp" x "tp"): each CP rank holds a slice of every sequence and
+// gradients are averaged over DP x CP (docs/context_parallel.md).
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -28,7 +30,7 @@
 namespace {
 
 struct Flags {
-  int64_t dp = 1, tp = 1;
+  int64_t dp = 1, cp = 1, tp = 1;
   bool sequence_parallel = false, distributed_optimizer = false;
   int64_t global_batch = 16;
   uint64_t seed = 0;
@@ -40,7 +42,8 @@ struct Flags {
 
 std::string usage_line() {
   return std::string(
-             "--dp N --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] [--global-batch N] "
+             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] "
+             "[--global-batch N] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
@@ -61,8 +64,13 @@ void validate(const Flags& f) {
     throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
   if (f.global_batch % f.dp != 0)
     throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
-  if (f.sequence_parallel && m.seq_len % f.tp != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) + " with --sequence-parallel");
+  if (m.seq_len % f.cp != 0) {
+    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
+                    " (each CP rank holds a slice of every sequence)");
+  }
+  if (f.sequence_parallel && m.seq_len % (f.cp * f.tp) != 0) {
+    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
+                    (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
   }
   examples::validate_run_flags(f.run);
 }
@@ -89,6 +97,8 @@ Flags parse(int argc, char** argv) {
         f.dp = parse_int_flag(arg, v, 1);
       else if (arg == "--tp")
         f.tp = parse_int_flag(arg, v, 1);
+      else if (arg == "--cp")
+        f.cp = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
       else if (arg == "--seed")
@@ -128,16 +138,23 @@ int main(int argc, char** argv) {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
     at::set_num_threads(static_cast<int>(
         std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
-    meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
+    // A "cp" dim only with --cp > 1, so that DP x TP runs keep their 2-D mesh.
+    meshddp::DeviceMesh mesh =
+        f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"}, examples::mesh_options(f.run))
+                 : meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
     torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
     gpt::Gpt model(f.model);
     meshddp::parallelize(*model, mesh, gpt::tp_plan(f.model), {.sequence_parallel = f.sequence_parallel});
+    if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
-    meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
+    const std::vector<std::string> dp_dims =
+        f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+    meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
     meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
@@ -165,6 +182,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(log, "cannot open --log-file '", f.run.log_file, "' for writing");
     }
     const int64_t dp_rank = mesh.coordinate("dp"), local = f.global_batch / f.dp;
+    const int64_t cp_rank = f.cp > 1 ? mesh.coordinate("cp") : 0, slice = f.model.seq_len / f.cp;
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
@@ -188,9 +206,15 @@ int main(int argc, char** argv) {
       auto [ids, targets] = gpt::make_batch(f.model, f.seed, step, f.global_batch);
       ddp.zero_grad_buffer();
       const double lr = schedule.lr();
-      auto logits = ddp.forward(ids.narrow(0, dp_rank * local, local));
-      auto loss = meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}),
-                                             targets.narrow(0, dp_rank * local, local).reshape({-1}), mesh["tp"].get());
+      // This DP rank's sequences, this CP rank's slice of each: tokens [cp_rank * slice, (cp_rank + 1) * slice).
+      const auto mine = [&](const torch::Tensor& t) {
+        return t.narrow(0, dp_rank * local, local).narrow(1, cp_rank * slice, slice);
+      };
+      auto logits = ddp.forward(mine(ids));
+      // The mean over this rank's tokens: slices are equal, so the DP x CP gradient mean is the
+      // gradient of the whole batch's mean.
+      auto loss =
+          meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mesh["tp"].get());
       inject.before_backward(step, mesh.rank());
       loss.backward();
       inject.after_backward();
@@ -204,8 +228,8 @@ int main(int argc, char** argv) {
         adamw->step();
       }
       if (!result.skipped) schedule.step();
-      auto global = loss.detach().to(torch::kDouble).reshape({1}) / static_cast<double>(f.dp);
-      meshddp::all_reduce_sum_now(*mesh["dp"], global, "the example's loss report");
+      auto global = loss.detach().to(torch::kDouble).reshape({1}) / static_cast<double>(f.dp * f.cp);
+      meshddp::all_reduce_sum_now(ddp.dp_group(), global, "the example's loss report");
       if (mesh.rank() == 0) {
         std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), global.item<double>());
         std::fflush(log);

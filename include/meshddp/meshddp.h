@@ -24,4 +24,5 @@
 #include "tp/grad_norm.h"
 #include "tp/linear_with_grad_in_buffer.h"
 #include "tp/parallelize.h"
+#include "tp/tp_functions.h"
 #include "tp/tp_layers.h"

@@ -105,7 +105,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group"), py::arg("store"), py::arg("global_ranks"), py::arg("report_after_s"), py::arg("timeout_s"),
       "registers a c10d group for meshddp's stuck report and timeout (mesh/collective_progress.h); the store must be "
       "private to the group and the same on all its ranks");
-  m.def("tp_dim_of", &meshddp::tp_dim_of, py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
+  m.def("tp_dim_of",
+        static_cast<std::string (*)(const std::vector<std::string>&, const std::vector<int64_t>&, const std::string&)>(
+            &meshddp::tp_dim_of),
+        py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
         "the C++ rule for which mesh dim is TP: the one dim besides dp_dim with more than one rank ('' if none)");
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
