@@ -41,6 +41,9 @@ struct AttentionImpl : torch::nn::Module {
     auto split = [&](const torch::Tensor& t) {  // [B, T, h * d] -> [B, h, T, d]
       return t.view({t.size(0), t.size(1), -1, head_dim}).transpose(1, 2);
     };
+    // q before k and v, as autograd numbers them: backward then sums x's gradient contributions in
+    // the same order on one process and at any CP size (a different order changes the last bits).
+    auto queries = q(x);
     auto keys = k(x), values = v(x);
     int64_t offset = 0;  // global position of this rank's first query
     if (cp && cp->getSize() > 1) {
@@ -51,7 +54,7 @@ struct AttentionImpl : torch::nn::Module {
       keys = meshddp::tp::gather_sequence(keys, cp);
       values = meshddp::tp::gather_sequence(values, cp);
     }
-    auto qh = split(q(x)), kh = split(keys), vh = split(values);
+    auto qh = split(queries), kh = split(keys), vh = split(values);
     const int64_t T = qh.size(2);
     auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
     // Query i (global position offset + i) sees keys 0..offset + i.
