@@ -41,4 +41,12 @@ struct Placement {
 void set_placement(const at::Tensor& param, Placement placement);
 Placement get_placement(const at::Tensor& param);  // Replicate if never set
 
+// Expert parallel (mixture of experts): an expert param is held by the ranks of one expert-data-parallel
+// group only (an expert's weights live on one rank of each EP group, EP being carved out of the DP (x CP)
+// ranks: mesh/reduction_groups.h). DDP reduces its gradient over that group (DdpConfig::expert_parallel_size)
+// instead of over DP (x CP). Kept apart from Placement: an expert's weights may also be TP-sharded.
+// Declare before wrapping the model in DistributedDataParallel (or with the plan style ExpertParallel).
+void declare_expert_param(const at::Tensor& param);
+bool is_expert_param(const at::Tensor& param);  // false if never declared
+
 }  // namespace meshddp
