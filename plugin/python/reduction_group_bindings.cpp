@@ -25,8 +25,8 @@ void bind_reduction_groups(py::module_& m) {
         py::arg("data_parallel_dims"), py::arg("ep_size"),
         "the expert-data-parallel groups (ranks holding the same experts: every ep_size-th rank of a data-parallel "
         "group), over which expert gradients are reduced");
-  m.def("optimizer_instance_groups", &optimizer_instance_groups, py::arg("data_parallel_groups"),
-        py::arg("instances"), py::arg("what"),
+  m.def("optimizer_instance_groups", &optimizer_instance_groups, py::arg("data_parallel_groups"), py::arg("instances"),
+        py::arg("what"),
         "hierarchical ZeRO-1: each data-parallel group cut into `instances` contiguous blocks (the optimizer "
         "state is sharded within a block); `what` names the groups in errors");
   m.def("cross_instance_groups", &cross_instance_groups, py::arg("data_parallel_groups"), py::arg("instances"),
