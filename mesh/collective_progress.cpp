@@ -156,7 +156,6 @@ Launch find_launch(GroupProgress& r, const c10d::Work* work) {
   }
   return {};
 }
-uint64_t launch_number(GroupProgress& r, const c10d::Work* work) { return find_launch(r, work).number; }
 
 // The label of launch `number` ("" when it is no longer in the ring).
 std::string label_of(GroupProgress& r, uint64_t number) {
@@ -246,7 +245,12 @@ std::optional<std::chrono::milliseconds> collective_timeout(const c10d::ProcessG
 std::string describe_collective_progress(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work) {
   auto record = Board::get().find(group);
   if (!record) return "";
-  const uint64_t n = launch_number(*record, work.get());
+  const Launch launch = find_launch(*record, work.get());
+  const uint64_t n = launch.number;
+  // When this rank launched it, on the peers' clock (unix ms): a peer's count published before then
+  // says nothing of whether the peer has launched it since.
+  const int64_t launched_at_ms =
+      epoch_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - launch.launched_at).count();
   std::ostringstream out;
   if (n == 0) {
     out << "its launch number is no longer known (over 64 launches since); ranks' launch counts on this group:";
@@ -278,6 +282,11 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
     age << std::fixed << std::setprecision(1) << static_cast<double>(epoch_ms() - published_at) / 1000.0 << " s ago";
     if (n == 0) {
       if (listed++ < 16) counts << " " << record->global_ranks[r] << ":" << count << " (" << age.str() << ")";
+    } else if (count < n && published_at < launched_at_ms) {
+      // A count older than this launch (e.g. this collective failed at once because a peer died,
+      // before the live peers republished): the peer may well have launched it since.
+      unknown.push_back(std::to_string(record->global_ranks[r]) + " (no count published since this rank launched it; " +
+                        "the last, " + age.str() + ", was launch #" + std::to_string(count) + ")");
     } else if (count < n) {
       missing.push_back(std::to_string(record->global_ranks[r]) + " (at launch #" + std::to_string(count) + ", as of " +
                         age.str() + ")");
@@ -285,21 +294,27 @@ std::string describe_collective_progress(const c10d::ProcessGroup& group, const 
   }
   if (n == 0) {
     out << counts.str();
-  } else if (missing.empty() && unknown.empty()) {
+    return out.str();
+  }
+  if (missing.empty() && unknown.empty()) {
     out << "every rank of the group has launched it (as of their last published counts); the collective itself "
            "is slow or stuck in the transport";
-  } else {
-    out << "rank(s) that have not reached it (global ranks):";
-    size_t shown = 0;
-    for (const auto* list : {&missing, &unknown}) {
-      for (const auto& m : *list) {
-        if (shown++ < 16) out << " " << m << (shown < missing.size() + unknown.size() ? "," : "");
-      }
-    }
-    if (shown > 16) out << " and " << (shown - 16) << " more";
-    out << " (each count as of the time given; counts are republished every " << seconds(record->publish_interval)
-        << ": one much older is a stopped or dead process)";
+    return out.str();
   }
+  const auto list = [&out](const std::vector<std::string>& items) {
+    for (size_t i = 0; i < items.size() && i < 16; ++i) out << (i ? ", " : " ") << items[i];
+    if (items.size() > 16) out << " and " << (items.size() - 16) << " more";
+  };
+  if (!missing.empty()) {
+    out << "rank(s) that have not reached it (global ranks):";
+    list(missing);
+  }
+  if (!unknown.empty()) {
+    out << (missing.empty() ? "" : "; ") << "rank(s) whose progress is unknown (global ranks):";
+    list(unknown);
+  }
+  out << " (each count as of the time given; counts are republished every " << seconds(record->publish_interval)
+      << ": one much older is a stopped or dead process)";
   return out.str();
 }
 

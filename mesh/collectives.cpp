@@ -229,6 +229,16 @@ namespace {
   const std::string divergence = published_divergence(group);
   TORCH_CHECK(divergence.empty(), divergence, "\n(On ", describe_group(group), " the collective for ", what,
               " then failed: ", error, ")");
+  // A dead peer fails the collective on every live rank at once, maybe before any of them has
+  // republished its count since the launch: publish this rank's now, and when the failure came
+  // early (not a timeout, whose deadline must not slip: Note [Waiting on NCCL]) give the peers' a
+  // moment to arrive, so that live peers are not reported by counts older than this launch.
+  publish_collective_progress_now(group);
+  const auto launched = collective_launch_time(group, work);
+  const auto timeout = collective_timeout(group);
+  if (launched && timeout && std::chrono::steady_clock::now() - *launched < *timeout / 2) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
   const std::string progress = describe_collective_progress(group, work);
   TORCH_CHECK(false, "meshddp: the collective for ", what, " on ", describe_group(group),
               " failed or timed out: ", error, progress.empty() ? "" : "\nProgress: " + progress,

@@ -8,6 +8,7 @@
 #include "plugin/ddp_config_fields.h"
 #include "plugin/python/config_bindings.h"
 #include "plugin/python/python_ddp.h"
+#include "plugin/python/reduction_group_bindings.h"
 #include "plugin/tp_dim.h"
 #include "tp/linear_with_grad_in_buffer.h"
 
@@ -110,6 +111,13 @@ PYBIND11_MODULE(_C, m) {
             &meshddp::tp_dim_of),
         py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dim"),
         "the C++ rule for which mesh dim is TP: the one dim besides dp_dim with more than one rank ('' if none)");
+  m.def("tp_dim_of",
+        static_cast<std::string (*)(const std::vector<std::string>&, const std::vector<int64_t>&,
+                                    const std::vector<std::string>&)>(&meshddp::tp_dim_of),
+        py::arg("dim_names"), py::arg("dim_sizes"), py::arg("dp_dims"),
+        "the same over several DP dims (gradients averaged over their flattened group): the one dim outside them "
+        "with more than one rank ('' if none)");
+  meshddp::python::bind_reduction_groups(m);
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).

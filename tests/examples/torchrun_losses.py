@@ -22,3 +22,21 @@ def run_losses(binary, nproc, steps, args, first=0, env=None):
         if len(text.lstrip("-").split("e")[0].replace(".", "").lstrip("0")) < 8:
             sys.exit(f"FAILED: loss '{text}' has fewer than 8 significant digits")
     return [float(v) for _, v in found]
+
+
+def expect_curve_close(reference, curve, rtol, name, reference_name="1x1", first=0):
+    """Prints `curve` as `name`'s with its largest relative difference to `reference` (the golden:
+    the same steps at `reference_name`), and exits naming the first step (numbered from `first`)
+    whose loss differs from the reference's by more than `rtol` of it."""
+    print(f"{name:26s}:", curve)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(reference, curve))
+    print(f"{'':26s}  max relative difference to {reference_name}: {worst:.2e}")
+    for s, (a, b) in enumerate(zip(reference, curve)):
+        if abs(a - b) > rtol * abs(a):
+            sys.exit(f"FAILED: step {first + s}: loss {a} at {reference_name} vs {b} at {name} (rtol {rtol})")
+
+
+def expect_decreasing(curve, what="the loss"):
+    """Exits unless the last loss of `curve` is below the first (the model learns at all)."""
+    if not curve[-1] < curve[0]:
+        sys.exit(f"FAILED: {what} did not decrease: {curve[0]} -> {curve[-1]}")

@@ -104,6 +104,20 @@ void expect_every_rank_says(const std::vector<std::string>& messages, const std:
   for (size_t r = 0; r < messages.size(); ++r) EXPECT_THAT(messages[r], HasSubstr(text)) << "rank " << r;
 }
 
+// What the tests of damaged and hostile files start from: the default scenario trained at 2 ranks and
+// saved at kSaveAt into a fresh scratch directory, removed when the test ends (failed ones too).
+struct SavedRun {
+  explicit SavedRun(const std::string& name) : dir(scratch_dir(name)) { train_and_save(s, 2, dir); }
+  ~SavedRun() { remove_dir(dir); }
+  SavedRun(const SavedRun&) = delete;
+  SavedRun& operator=(const SavedRun&) = delete;
+
+  const ZeroScenario s;
+  const std::string dir;
+  const std::string step_dir = dir + "/step-" + std::to_string(kSaveAt);
+  const std::string manifest = step_dir + "/manifest.json";
+};
+
 }  // namespace
 
 TEST(Checkpoint, RoundTripAtTheSameDpSizeContinuesBitExactly) {
@@ -151,9 +165,9 @@ TEST(Checkpoint, Bf16MasterWeightsSurviveResharding) {
 // Each damage gives its named error on every rank (not only on the rank that verified the file),
 // and no rank's params or step change (checked inside load_errors).
 TEST(Checkpoint, DamagedFilesGiveNamedErrorsOnEveryRankAndLoadNothing) {
-  ZeroScenario s;
-  auto dir = scratch_dir("damage");
-  train_and_save(s, 2, dir);
+  SavedRun run("damage");
+  const ZeroScenario& s = run.s;
+  const std::string& dir = run.dir;
   const std::string file = dir + "/step-6/rank00001.safetensors", backup = dir + "/backup";
   std::system(("cp '" + file + "' '" + backup + "'").c_str());
   auto restore = [&] { std::system(("cp '" + backup + "' '" + file + "'").c_str()); };
@@ -195,13 +209,12 @@ TEST(Checkpoint, DamagedFilesGiveNamedErrorsOnEveryRankAndLoadNothing) {
 
   // Intact again: loads.
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
-  remove_dir(dir);
 }
 
 TEST(Checkpoint, AChangedModelIsNamed) {
-  ZeroScenario s;
-  auto dir = scratch_dir("model");
-  train_and_save(s, 2, dir);
+  SavedRun run("model");
+  const ZeroScenario& s = run.s;
+  const std::string& dir = run.dir;
   ZeroScenario wider = s;
   wider.hidden = kZeroHidden + 8;
   expect_every_rank_says(load_errors(wider, 2, dir),
@@ -209,7 +222,6 @@ TEST(Checkpoint, AChangedModelIsNamed) {
   ZeroScenario sgd = s;
   sgd.kind = OptimizerKind::kSgd;
   expect_every_rank_says(load_errors(sgd, 2, dir), "holds adamw state but this optimizer is sgd");
-  remove_dir(dir);
 }
 
 // A save that dies between files (rank 1 fails after writing its file, before the manifest) leaves
@@ -312,10 +324,9 @@ Json& piece(Json& m, const std::string& key, size_t i) {
 }  // namespace
 
 TEST(CheckpointManifest, RefusesPieceFilesThatAreNotThisCheckpointsOwn) {
-  ZeroScenario s;
-  auto dir = scratch_dir("names");
-  train_and_save(s, 2, dir);
-  const std::string path = dir + "/step-6/manifest.json";
+  SavedRun run("names");
+  const std::string& dir = run.dir;
+  const std::string& path = run.manifest;
   const std::string key = two_piece_tensor(parse_json(read_text(path), "m"));
   for (const std::string bad : {"../../other/step-6/rank00000.safetensors", "/etc/passwd", "sub/rank00000.safetensors",
                                 "rank00009.safetensors", ""}) {
@@ -335,14 +346,12 @@ TEST(CheckpointManifest, RefusesPieceFilesThatAreNotThisCheckpointsOwn) {
       true);
   EXPECT_THAT(error_of([&] { parse_manifest(text, path); }),
               HasSubstr("files[\"../rank00000.safetensors\"] is rank 0's file, whose name is rank00000.safetensors"));
-  remove_dir(dir);
 }
 
 TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
-  ZeroScenario s;
-  auto dir = scratch_dir("cover");
-  train_and_save(s, 2, dir);
-  const std::string path = dir + "/step-6/manifest.json";
+  SavedRun run("cover");
+  const std::string& dir = run.dir;
+  const std::string& path = run.manifest;
   const std::string key = two_piece_tensor(parse_json(read_text(path), "m"));
   auto error_after = [&](const std::function<void(Json&)>& edit) {
     const std::string text = edited_manifest(dir, edit, true);
@@ -371,14 +380,13 @@ TEST(CheckpointManifest, RefusesPiecesThatOverlapLeaveAGapOrLeaveTheTensor) {
               HasSubstr(".pieces cover "));
   EXPECT_THAT(error_after([&](Json& m) { piece(m, key, 0)["begin"] = Json(1.5); }),
               HasSubstr(".pieces[0].begin is number 1.5; expected an integer"));
-  remove_dir(dir);
 }
 
 TEST(CheckpointManifest, RefusesAnyEditThatDoesNotCarryAMatchingChecksum) {
-  ZeroScenario s;
-  auto dir = scratch_dir("crc");
-  train_and_save(s, 2, dir);
-  const std::string path = dir + "/step-6/manifest.json";
+  SavedRun run("crc");
+  const ZeroScenario& s = run.s;
+  const std::string& dir = run.dir;
+  const std::string& path = run.manifest;
   const std::string original = read_text(path);
   EXPECT_NO_THROW(parse_manifest(original, path));
   write_text(path, edited_manifest(dir, [](Json& m) { m["step"] = Json(int64_t{5}); }, false));
@@ -390,15 +398,14 @@ TEST(CheckpointManifest, RefusesAnyEditThatDoesNotCarryAMatchingChecksum) {
   expect_every_rank_says(load_errors(s, 2, dir), "has no manifest_crc32c");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
-  remove_dir(dir);
 }
 
 // Consistent (re-signed) manifests that move bytes to another place: the piece checksums refuse them.
 TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefused) {
-  ZeroScenario s;
-  auto dir = scratch_dir("swap");
-  train_and_save(s, 2, dir);
-  const std::string path = dir + "/step-6/manifest.json";
+  SavedRun run("swap");
+  const ZeroScenario& s = run.s;
+  const std::string& dir = run.dir;
+  const std::string& path = run.manifest;
   const std::string original = read_text(path);
   const std::string key = two_piece_tensor(parse_json(original, "m"));
   auto swap_fields = [&](std::vector<const char*> fields) {
@@ -439,7 +446,6 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
   expect_every_rank_says(load_errors(s, 2, dir), "do not have the checksum the manifest gives");
   write_text(path, original);
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
-  remove_dir(dir);
 }
 
 // The piece checksum ties the bytes to the tensor's dtype, global shape, sharded dim and TP size
@@ -475,11 +481,11 @@ TEST(CheckpointManifest, APieceChecksumCoversItsTensorsDtypeShapeDimAndTpSize) {
 // appended to a rank file (its size and CRC re-signed) loaded, and a sparse 16 TiB tail would have
 // been CRC-checked for hours; a step directory renamed (step-6 as step-7) loaded step 6 as 7.
 TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
-  ZeroScenario s;
-  auto dir = scratch_dir("hostile-files");
-  train_and_save(s, 2, dir);
-  const std::string step_dir = dir + "/step-6";
-  const std::string manifest = step_dir + "/manifest.json";
+  SavedRun run("hostile-files");
+  const ZeroScenario& s = run.s;
+  const std::string& dir = run.dir;
+  const std::string& step_dir = run.step_dir;
+  const std::string& manifest = run.manifest;
   const std::string original = read_text(manifest);
   const std::string rank1 = step_dir + "/rank00001.safetensors";
   const std::string rank1_bytes = read_text(rank1);
@@ -516,5 +522,4 @@ TEST(Checkpoint, AFifoAnAppendedTailOrARenamedStepDirectoryIsRefusedByName) {
   ASSERT_EQ(std::rename((dir + "/step-7").c_str(), step_dir.c_str()), 0);
   write_text(dir + "/latest", "step-6\n");
   expect_every_rank_says(load_errors(s, 2, dir), "(no error)");
-  remove_dir(dir);
 }

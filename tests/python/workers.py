@@ -334,17 +334,37 @@ def a_rank_late_by_one_step(rank, world_size):
     return text[0]
 
 
-def python_runs_while_forward_waits(rank, world_size):
-    """Rank 0 enters its training forward 1 s after rank 1, whose forward waits in the buffer
-    broadcast (broadcast_buffers) for it. Meanwhile a Python thread on rank 1 counts: with the GIL
-    released in check_before_forward it keeps counting; held, it stalls for the whole second."""
-    import threading
+def a_peer_dies(rank, world_size):
+    """Rank world_size - 1 exits (os._exit: its sockets close, as a killed process's) at its third
+    step, after the others have started it; their bucket all-reduce fails at once (Gloo: connection
+    closed), well within the 5 s publish interval of the progress records. Returns each live rank's
+    error text (the dead one returns nothing)."""
     import time
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # buffers to broadcast
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    ddp = meshddp.DistributedDataParallel(model, mesh)
+    ddp = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=0))
+    for step in range(3):
+        if step == 2 and rank == world_size - 1:
+            time.sleep(0.5)  # the others are in this step's all-reduces
+            os._exit(0)
+        ddp.zero_grad_buffer()
+        x, y = batch(step, rank, 0)
+        try:
+            F.mse_loss(ddp(x), y).backward()
+            ddp.finish_grad_sync()
+        except RuntimeError as e:
+            return str(e)
+    return "(no error)"
+
+
+@contextlib.contextmanager
+def counting_thread():
+    """A Python thread that counts every 5 ms while the block runs; yields the count ([n]). While C++
+    holds the GIL, it stalls: the count shows whether a wait released it."""
+    import threading
+    import time
+
     ticks, stop = [0], threading.Event()
 
     def count():
@@ -353,16 +373,32 @@ def python_runs_while_forward_waits(rank, world_size):
             time.sleep(0.005)
 
     thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        yield ticks
+    finally:
+        stop.set()
+        thread.join()
+
+
+def python_runs_while_forward_waits(rank, world_size):
+    """Rank 0 enters its training forward 1 s after rank 1, whose forward waits in the buffer
+    broadcast (broadcast_buffers) for it. Meanwhile a Python thread on rank 1 counts: with the GIL
+    released in check_before_forward it keeps counting; held, it stalls for the whole second."""
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # buffers to broadcast
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(model, mesh)
     if rank == 0:
         time.sleep(1.0)
-    else:
-        thread.start()
-    start, before = time.monotonic(), ticks[0]
-    ddp(torch.randn(4, 8))
-    waited, during = time.monotonic() - start, ticks[0] - before
-    stop.set()
-    if rank != 0:
-        thread.join()
+        ddp(torch.randn(4, 8))
+        return None
+    with counting_thread() as ticks:
+        start, before = time.monotonic(), ticks[0]
+        ddp(torch.randn(4, 8))
+        waited, during = time.monotonic() - start, ticks[0] - before
     return {"waited": waited, "ticks": during}
 
 
@@ -395,7 +431,6 @@ def python_runs_while_the_engine_is_destroyed(rank, world_size):
     1 s later): the engine's destructor waits for them. Meanwhile a Python thread on rank 1 counts:
     with the destructor run without the GIL it keeps counting; with the GIL held, it stalls."""
     import gc
-    import threading
     import time
 
     torch.manual_seed(0)
@@ -410,21 +445,11 @@ def python_runs_while_the_engine_is_destroyed(rank, world_size):
         ddp.finish_grad_sync()
         return None
     F.mse_loss(ddp(x), y).backward()  # launches every bucket; they wait for rank 0
-    ticks, stop = [0], threading.Event()
-
-    def count():
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=count)
-    thread.start()
-    start = time.monotonic()
-    del ddp
-    gc.collect()
-    waited = time.monotonic() - start
-    stop.set()
-    thread.join()
+    with counting_thread() as ticks:
+        start = time.monotonic()
+        del ddp
+        gc.collect()
+        waited = time.monotonic() - start
     return {"waited": waited, "ticks": ticks[0]}
 
 

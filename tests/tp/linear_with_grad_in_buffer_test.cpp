@@ -180,6 +180,37 @@ struct TpMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(TpMlp);
 
+// A TpMlp holding `golden`'s values, parallelized over the mesh's "tp" dim.
+TpMlp tp_copy_of(const TpMlp& golden, const DeviceMesh& mesh) {
+  TpMlp model;
+  {
+    torch::NoGradGuard no_grad;  // the golden's weights (rank threads share torch's RNG)
+    for (const auto& item : golden->named_parameters()) model->named_parameters()[item.key()].copy_(item.value());
+  }
+  parallelize(*model, mesh, {{"fc1", ColwiseParallel{}}, {"fc2", RowwiseParallel{}}});
+  return model;
+}
+
+// Each param's synced gradient on this TP rank (main_grad, fp32) is its shard of `golden`'s gradient
+// (fc1 split by rows, fc2 by columns, fc2's bias whole), within rtol / atol.
+void expect_main_grads_are_golden_shards(const DdpEngine& ddp, const TpMlp& golden, const DeviceMesh& mesh, double rtol,
+                                         double atol) {
+  const int64_t r = mesh.coordinate("tp");
+  const auto shard = [&](const torch::Tensor& t, int64_t dim) { return t.chunk(2, dim)[r]; };
+  const std::vector<std::pair<std::string, torch::Tensor>> expected = {
+      {"fc1.weight", shard(golden->fc1->weight.grad(), 0)},
+      {"fc1.bias", shard(golden->fc1->bias.grad(), 0)},
+      {"fc2.weight", shard(golden->fc2->weight.grad(), 1)},
+      {"fc2.bias", golden->fc2->bias.grad()}};
+  for (const auto& [name, want] : expected) {
+    const torch::Tensor got = ddp.main_grad(name);
+    ASSERT_EQ(got.scalar_type(), torch::kFloat) << name;
+    EXPECT_TRUE(torch::allclose(got, want, rtol, atol)) << name << " on TP rank " << r << ":\n"
+                                                        << got << "\nvs\n"
+                                                        << want;
+  }
+}
+
 }  // namespace
 
 // tp::Linear under CPU autocast on a 1 x 2 (DP x TP) mesh: no dtype error, bf16 output, and each
@@ -199,12 +230,7 @@ TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo)
   }
   loss_of(golden_out).backward();
   run_on_mesh({1, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    TpMlp model;
-    {
-      torch::NoGradGuard no_grad;  // the golden's weights (rank threads share torch's RNG)
-      for (const auto& item : golden->named_parameters()) model->named_parameters()[item.key()].copy_(item.value());
-    }
-    parallelize(*model, mesh, {{"fc1", ColwiseParallel{}}, {"fc2", RowwiseParallel{}}});
+    TpMlp model = tp_copy_of(golden, mesh);
     DistributedDataParallel ddp(model.ptr(), mesh, "dp");
     ddp.zero_grad_buffer();
     torch::Tensor out;
@@ -216,20 +242,7 @@ TEST(LinearWithGradInBuffer, TpLinearUnderCpuAutocastMatchesTheGoldenOnOneByTwo)
     EXPECT_TRUE(torch::allclose(out.to(torch::kFloat), golden_out.to(torch::kFloat), 1.0 / 32, 1.0 / 128));
     loss_of(out).backward();
     ddp.finish_grad_sync();
-    const int64_t r = mesh.coordinate("tp");
-    const auto shard = [&](const torch::Tensor& t, int64_t dim) { return t.chunk(2, dim)[r]; };
-    const std::vector<std::pair<std::string, torch::Tensor>> expected = {
-        {"fc1.weight", shard(golden->fc1->weight.grad(), 0)},
-        {"fc1.bias", shard(golden->fc1->bias.grad(), 0)},
-        {"fc2.weight", shard(golden->fc2->weight.grad(), 1)},
-        {"fc2.bias", golden->fc2->bias.grad()}};
-    for (const auto& [name, want] : expected) {
-      const torch::Tensor got = ddp.main_grad(name);
-      ASSERT_EQ(got.scalar_type(), torch::kFloat) << name;
-      EXPECT_TRUE(torch::allclose(got, want, 1.0 / 32, 1.0 / 128)) << name << " on TP rank " << r << ":\n"
-                                                                   << got << "\nvs\n"
-                                                                   << want;
-    }
+    expect_main_grads_are_golden_shards(ddp, golden, mesh, 1.0 / 32, 1.0 / 128);
     EXPECT_EQ(ddp.grad_buffer()->stats().grads_written_in_place,
               3);  // fc2.bias (added after the TP sum) goes through autograd
   });
@@ -286,30 +299,13 @@ TEST(LinearWithGradInBuffer, TpLinearGradientPenaltyMatchesTheGoldenOnOneByTwo) 
     return torch::linear(h, golden->fc2->weight, golden->fc2->bias);
   });
   run_on_mesh({1, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    TpMlp model;
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& item : golden->named_parameters()) model->named_parameters()[item.key()].copy_(item.value());
-    }
-    parallelize(*model, mesh, {{"fc1", ColwiseParallel{}}, {"fc2", RowwiseParallel{}}});
+    TpMlp model = tp_copy_of(golden, mesh);
     DistributedDataParallel ddp(model.ptr(), mesh, "dp");
     ddp.zero_grad_buffer();
     const torch::Tensor x = x_ref.detach().clone().requires_grad_(true);
     penalty(x, [&](const torch::Tensor& in) { return ddp.forward(in); });
     ddp.finish_grad_sync();
     EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6)) << "input gradient";
-    const int64_t r = mesh.coordinate("tp");
-    const auto shard = [&](const torch::Tensor& t, int64_t dim) { return t.chunk(2, dim)[r]; };
-    const std::vector<std::pair<std::string, torch::Tensor>> expected = {
-        {"fc1.weight", shard(golden->fc1->weight.grad(), 0)},
-        {"fc1.bias", shard(golden->fc1->bias.grad(), 0)},
-        {"fc2.weight", shard(golden->fc2->weight.grad(), 1)},
-        {"fc2.bias", golden->fc2->bias.grad()}};
-    for (const auto& [name, want] : expected) {
-      const torch::Tensor got = ddp.main_grad(name);
-      EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6)) << name << " on TP rank " << r << ":\n"
-                                                          << got << "\nvs\n"
-                                                          << want;
-    }
+    expect_main_grads_are_golden_shards(ddp, golden, mesh, 1e-5, 1e-6);
   });
 }

@@ -12,6 +12,14 @@ _torch_version.check(built_with_torch, torch.__version__, __version__)  # before
 import torch.distributed  # noqa: E402,F401  (registers c10d's ProcessGroup type for the extension)
 
 from meshddp._C import DdpConfig, OptimizerConfig, StepResult, linear_with_grad_in_buffer  # noqa: E402
+from meshddp._C import (  # noqa: E402  (which ranks share a param: mesh/reduction_groups.h)
+    cross_instance_groups,
+    expert_data_parallel_groups,
+    expert_parallel_groups,
+    flattened_group_ranks,
+    flattened_groups,
+    optimizer_instance_groups,
+)
 from meshddp.ddp import DistributedDataParallel  # noqa: E402
 from meshddp.optimizer import DistributedOptimizer  # noqa: E402
 
@@ -23,5 +31,11 @@ __all__ = [
     "DistributedOptimizer",
     "OptimizerConfig",
     "StepResult",
+    "cross_instance_groups",
+    "expert_data_parallel_groups",
+    "expert_parallel_groups",
+    "flattened_group_ranks",
+    "flattened_groups",
     "linear_with_grad_in_buffer",
+    "optimizer_instance_groups",
 ]

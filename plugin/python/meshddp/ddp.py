@@ -1,6 +1,7 @@
 """meshddp.DistributedDataParallel: wraps a torch.nn.Module for data parallelism over one dim of a
-torch DeviceMesh (or a DP ProcessGroup). Everything per step runs in C++ (meshddp._C): this file
-only turns the module, the mesh and DTensor params into named tensors and c10d groups, once.
+torch DeviceMesh (or several, flattened: DP x CP), or a DP ProcessGroup. Everything per step runs
+in C++ (meshddp._C): this file only turns the module, the mesh and DTensor params into named
+tensors and c10d groups, once.
 
 A step (as with Megatron's DDP):
     ddp.zero_grad_buffer()                  # not optimizer.zero_grad(): grads are views of the buffer
@@ -43,9 +44,41 @@ def _check_wrappable(module):
                          f"it out of DistributedDataParallel")
 
 
-def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
+def _dp_dims_of(dp_dim):
+    """dp_dim as a tuple of dim names: one name ("dp") or several ("dp", "cp")."""
+    dims = (dp_dim,) if isinstance(dp_dim, str) else dp_dim
+    if not isinstance(dims, (tuple, list)) or not dims or not all(isinstance(d, str) for d in dims):
+        raise _error(f"dp_dim must be a mesh dim name or a tuple of them (e.g. ('dp', 'cp')), got {dp_dim!r}")
+    return tuple(dims)
+
+
+def _flattened_dp_group(mesh, dp_dims):
+    """The group gradients are averaged over: mesh[dp_dim]'s, or torch's flattened group of several
+    dims (mesh["dp", "cp"]._flatten()), whose ranks must be those the C++ arithmetic gives
+    (meshddp._C.flattened_group_ranks: the order DdpEngine uses on a C++ mesh), checked here."""
+    names, sizes = list(mesh.mesh_dim_names), list(mesh.shape)
+    mesh_ranks = _ranks_of(mesh)
+    if dist.get_rank() not in mesh_ranks:
+        raise _error(f"this rank ({dist.get_rank()}) is not in the mesh (ranks {mesh_ranks})")
+    try:  # dims unknown, repeated or out of mesh order: the C++ text
+        expected = _C.flattened_group_ranks(mesh_ranks.index(dist.get_rank()), sizes, names, list(dp_dims))
+    except RuntimeError as e:
+        raise _error(f"dp_dim {dp_dims}: {e}") from None
+    if len(dp_dims) == 1:
+        group = mesh.get_group(dp_dims[0])
+    else:
+        group = mesh[dp_dims]._flatten().get_group()
+    expected = [mesh_ranks[i] for i in expected]
+    got = dist.get_process_group_ranks(group)
+    if got != expected:  # torch's flattening changed order: the DP ranks would not be C++'s
+        raise AssertionError(f"meshddp: torch's group over {dp_dims} has ranks {got}, expected {expected}")
+    return group
+
+
+def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
     """(dp group, world group or None, tp dim name or None, tp_rank, tp_size, tp group or None: None
-    when the TP dim has one rank)."""
+    when the TP dim has one rank). The DP group is the flattened group of `dp_dims` (one or more
+    dims of the mesh)."""
     if process_group is not None:
         if mesh is not None:
             raise _error("give either a DeviceMesh (mesh=) or a DP process group (process_group=), not both")
@@ -57,24 +90,26 @@ def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. from init_device_mesh), got "
             f"{type(mesh).__name__}; for a plain DP group pass process_group= a torch.distributed.ProcessGroup")
     names = mesh.mesh_dim_names
-    if names is None or dp_dim not in names:
-        raise _error(
-            f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape {tuple(mesh.shape)}; "
-            f"pass dp_dim= one of them, or name the mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
-    others = [n for n in names if n != dp_dim]
+    for dp_dim in dp_dims:
+        if names is None or dp_dim not in names:
+            raise _error(
+                f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape "
+                f"{tuple(mesh.shape)}; pass dp_dim= one of them (or a tuple of them, in mesh order), or name the "
+                f"mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
+    others = [n for n in names if n not in dp_dims]
     if tp_dim is None:
         # The C++ rule (meshddp::tp_dim_of), so both languages pick the same dim: the one dim besides DP
         # with more than one rank. With none, a single other dim (of size 1) is kept, so that DTensors
         # parallelized over it are accepted (a TP size of 1 is no TP to the engine).
         try:
-            tp_dim = _C.tp_dim_of(list(names), list(mesh.shape), dp_dim) or None
+            tp_dim = _C.tp_dim_of(list(names), list(mesh.shape), list(dp_dims)) or None
         except RuntimeError as e:
             raise RuntimeError(f"meshddp.{e}; or name the tensor-parallel dim with tp_dim=") from None
         if tp_dim is None and len(others) == 1:
             tp_dim = others[0]
     elif tp_dim not in others:
-        raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim '{dp_dim}': the dims are {names}")
-    dp_group = mesh.get_group(dp_dim)
+        raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim {dp_dims}: the dims are {names}")
+    dp_group = _flattened_dp_group(mesh, dp_dims)
     if tp_dim is None:
         return dp_group, None, None, 0, 1, None
     tp_size = mesh.size(names.index(tp_dim))
@@ -82,7 +117,7 @@ def _resolve_groups(mesh, dp_dim, process_group, tp_dim):
     if mesh.size() == dist.get_world_size():
         world = dist.distributed_c10d._get_default_group()
     else:
-        world = mesh[(dp_dim, tp_dim)]._flatten().get_group()
+        world = mesh[tuple(n for n in names if n in dp_dims or n == tp_dim)]._flatten().get_group()
     return dp_group, world, tp_dim, tp_rank, tp_size, mesh.get_group(tp_dim) if tp_size > 1 else None
 
 
@@ -140,10 +175,14 @@ def _register_progress(groups, stuck_report_after, timeout):
 
 class DistributedDataParallel(torch.nn.Module):
     """Data parallelism for `module` over the `dp_dim` dim of `mesh` (a torch DeviceMesh), or over
-    `process_group`. Construction is a collective over DP: it checks that every DP rank holds the
-    same parameters and broadcasts DP rank 0's parameters and buffers (DdpConfig fields
-    verify_model_across_ranks, broadcast_from_rank0). DTensor params (torch TP via
-    parallelize_module over the mesh's TP dim) are synced by their local shards; DTensor does TP."""
+    `process_group`. `dp_dim` may name several dims, in mesh order (e.g. ("dp", "cp") for context
+    parallel): every gradient is then averaged over their flattened group (torch's
+    mesh["dp", "cp"]._flatten(), 1/(dp*cp)), as the C++ DistributedDataParallel(model, mesh,
+    {"dp", "cp"}); the one remaining dim with more than one rank is TP. Construction is a
+    collective over DP: it checks that every DP rank holds the same parameters and broadcasts DP
+    rank 0's parameters and buffers (DdpConfig fields verify_model_across_ranks,
+    broadcast_from_rank0). DTensor params (torch TP via parallelize_module over the mesh's TP dim)
+    are synced by their local shards; DTensor does TP."""
 
     def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None,
                  stuck_report_after=30.0, timeout=None):
@@ -162,11 +201,13 @@ class DistributedDataParallel(torch.nn.Module):
         config = _C.DdpConfig() if config is None else config
         if not isinstance(config, _C.DdpConfig):
             raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
-        dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dim, process_group, tp_dim)
+        dp_dims = _dp_dims_of(dp_dim)
+        dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dims, process_group, tp_dim)
         _register_progress([dp_group, world, tp_group], stuck_report_after, timeout)
         self.module = module
         self.mesh = mesh
         self.dp_dim = dp_dim
+        self.dp_dims = dp_dims  # dp_dim as a tuple: ("dp",) or e.g. ("dp", "cp")
         self.tp_dim = tp_dim
         # For DistributedOptimizer.state_dict() / load_state_dict() (meshddp/_state_dict.py).
         self._dp_group, self._world_group, self._tp_rank, self._tp_size = dp_group, world or dp_group, tp_rank, tp_size
