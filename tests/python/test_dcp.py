@@ -168,3 +168,14 @@ def test_load_state_dict_while_a_gradient_sync_is_pending_is_refused(mesh):
     assert opt.steps_taken == 2
     ddp.finish_grad_sync()
     opt.load_state_dict(sd)  # between steps it loads
+
+
+def test_meshddp_consolidate_pointed_at_a_dcp_checkpoint_says_how_to_read_one(mesh, tmp_path):
+    """It reads meshddp's own format; a DCP directory (files and .metadata) was 'no complete checkpoint'."""
+    from meshddp import consolidate
+
+    ddp, opt = build(1, 0, "adamw_fp32")
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(consolidate.CheckpointError, match=r"is a torch.distributed.checkpoint \(DCP\) directory "
+                                                          r".*dcp_to_torch_save"):
+        consolidate.consolidate(str(tmp_path / "dcp"))
