@@ -108,6 +108,8 @@ int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optio
   std::vector<CheckpointTensor> wanted;
   std::set<std::string> model_keys;
   try {  // a rank that fails here tells the others, which are in read()
+    // Not mid-step: the next step would apply the old params' gradients to the loaded ones.
+    buffer_->check_no_sync_pending("DistributedOptimizer::load_checkpoint");
     check_checkpoint_info(reader.meta().optimizer, reader.path());
     wanted = checkpoint_tensors(/*for_save=*/false);
     for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);

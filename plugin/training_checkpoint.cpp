@@ -131,6 +131,8 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
   int64_t optimizer_step = 0;
   // A rank that fails here (its optimizer or model differs) tells the others, which are in read().
   try {
+    // Not mid-step: the next step would apply the old params' gradients to the loaded ones.
+    state.ddp->grad_buffer()->check_no_sync_pending("meshddp::load_checkpoint");
     wanted = module_tensors(state, parts, /*for_save=*/false, model_keys);
     module_count = wanted.size();
     if (state.distributed_optimizer) {

@@ -326,6 +326,11 @@ def resolve(directory, step=None):
     else:
         complete = [d for d in os.listdir(directory)
                     if re.fullmatch(r"step-[0-9]+", d) and os.path.exists(os.path.join(directory, d, "manifest.json"))]
+        if not complete and os.path.lexists(os.path.join(directory, ".metadata")):
+            raise CheckpointError(f"'{directory}' is a torch.distributed.checkpoint (DCP) directory (it has .metadata), "
+                                  f"not meshddp's format; this command reads meshddp's (save_checkpoint). Read a DCP "
+                                  f"checkpoint with torch: torch.distributed.checkpoint.format_utils.dcp_to_torch_save("
+                                  f"'{directory}', 'full.pt') (the optimizer's state as flattened params)")
         if not complete:
             raise CheckpointError(f"'{directory}' holds no complete checkpoint")
         name = max(complete, key=lambda d: int(d[5:]))

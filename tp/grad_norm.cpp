@@ -46,6 +46,17 @@ void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& 
 
 namespace {
 
+// The squared L2 norm of one main gradient, in fp64. An fp16 or bf16 gradient's norm is taken in fp32:
+// in fp16 it overflows at 65504 though every element is finite (1e5 elements of 300 have norm 9.5e4),
+// which would zero every gradient (torch's clip_grad_norm_ does, taking norms in the gradient's dtype),
+// and in bf16 it keeps 3 significant digits.
+at::Tensor squared_norm(const at::Tensor& grad) {
+  const bool reduced = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
+  const at::Tensor norm =
+      reduced ? at::linalg_vector_norm(grad, 2, std::nullopt, false, at::kFloat) : at::linalg_vector_norm(grad, 2);
+  return norm.to(at::kDouble).square();
+}
+
 void check_plain_ddp(const GradBuffer& buffer, const char* who) {
   TORCH_CHECK(
       !buffer.config().use_distributed_optimizer, "meshddp::", who, ": the grad buffer is sharded for the ",
@@ -72,7 +83,7 @@ double grad_norm(GradBufferHandle buffer) {
   // On the host, as the sum over the mesh is read there anyway (CPU fp64: one element).
   at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
   const NormPieces pieces = norm_pieces(*buffer);
-  for (const at::Tensor& g : pieces.counted) sum += at::linalg_vector_norm(g, 2).to(at::kDouble).square().cpu();
+  for (const at::Tensor& g : pieces.counted) sum += squared_norm(g).cpu();
   all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
   // The stats group spans DP too, where every DP rank holds the same mean: count it once.
   return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().dp_size()));

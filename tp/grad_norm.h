@@ -61,6 +61,7 @@ void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& 
 // mean, TP shards joined, each element once: Note [Gradient norm over DP x TP]). Finishes the
 // gradient sync first if it has not (a no-op after finish_grad_sync()). One all-reduce over the
 // mesh: every rank must call it; every rank gets the same value. NaN or Inf if any gradient element is.
+// fp16/bf16 gradients' norms are taken in fp32 (torch takes them in fp16, where a norm past 65504 is Inf).
 double grad_norm(GradBufferHandle buffer);
 
 // torch.nn.utils.clip_grad_norm_(params, max_norm, 2.0, error_if_nonfinite) for plain DDP over a

@@ -1,10 +1,14 @@
 // Whole-training-state checkpoints (plugin/training_checkpoint.h): the tiny GPT saved at 2x2 after 5 steps
 // and resumed at 4x1, 1x4 and 2x2 continues the uninterrupted loss curve (plain DDP + AdamW and
 // ZeRO-1); frozen params, buffers, torch AdamW state and user values come back at another DP size;
-// a changed model is named.
+// a changed model is named; a load while a gradient sync is pending is refused.
 #include "plugin/training_checkpoint.h"
 
+#include "optimizer/distributed_optimizer.h"
+#include "plugin/distributed_data_parallel.h"
+#include "tests/support/error_of.h"
 #include "tests/support/gpt_training.h"
+#include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
 
@@ -205,4 +209,39 @@ TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
           "the checkpoint has 'model/retired' (global shape [2]) but this model has no such parameter or buffer"));
   EXPECT_EQ(error_at_load(dir, [](StatefulImpl&) {}), "(no error)");
   std::system(("rm -rf '" + dir + "' '" + old_dir + "'").c_str());
+}
+
+// A load after backward and before finish_grad_sync() (the gradient sync pending) would leave the
+// gradients of the old params to be applied to the loaded ones by the next step: both loads refuse it
+// on every rank, load nothing, and load once the sync has finished (as the module's load refuses it).
+TEST(TrainingCheckpoint, ALoadWhileAGradientSyncIsPendingIsRefusedAndLoadsNothing) {
+  const std::string dir = scratch_dir("sync-pending");
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(5, 6, 8, 3);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    DistributedDataParallel<MlpImpl> ddp(model.ptr(), mesh, "dp", config);
+    DistributedOptimizer opt(ddp.grad_buffer(), DistributedOptimizerConfig{});
+    const TrainingState state{model.ptr().get(), &ddp, &opt, nullptr};
+    const auto step = [&](int64_t s) {
+      ddp.zero_grad_buffer();
+      auto [x, y] = make_batch(5, s, 8, 6, 3);
+      torch::mse_loss(ddp.forward(shard_rows(x, mesh.rank(), 2)), shard_rows(y, mesh.rank(), 2)).backward();
+    };
+    step(0);
+    opt.step();
+    save_checkpoint(state, dir, 1);
+    step(1);
+    opt.step();
+    step(2);  // backward done, finish_grad_sync() not called
+    EXPECT_THAT(error_of([&] { opt.load_checkpoint(dir); }),
+                HasSubstr("DistributedOptimizer::load_checkpoint: a new step began before finish_grad_sync()"));
+    EXPECT_THAT(error_of([&] { load_checkpoint(state, dir); }),
+                HasSubstr("load_checkpoint: a new step began before finish_grad_sync()"));
+    EXPECT_EQ(opt.steps_taken(), 2);
+    ddp.finish_grad_sync();
+    EXPECT_EQ(load_checkpoint(state, dir).step, 1);
+    opt.load_checkpoint(dir);
+  });
+  remove_dir(dir);
 }

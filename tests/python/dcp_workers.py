@@ -166,3 +166,24 @@ def one_rank_refuses(rank, world_size):
         return None
     except RuntimeError as e:
         return str(e)
+
+
+def ranks_disagree(rank, world_size, field):
+    """Rank 1's state dict has another `field` than rank 0's (e.g. each rank read another checkpoint):
+    every rank's load_state_dict must fail, and none load."""
+    ddp, opt = build(world_size, 0, "adamw_fp32")
+    train(ddp, opt, rank, world_size, range(3))
+    sd = opt.state_dict()
+    if rank == 1:
+        if field == "step":
+            sd["step"] = torch.tensor(7)
+        elif field == "lr":
+            sd["lr"] = LR * 3
+        else:
+            sd["param_groups"][1]["weight_decay"] = 0.5
+    try:
+        opt.load_state_dict(sd)
+        return None
+    except RuntimeError as e:
+        return {"error": str(e), "steps_taken": opt.steps_taken, "lr": opt._impl.lr(),
+                "bias_wd": opt._impl.group_weight_decay(1)}

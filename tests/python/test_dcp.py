@@ -106,6 +106,23 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['weight_decay'\] must be a finite number >= 0, got None"):
         opt.load_state_dict(sd)
 
+    for bad in (3.7, True, "5", torch.tensor(2.0), torch.tensor([1, 2])):  # each was read as some int before
+        sd = opt.state_dict()
+        sd["step"] = bad
+        with pytest.raises(RuntimeError, match="step must be an int >= 0 or a one-element integer tensor"):
+            opt.load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["lr"] = True
+    with pytest.raises(RuntimeError, match="lr must be a finite number >= 0, got True"):
+        opt.load_state_dict(sd)
+
+    model = Net()
+    torch_opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    torch_opt.step()
+    with pytest.raises(RuntimeError, match="this is a torch.optim optimizer's state_dict()"):
+        opt.load_state_dict(torch_opt.state_dict())
+
     sgd_ddp, sgd_opt = build(1, 0, "sgd_bf16")
     with pytest.raises(RuntimeError, match="parameter '.*' has no 'master' state"):
         sgd_opt.load_state_dict(opt.state_dict())
@@ -124,3 +141,41 @@ def test_when_one_rank_refuses_the_state_dict_every_rank_fails_and_none_loads():
     errors = multiprocess.run_once(2, "dcp_workers.one_rank_refuses")
     assert "missing ['out.weight']" in errors[1], errors
     assert "another rank found the state dict unusable" in errors[0], errors
+
+
+@pytest.mark.parametrize("field", ["step", "lr", "param_groups"])
+def test_ranks_whose_state_dicts_disagree_all_fail_and_none_loads(field):
+    """A step count or learning rate that differs between ranks (each read another checkpoint) would
+    train on silently with each rank's shard updated by other settings."""
+    results = multiprocess.run_once(2, "dcp_workers.ranks_disagree", field=field)
+    for rank, r in enumerate(results):
+        assert r is not None, f"rank {rank} loaded a state dict the other rank disagrees with"
+        assert f"the ranks' state dicts differ in {field}" in r["error"], r["error"]
+        assert r["steps_taken"] == 3 and r["lr"] == LR / 2 and r["bias_wd"] == 0.0, r  # nothing applied
+
+
+def test_load_state_dict_while_a_gradient_sync_is_pending_is_refused(mesh):
+    """After backward and before finish_grad_sync(): the loaded params would get the gradients of the
+    old ones (ddp.load_state_dict refuses the same)."""
+    ddp, opt = build(1, 0, "adamw_fp32")
+    train(ddp, opt, 0, 1, range(2))
+    sd = opt.state_dict()
+    ddp.zero_grad_buffer()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"DistributedOptimizer.load_state_dict: .*finish_grad_sync\(\)"):
+        opt.load_state_dict(sd)
+    assert opt.steps_taken == 2
+    ddp.finish_grad_sync()
+    opt.load_state_dict(sd)  # between steps it loads
+
+
+def test_meshddp_consolidate_pointed_at_a_dcp_checkpoint_says_how_to_read_one(mesh, tmp_path):
+    """It reads meshddp's own format; a DCP directory (files and .metadata) was 'no complete checkpoint'."""
+    from meshddp import consolidate
+
+    ddp, opt = build(1, 0, "adamw_fp32")
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(consolidate.CheckpointError, match=r"is a torch.distributed.checkpoint \(DCP\) directory "
+                                                          r".*dcp_to_torch_save"):
+        consolidate.consolidate(str(tmp_path / "dcp"))

@@ -59,9 +59,27 @@ def test_a_torch_of_another_major_minor_is_refused_at_import_saying_how_to_rebui
     assert "undefined symbol" not in r.stderr
 
 
+@pytest.mark.parametrize("flavour", ["cpu", "cu999", None])
+def test_a_cuda_build_refuses_a_torch_of_another_cuda_flavour_at_import(tmp_path, flavour):
+    """A CUDA build links libtorch_cuda and a CUDA runtime: on a +cpu torch (no libtorch_cuda) or another
+    +cuXYZ it fails to load with the loader's words, or loads beside a second CUDA runtime. A CPU build
+    links neither, so it runs on any flavour (as the CMake package decides: meshddpConfig.cmake)."""
+    running = torch.__version__
+    built = running.split("+")[0] + (f"+{flavour}" if flavour else "")
+    r = import_with_recorded_torch(tmp_path, built)
+    if built == running or not meshddp.built_with_cuda:
+        assert r.returncode == 0 and r.stdout.strip() == meshddp.__version__, r.stderr
+        return
+    assert r.returncode != 0, r.stdout
+    assert (f"ImportError: meshddp {meshddp.__version__} was built against torch {built}, but torch {running} is "
+            f"running") in r.stderr, r.stderr
+    assert "a CUDA build of meshddp needs the same CUDA flavour" in r.stderr, r.stderr
+
+
 def test_another_patch_release_of_the_same_minor_is_accepted(tmp_path):
     major, minor = torch.__version__.split(".")[:2]
-    r = import_with_recorded_torch(tmp_path, f"{major}.{minor}.9")
+    local = torch.__version__.partition("+")[1:]  # the same flavour: "+cu130"
+    r = import_with_recorded_torch(tmp_path, f"{major}.{minor}.9" + "".join(local))
     assert r.returncode == 0 and r.stdout.strip() == meshddp.__version__, r.stderr
 
 

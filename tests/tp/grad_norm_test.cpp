@@ -131,3 +131,37 @@ TEST(ClipGradNorm, RefusesTheDistributedOptimizersBuffer) {
     EXPECT_THAT(msg, HasSubstr("set DistributedOptimizerConfig::clip_grad_norm instead"));
   });
 }
+
+// fp16 gradients whose every element is finite but whose norm is past fp16's largest value (65504):
+// every element 300 in an MLP of 132k params: norm 1.09e5 (fc2.weight's alone 76800). torch's clip_grad_norm_ takes
+// each tensor's norm in its own dtype, gets Inf and scales every gradient to 0 (or, with error_if_nonfinite, calls the
+// finite gradients non-finite); meshddp takes the norm of fp16/bf16 gradients in fp32. The golden is torch on fp32
+// copies of the same gradients; the fp16 results round it once (2^-11 relative).
+TEST(ClipGradNorm, Fp16GradientsWhoseNormPassesFp16sRangeAreClippedNotZeroed) {
+  run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(11, 128, 256, 128);
+    model->to(torch::kHalf);
+    DistributedDataParallel<MlpImpl> ddp(model.ptr(), mesh);
+    ddp.zero_grad_buffer();
+    ddp.finish_grad_sync();
+    GradBufferHandle buffer = ddp.grad_buffer();
+    std::vector<torch::Tensor> golden;
+    for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+      buffer->main_grad(i).fill_(300);
+      auto p = buffer->params()[i].param.detach().to(torch::kFloat);
+      p.mutable_grad() = buffer->main_grad(i).to(torch::kFloat);
+      golden.push_back(p);
+    }
+    const double want = torch::nn::utils::clip_grad_norm_(golden, 1.0);
+    ASSERT_GT(want, 65504.0);
+    double got = 0;
+    EXPECT_EQ(error_of([&] { got = clip_grad_norm_(buffer, 1.0, /*error_if_nonfinite=*/true); }), "(no error)");
+    EXPECT_NEAR(got, want, 1e-3 * want);
+    for (size_t i = 0; i < golden.size(); ++i) {
+      const auto g = buffer->main_grad(static_cast<int64_t>(i)).to(torch::kFloat);
+      EXPECT_TRUE(torch::allclose(g, golden[i].grad(), 1e-3, 0))
+          << "param " << i << ": " << g.flatten()[0].item<double>() << " vs "
+          << golden[i].grad().flatten()[0].item<double>();
+    }
+  });
+}

@@ -5,9 +5,9 @@ doing the work. See docs/python.md."""
 import torch  # loads libtorch and torch's pybind11 types before the extension
 
 from meshddp import _torch_version
-from meshddp._version import __version__, built_with_torch
+from meshddp._version import __version__, built_with_cuda, built_with_torch
 
-_torch_version.check(built_with_torch, torch.__version__, __version__)  # before the engine loads
+_torch_version.check(built_with_torch, torch.__version__, __version__, built_with_cuda)  # before the engine loads
 
 import torch.distributed  # noqa: E402,F401  (registers c10d's ProcessGroup type for the extension)
 
@@ -25,6 +25,7 @@ from meshddp.optimizer import DistributedOptimizer  # noqa: E402
 
 __all__ = [
     "__version__",
+    "built_with_cuda",
     "built_with_torch",
     "DdpConfig",
     "DistributedDataParallel",

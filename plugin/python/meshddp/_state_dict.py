@@ -109,6 +109,9 @@ def load(opt, state_dict):
     """Applies `state_dict` (this optimizer's state_dict(), filled by dcp.load) to `opt`. Every rank
     checks the whole dict, and all agree, before any changes anything; a collective over the mesh."""
     try:
+        # Not mid-step: the loaded params would get the old ones' gradients (ddp.load_state_dict refuses
+        # the same); pending param all-gathers finish first (they would overwrite the loaded params).
+        opt.ddp._engine.before_params_written(_WHO)
         plan = _check(opt, state_dict)
         error = None
     except RuntimeError as e:
@@ -116,13 +119,7 @@ def load(opt, state_dict):
     except Exception as e:  # noqa: BLE001 (a malformed dict: this rank must still take part in the agreement)
         plan, error = None, _error(f"the state dict is malformed: {type(e).__name__}: {e}")
     # All ranks commit or none does: a rank that stopped here would leave the others in the all-gather.
-    device = next(opt.ddp.module.parameters()).device
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(failed, group=opt.ddp._world_group)
-    if error is not None:
-        raise error
-    if failed.item():
-        raise _error("another rank found the state dict unusable (its error says why); nothing was loaded")
+    _agree(opt, plan, error)
     copies, step, lr, groups = plan
     with torch.no_grad():
         for dst, src in copies:
@@ -136,11 +133,56 @@ def load(opt, state_dict):
     opt._impl.finish_state_dict_load(step)
 
 
+def _scalars(opt, plan):
+    """{field: [values]} of the settings every rank must load alike (zeros where this rank's check failed)."""
+    groups = opt._impl.num_groups()
+    if plan is None:
+        return {"step": [0.0], "lr": [0.0], "param_groups": [0.0] * 2 * groups}
+    _, step, lr, given = plan
+    return {"step": [float(step)], "lr": [-1.0 if lr is None else float(lr)],
+            "param_groups": [float(g[f]) for g in given for f in ("lr", "weight_decay")]}
+
+
+def _agree(opt, plan, error):
+    """One all-reduce over the mesh: did any rank fail its check, and do all ranks' step count, base LR
+    and param groups match? (Each rank checks only its own dict; ranks that read different checkpoints,
+    or changed one rank's dict, would otherwise each update their shard with other settings.) Raises on
+    every rank unless all agree."""
+    scalars = _scalars(opt, plan)
+    values = [v for field in scalars.values() for v in field]
+    device = next(opt.ddp.module.parameters()).device
+    # MAX of [failed, v, -v] gives any failure, the max of each value and minus its min.
+    both = torch.tensor([0.0 if error is None else 1.0] + values + [-v for v in values], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=opt.ddp._world_group)
+    both = both.cpu().tolist()
+    if error is not None:
+        raise error
+    if both[0]:
+        raise _error("another rank found the state dict unusable (its error says why); nothing was loaded")
+    highest, lowest = both[1:1 + len(values)], [-v for v in both[1 + len(values):]]
+    i = 0
+    for field, mine in scalars.items():
+        span = slice(i, i + len(mine))
+        if highest[span] != lowest[span]:
+            raise _error(f"the ranks' state dicts differ in {field} (this rank's: {mine}; lowest over the ranks: "
+                         f"{lowest[span]}, highest: {highest[span]}); every rank must load the same checkpoint "
+                         f"(dcp.load with the same checkpoint_id on every rank); nothing was loaded")
+        i += len(mine)
+
+
 def _check(opt, state_dict):
     """(copies [(ours, theirs)], step, base lr or None, param groups), or a RuntimeError naming what
     does not fit."""
     if not isinstance(state_dict, dict):
         raise _error(f"state_dict must be a dict (from state_dict()), got {type(state_dict).__name__}")
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and any(isinstance(g, dict) and "params" in g for g in groups):
+        raise _error("this is a torch.optim optimizer's state_dict() (param_groups list 'params' by index), not a "
+                     "meshddp.DistributedOptimizer's: its state is whole tensors keyed by index, meshddp's is "
+                     "sharded over DP and keyed by parameter name. Load the model weights with "
+                     "ddp.load_state_dict(...) and start the optimizer state afresh, or resume from a checkpoint "
+                     "saved with {'optim': DistributedOptimizer.state_dict()}")
     for field in ("state", "step", "param_groups"):
         if field not in state_dict:
             raise _error(f"the state dict has no '{field}' (it holds {sorted(state_dict)}); pass the dict that "
@@ -183,13 +225,15 @@ def _check(opt, state_dict):
     for g, group in enumerate(groups):
         for field in ("lr", "weight_decay"):
             value = group.get(field) if isinstance(group, dict) else None
-            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise _error(f"param_groups[{g}]['{field}'] must be a finite number >= 0, got {value!r}")
     step = state_dict["step"]
-    step = int(step.item() if isinstance(step, torch.Tensor) else step)
-    if step < 0:
-        raise _error(f"step must be >= 0, got {step}")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point() and not step.is_complex() \
+            and step.dtype != torch.bool:
+        step = int(step.item())
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise _error(f"step must be an int >= 0 or a one-element integer tensor (as state_dict() gives), got {step!r}")
     lr = state_dict.get("lr")
-    if lr is not None and (not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")):
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf")):
         raise _error(f"lr must be a finite number >= 0, got {lr!r}")
     return copies, step, lr, groups
