@@ -220,7 +220,10 @@ StepResult DistributedOptimizer::step() {
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
   // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): DP shards are disjoint.
-  if (fused_) add_stats_fused(stats);
+  // With K optimizer instances every shard is held by K ranks (one per instance, equal after the
+  // all-reduce across instances): only instance 0's count toward the norm.
+  const bool counts_norm = buffer_->groups().instance_index() == 0;
+  if (fused_) add_stats_fused(stats, counts_norm);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
     const at::Tensor norm = at::linalg_vector_norm(g, 2);
@@ -231,6 +234,7 @@ StepResult DistributedOptimizer::step() {
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }
+    if (!counts_norm) continue;
     const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], g);
     if (pieces.all_count) {
       stats[1] += norm.to(at::kDouble).square();
@@ -314,7 +318,7 @@ void DistributedOptimizer::update_sgd() {
   }
 }
 
-void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
+void DistributedOptimizer::add_stats_fused(const at::Tensor& stats, bool counts_norm) {
   // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
   // not count on this TP rank (Note [Gradient norm over DP x TP]) go into a second accumulator for
   // their count only.
@@ -326,7 +330,7 @@ void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
     for (const at::Tensor& piece : pieces.not_counted) fused_grad_stats(piece, others);
   }
   stats[0] += counted[1] + others[1];
-  stats[1] += counted[0];
+  if (counts_norm) stats[1] += counted[0];
 }
 
 void DistributedOptimizer::update_fused(double grad_scale) {

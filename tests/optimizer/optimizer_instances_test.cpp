@@ -1,0 +1,166 @@
+// Hierarchical ZeRO-1 (DdpConfig::num_distributed_optimizer_instances) against the golden: the test
+// MLP trained in one process on the whole batch (tests/support/zero_training.h). On 4 DP rank
+// threads with 2 instances of 2 ranks, each bucket is reduce-scattered within the instance and the
+// shard all-reduced across instances; the params after every step must be the golden's, the
+// reported grad norm the golden's, and the optimizer state per rank 1/(D/K) of every bucket.
+//
+// Tolerance: as distributed_optimizer_test.cpp's fp32 tests (2e-6: the gradients' summation order
+// differs from one process by a few fp32 ulps per step; measured max |diff| is printed, <= ~3e-7).
+// Skipping the all-reduce across instances leaves each instance with half the batch's gradient:
+// params then differ by >= 1e-3 after one step, and the norm by ~30%.
+#include "tests/support/error_of.h"
+#include "tests/support/rank_threads.h"
+#include "tests/support/temp_dir.h"
+#include "tests/support/zero_training.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <mutex>
+
+using namespace meshddp;
+using namespace meshddp::test;
+using ::testing::HasSubstr;
+
+namespace {
+
+constexpr double kFp32Tol = 2e-6;
+constexpr double kNormRtol = 1e-5;  // fp64 sums of fp32 squares; measured ~1e-7 relative
+
+ZeroScenario instances_scenario(OptimizerKind kind) {
+  ZeroScenario s;
+  s.world = 4;
+  s.instances = 2;
+  s.steps = 8;
+  s.kind = kind;
+  s.clip = 1.0;  // the golden reports its norm; clipping also uses ours
+  return s;
+}
+
+// Trains at `s` step by step; every rank's params after each step and its norms vs the golden.
+void expect_each_step_matches_golden(const ZeroScenario& s) {
+  std::vector<double> golden_norms;
+  std::vector<std::vector<torch::Tensor>> golden_steps;
+  train_zero_golden(s, &golden_norms, &golden_steps);
+  std::mutex mutex;
+  double worst = 0, worst_norm = 0;
+  run_on_mesh({s.world}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed + 31 * mesh.rank());
+    EXPECT_EQ(rank.ddp->grad_buffer()->groups().dp_size(), s.world / s.instances);
+    EXPECT_EQ(rank.ddp->grad_buffer()->groups().instances(), s.instances);
+    for (int step = 0; step < s.steps; ++step) {
+      const StepResult result = rank.train(step, step + 1).front();
+      const double diff = max_abs_diff(rank.params(), golden_steps[step]);
+      const double norm_err = std::abs(result.grad_norm - golden_norms[step]) / golden_norms[step];
+      EXPECT_LE(diff, kFp32Tol) << "rank " << mesh.rank() << " step " << step;
+      EXPECT_LE(norm_err, kNormRtol) << "rank " << mesh.rank() << " step " << step << ": norm " << result.grad_norm
+                                     << " vs golden " << golden_norms[step];
+      std::lock_guard<std::mutex> lock(mutex);
+      worst = std::max(worst, diff);
+      worst_norm = std::max(worst_norm, norm_err);
+    }
+  });
+  std::cout << "[ max |hierarchical zero1 - golden| over all steps = " << worst
+            << ", max relative norm error = " << worst_norm << " ]" << std::endl;
+}
+
+// Optimizer state bytes on one rank of a dp 4 run with `instances`, and the padded bucket elements.
+std::pair<int64_t, int64_t> state_bytes_and_bucket_numel(int64_t instances) {
+  ZeroScenario s = instances_scenario(OptimizerKind::kAdamW);
+  s.instances = instances;
+  std::vector<int64_t> bytes(s.world), numel(s.world);
+  run_on_mesh({s.world}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    bytes[mesh.rank()] = rank.opt->memory().optimizer_state_bytes;
+    for (const auto& span : rank.ddp->grad_buffer()->layout().buckets) numel[mesh.rank()] += span.numel();
+  });
+  for (int r = 1; r < s.world; ++r) EXPECT_EQ(bytes[r], bytes[0]) << "rank " << r;
+  return {bytes[0], numel[0]};
+}
+
+}  // namespace
+
+TEST(OptimizerInstances, AdamWOnFourRanksInTwoInstancesMatchesOneProcessEveryStep) {
+  expect_each_step_matches_golden(instances_scenario(OptimizerKind::kAdamW));
+}
+
+TEST(OptimizerInstances, SgdOnFourRanksInTwoInstancesMatchesOneProcessEveryStep) {
+  expect_each_step_matches_golden(instances_scenario(OptimizerKind::kSgd));
+}
+
+TEST(OptimizerInstances, InstancesOfOneRankAllReduceWholeBucketsAndMatchOneProcess) {
+  ZeroScenario s = instances_scenario(OptimizerKind::kSgd);
+  s.instances = 4;  // D/K = 1: no reduce-scatter, every rank holds all the state
+  expect_each_step_matches_golden(s);
+}
+
+TEST(OptimizerInstances, StateBytesPerRankAreOneOverTheInstanceSizeOfEachBucket) {
+  // AdamW: two fp32 state tensors per shard element; the buckets are padded to the instance size.
+  const auto [flat_bytes, flat_numel] = state_bytes_and_bucket_numel(1);
+  const auto [two_bytes, two_numel] = state_bytes_and_bucket_numel(2);
+  EXPECT_EQ(flat_bytes, 2 * 4 * flat_numel / 4);  // 1/D
+  EXPECT_EQ(two_bytes, 2 * 4 * two_numel / 2);    // 1/(D/K)
+  std::cout << "[ AdamW state bytes per rank at dp 4: flat " << flat_bytes << ", 2 instances " << two_bytes << " ]"
+            << std::endl;
+}
+
+TEST(OptimizerInstances, CheckpointSavedWithTwoInstancesResumesFlatAndMatchesOneProcess) {
+  // Saved at dp 4 in 2 instances (instance 0's ranks write the shards), loaded at dp 2 flat and at
+  // dp 4 in 4 instances: the run continues as the golden does.
+  ZeroScenario s = instances_scenario(OptimizerKind::kAdamW);
+  s.steps = 6;
+  std::vector<std::vector<torch::Tensor>> golden_steps;
+  train_zero_golden(s, nullptr, &golden_steps);
+  const std::string dir = fresh_dir("optimizer-instances");
+  run_on_mesh({4}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    rank.train(0, 3);
+    rank.opt->save_checkpoint(dir);
+  });
+  for (const auto& [world, instances] : std::vector<std::pair<int, int64_t>>{{2, 1}, {4, 4}}) {
+    ZeroScenario at = s;
+    at.world = world;
+    at.instances = instances;
+    run_on_mesh({world}, {"dp"}, [&](DeviceMesh& mesh) {
+      ZeroRank rank(mesh, at, kZeroSeed + 7);
+      EXPECT_EQ(rank.opt->load_checkpoint(dir), 3);
+      rank.train(3, s.steps);
+      EXPECT_LE(max_abs_diff(rank.params(), golden_steps.back()), kFp32Tol)
+          << "dp " << world << " in " << instances << " instance(s), rank " << mesh.rank();
+    });
+  }
+  remove_dir(dir);
+}
+
+TEST(OptimizerInstances, RefusesInstancesThatDoNotDivideTheDpSizeNamingTheField) {
+  run_on_mesh({4}, {"dp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kZeroSeed, kZeroIn, kZeroHidden, kZeroOut);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    config.num_distributed_optimizer_instances = 3;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                HasSubstr("DistributedDataParallel: num_distributed_optimizer_instances = 3 does not divide the "
+                          "data-parallel size 4 (the 'dp' group of dp(4)"));
+  });
+}
+
+TEST(OptimizerInstances, RefusesInstancesWithoutTheDistributedOptimizer) {
+  DdpConfig config;
+  config.num_distributed_optimizer_instances = 2;
+  EXPECT_THAT(error_of([&] { config.validate(); }),
+              HasSubstr("num_distributed_optimizer_instances = 2 needs use_distributed_optimizer = true"));
+  config.use_distributed_optimizer = true;
+  config.num_distributed_optimizer_instances = 0;
+  EXPECT_THAT(error_of([&] { config.validate(); }), HasSubstr("num_distributed_optimizer_instances = 0 must be >= 1"));
+}
+
+TEST(OptimizerInstances, RefusesInstancesWithAProcessGroupInsteadOfAMesh) {
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kZeroSeed, kZeroIn, kZeroHidden, kZeroOut);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    config.num_distributed_optimizer_instances = 2;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh["dp"], config); }),
+                HasSubstr("num_distributed_optimizer_instances = 2 needs the DeviceMesh constructor"));
+  });
+}
