@@ -29,6 +29,9 @@ void GradBufferConfig::validate() const {
   make_comm_hook(comm_hook);  // throws naming the built-in hooks for an unknown name
   TORCH_CHECK(num_distributed_optimizer_instances >= 1, "GradBufferConfig: num_distributed_optimizer_instances = ",
               num_distributed_optimizer_instances, " must be >= 1 (1 = flat ZeRO-1)");
+}
+
+void GradBufferConfig::check_combination() const {
   // Megatron-core requires the distributed optimizer too: the instances shard optimizer state, which
   // plain DDP does not have (it all-reduces whole buckets over DP, where instances change nothing).
   TORCH_CHECK(num_distributed_optimizer_instances == 1 || use_distributed_optimizer,
@@ -119,6 +122,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       debug_sequence_(switch_on(Switch::kDebugSync)) {
   params_ = trainable(std::move(params), frozen_params_);
   config_.validate();
+  config_.check_combination();
   TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
   dp_size_ = groups_.dp_size();
   const int64_t instances = config_.num_distributed_optimizer_instances;

@@ -89,6 +89,10 @@ struct GradBufferConfig {
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
+  // Throws on fields that do not go together (validate() checks each field alone, so that Python may
+  // set them in any order): num_distributed_optimizer_instances > 1 without use_distributed_optimizer.
+  // Called by GradBuffer and DistributedDataParallel before they build anything.
+  void check_combination() const;
 };
 
 struct NamedParam {

@@ -68,6 +68,7 @@ void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::stri
                              SyncGroups& groups) {
   const int64_t k = config.num_distributed_optimizer_instances;
   config.validate();  // K >= 1 with the distributed optimizer, before any group is made
+  config.check_combination();
   if (k == 1) return;
   const std::string name = flattened_dims_name(dp_dims);
   const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);

@@ -147,7 +147,8 @@ TEST(OptimizerInstances, RefusesInstancesThatDoNotDivideTheDpSizeNamingTheField)
 TEST(OptimizerInstances, RefusesInstancesWithoutTheDistributedOptimizer) {
   DdpConfig config;
   config.num_distributed_optimizer_instances = 2;
-  EXPECT_THAT(error_of([&] { config.validate(); }),
+  config.validate();  // each field alone is fine (Python sets them one by one, in any order)
+  EXPECT_THAT(error_of([&] { config.check_combination(); }),
               HasSubstr("num_distributed_optimizer_instances = 2 needs use_distributed_optimizer = true"));
   config.use_distributed_optimizer = true;
   config.num_distributed_optimizer_instances = 0;
