@@ -19,7 +19,8 @@ const char* usage() {
   return "[--mode main|sweep] [--preset gpt1b] [--model mlp|gpt] [--dtype fp32|bf16] [--layers N] [--hidden N]"
          " [--heads N] [--seq N] [--vocab N] [--batch N] [--warmup N] [--reps N]"
          " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
-         " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--optimizer-instances K] [--json PATH]";
+         " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] "
+         "[--optimizer-instances K] [--json PATH]";
 }
 
 }  // namespace

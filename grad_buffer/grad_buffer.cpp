@@ -27,8 +27,9 @@ void GradBufferConfig::validate() const {
   TORCH_CHECK(bucket_bytes <= (size_t{1} << 40), "GradBufferConfig: bucket_bytes = ", bucket_bytes,
               " (over 1 TiB) is surely a unit mistake; give bytes, e.g. 40 << 20 for 40 MiB");
   make_comm_hook(comm_hook);  // throws naming the built-in hooks for an unknown name
-  TORCH_CHECK(num_distributed_optimizer_instances >= 1, "GradBufferConfig: num_distributed_optimizer_instances = ",
-              num_distributed_optimizer_instances, " must be >= 1 (1 = flat ZeRO-1)");
+  TORCH_CHECK(num_distributed_optimizer_instances >= 1,
+              "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
+              " must be >= 1 (1 = flat ZeRO-1)");
 }
 
 void GradBufferConfig::check_combination() const {
@@ -126,8 +127,8 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
   dp_size_ = groups_.dp_size();
   const int64_t instances = config_.num_distributed_optimizer_instances;
-  TORCH_CHECK(instances == 1 || groups_.cross_instance, "GradBuffer: num_distributed_optimizer_instances = ",
-              instances, " but no group across the optimizer instances was given (built from a process group, ",
+  TORCH_CHECK(instances == 1 || groups_.cross_instance, "GradBuffer: num_distributed_optimizer_instances = ", instances,
+              " but no group across the optimizer instances was given (built from a process group, ",
               "not a DeviceMesh); build DistributedDataParallel from the DeviceMesh so that it makes the instance ",
               "groups, or set num_distributed_optimizer_instances = 1");
   TORCH_CHECK(groups_.instances() == instances, "GradBuffer: num_distributed_optimizer_instances = ", instances,
@@ -381,8 +382,7 @@ void GradBuffer::launch_bucket(int64_t b) {
     data.div_(static_cast<double>(groups_.data_parallel_size()));
     hooked.group = bucket.group.get();
     if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
-  }
-  else if (bucket.cross_group) {
+  } else if (bucket.cross_group) {
     data.div_(static_cast<double>(groups_.data_parallel_size()));  // instances of one rank: no reduce-scatter
   }
   if (hooked.group != nullptr) {

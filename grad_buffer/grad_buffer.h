@@ -80,12 +80,11 @@ struct GradBufferConfig {
                                              // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
                                              // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
                                              // and TP-partial buckets alike
-  int64_t num_distributed_optimizer_instances = 1;  // (Megatron's name) hierarchical ZeRO-1: the DP group of D
-                                             // ranks is cut into K instances of D/K consecutive ranks; each bucket
-                                             // is reduce-scattered within the instance (shards of 1/(D/K)), then
-                                             // the shard is all-reduced across instances (SyncGroups::
-                                             // cross_instance). Needs use_distributed_optimizer and a DeviceMesh
-                                             // (DdpEngine makes the groups); K must divide D. 1 = flat ZeRO-1
+  // (Megatron's name) hierarchical ZeRO-1: the DP group of D ranks is cut into K instances of D/K
+  // consecutive ranks; each bucket is reduce-scattered within the instance (shards of 1/(D/K)), then the
+  // shard is all-reduced across instances (SyncGroups::cross_instance). Needs use_distributed_optimizer
+  // and a DeviceMesh (DistributedDataParallel makes the groups); K must divide D. 1 = flat ZeRO-1
+  int64_t num_distributed_optimizer_instances = 1;
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;

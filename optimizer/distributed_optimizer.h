@@ -174,7 +174,7 @@ class DistributedOptimizer {
   void update_sgd();
   // stats += [non-finite count, counted sum of squares (only when counts_norm: instance 0 of K)]
   void add_stats_fused(const at::Tensor& stats, bool counts_norm);
-  void update_fused(double grad_scale);           // steps 4-6 (without the gather) in one pass per run
+  void update_fused(double grad_scale);  // steps 4-6 (without the gather) in one pass per run
   void write_params_and_gather();
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
   void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)

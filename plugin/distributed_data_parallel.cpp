@@ -144,11 +144,12 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
                      DdpConfig config)
     : dp_group_(std::move(dp_group)), config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
-  TORCH_CHECK(config_.num_distributed_optimizer_instances == 1,
-              "DistributedDataParallel: num_distributed_optimizer_instances = ", config_.num_distributed_optimizer_instances,
-              " needs the DeviceMesh constructor (it makes the instance groups from the mesh); this one was given ",
-              "a DP process group. Build it as DistributedDataParallel(model, mesh, \"dp\", config), or set the ",
-              "instances to 1");
+  TORCH_CHECK(
+      config_.num_distributed_optimizer_instances == 1,
+      "DistributedDataParallel: num_distributed_optimizer_instances = ", config_.num_distributed_optimizer_instances,
+      " needs the DeviceMesh constructor (it makes the instance groups from the mesh); this one was given ",
+      "a DP process group. Build it as DistributedDataParallel(model, mesh, \"dp\", config), or set the ",
+      "instances to 1");
   groups_.dp = dp_group_;
   init(module, {}, *dp_group_);
 }

@@ -34,7 +34,8 @@ namespace {
 struct Flags {
   int64_t dp = 1, cp = 1, tp = 1;
   bool sequence_parallel = false, distributed_optimizer = false;
-  int64_t optimizer_instances = 1;  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
+  int64_t optimizer_instances =
+      1;  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
   int64_t global_batch = 16;
   uint64_t seed = 0;
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
@@ -45,7 +46,8 @@ struct Flags {
 
 std::string usage_line() {
   return std::string(
-             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] [--optimizer adamw|sgd] "
+             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
+             "[--optimizer adamw|sgd] "
              "[--global-batch N] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
@@ -156,7 +158,7 @@ int main(int argc, char** argv) {
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
-    config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
+    config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
     const std::vector<std::string> dp_dims =
         f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
