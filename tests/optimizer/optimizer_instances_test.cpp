@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <mutex>
 
 using namespace meshddp;
@@ -163,5 +164,31 @@ TEST(OptimizerInstances, RefusesInstancesWithAProcessGroupInsteadOfAMesh) {
     config.num_distributed_optimizer_instances = 2;
     EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh["dp"], config); }),
                 HasSubstr("num_distributed_optimizer_instances = 2 needs the DeviceMesh constructor"));
+  });
+}
+
+TEST(OptimizerInstances, NanInTheSecondInstanceSkipsTheStepEverywhereAndEveryRankNamesIt) {
+  // DP rank 3 (instance 1) poisons one gradient element; every rank, instance 0's included, skips
+  // the step and reports rank 3 (the report is gathered within, then across, the instances).
+  run_on_mesh({4}, {"dp"}, [](DeviceMesh& mesh) {
+    ZeroScenario s = instances_scenario(OptimizerKind::kAdamW);
+    ZeroRank rank(mesh, s, kZeroSeed);
+    rank.train(0, 2);
+    auto before = rank.params();
+    if (mesh.rank() == 3) {
+      rank.model->fc2->weight.register_hook([](torch::Tensor g) {
+        g = g.clone();
+        g[3][4] = std::numeric_limits<float>::quiet_NaN();
+        return g;
+      });
+    }
+    rank.ddp->zero_grad_buffer();
+    rank.ddp->forward(torch::randn({8, kZeroIn})).sum().backward();
+    const StepResult r = rank.opt->step();
+    EXPECT_TRUE(r.skipped) << "rank " << mesh.rank();
+    EXPECT_THAT(r.report, HasSubstr("DP rank 3 produced 1 non-finite value(s) in its local gradient of parameter "
+                                    "'fc2.weight'"));
+    auto after = rank.params();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
   });
 }
