@@ -4,10 +4,12 @@
 // shard all-reduced across instances; the params after every step must be the golden's, the
 // reported grad norm the golden's, and the optimizer state per rank 1/(D/K) of every bucket.
 //
-// Tolerance: as distributed_optimizer_test.cpp's fp32 tests (2e-6: the gradients' summation order
-// differs from one process by a few fp32 ulps per step; measured max |diff| is printed, <= ~3e-7).
-// Skipping the all-reduce across instances leaves each instance with half the batch's gradient:
-// params then differ by >= 1e-3 after one step, and the norm by ~30%.
+// Tolerance: the gradients' summation order differs from one process (per-rank partial sums, then a
+// reduce-scatter within the instance and an all-reduce across) by a few fp32 ulps per step; the
+// update is torch::optim's arithmetic per element. Measured max |diff| over 8 steps: 3.0e-8 (AdamW),
+// 1.5e-8 (SGD), about one ulp of the params (|w| < 0.5); allowed 3e-7 (10x). Norms: measured 8e-8
+// relative, allowed 1e-6. Skipping the all-reduce across instances leaves each instance with half
+// the batch's gradient: params then differ by >= 1e-3 after one step, and the norm by ~30%.
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
@@ -25,8 +27,8 @@ using ::testing::HasSubstr;
 
 namespace {
 
-constexpr double kFp32Tol = 2e-6;
-constexpr double kNormRtol = 1e-5;  // fp64 sums of fp32 squares; measured ~1e-7 relative
+constexpr double kFp32Tol = 3e-7;   // see the header
+constexpr double kNormRtol = 1e-6;  // see the header
 
 ZeroScenario instances_scenario(OptimizerKind kind) {
   ZeroScenario s;
@@ -126,8 +128,11 @@ TEST(OptimizerInstances, CheckpointSavedWithTwoInstancesResumesFlatAndMatchesOne
       ZeroRank rank(mesh, at, kZeroSeed + 7);
       EXPECT_EQ(rank.opt->load_checkpoint(dir), 3);
       rank.train(3, s.steps);
-      EXPECT_LE(max_abs_diff(rank.params(), golden_steps.back()), kFp32Tol)
-          << "dp " << world << " in " << instances << " instance(s), rank " << mesh.rank();
+      const double diff = max_abs_diff(rank.params(), golden_steps.back());
+      EXPECT_LE(diff, kFp32Tol) << "dp " << world << " in " << instances << " instance(s), rank " << mesh.rank();
+      if (mesh.rank() == 0)
+        std::cout << "[ resumed at dp " << world << " in " << instances << " instance(s): max |diff| " << diff << " ]"
+                  << std::endl;
     });
   }
   remove_dir(dir);
