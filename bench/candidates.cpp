@@ -65,20 +65,20 @@ std::string group_bytes_json(const meshddp::GradBuffer& buffer) {
   const auto& layout = buffer.layout();
   const meshddp::SyncGroups& g = buffer.groups();
   const bool zero1 = buffer.config().use_distributed_optimizer;
-  double reduce = 0, partial = 0, cross = 0, gather = 0;
+  int64_t reduce = 0, partial = 0, cross = 0, gather = 0;
   for (const auto& span : layout.buckets) {
     const auto& key = layout.buffers[span.buffer].key;
-    const double grad = static_cast<double>(span.numel() * c10::elementSize(key.grad_dtype));
+    const auto grad = static_cast<int64_t>(span.numel() * c10::elementSize(key.grad_dtype));
     (key.tp_partial ? partial : reduce) += grad;
-    if (g.cross_instance && !key.tp_partial) cross += grad / static_cast<double>(g.dp_size());
-    if (zero1) gather += static_cast<double>(span.numel() * c10::elementSize(key.param_dtype));
+    if (g.cross_instance && !key.tp_partial) cross += grad / g.dp_size();  // buckets are padded to dp_size
+    if (zero1) gather += static_cast<int64_t>(span.numel() * c10::elementSize(key.param_dtype));
   }
   std::ostringstream o;
-  auto entry = [&](const char* name, const c10d::ProcessGroup* group, const char* kind, double bytes, double ring) {
-    const double p = group ? static_cast<double>(group->getSize()) : 1.0;
+  auto entry = [&](const char* name, const c10d::ProcessGroup* group, const char* kind, int64_t bytes, int64_t ring) {
+    const int64_t p = group ? group->getSize() : 1;
     o << "\"" << name << "\": {\"group\": \"" << (group ? meshddp::describe_group(*group) : "none")
       << "\", \"ranks\": " << p << ", \"collective\": \"" << kind << "\", \"bytes\": " << bytes
-      << ", \"ring_bytes_per_rank\": " << ring * (p - 1) / p * bytes << "}";
+      << ", \"ring_bytes_per_rank\": " << ring * (p - 1) * bytes / p << "}";
   };
   o << "{";
   entry("grad_reduce", g.dp.get(), zero1 ? "reduce-scatter" : "all-reduce", reduce, zero1 ? 1 : 2);
