@@ -198,3 +198,53 @@ TEST(OptimizerInstances, NanInTheSecondInstanceSkipsTheStepEverywhereAndEveryRan
     for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "param " << i;
   });
 }
+
+TEST(OptimizerInstances, ACompressionHookCompressesTheReduceScatterWithinTheInstanceOnly) {
+  // dp 4 in 2 instances with bf16_compress: each element of rank r's shard must be exactly
+  // fp32(s01 + s23), s01 = bf16(bf16(g0/4) + bf16(g1/4)) (the instance's bf16 reduce-scatter, one
+  // rounding per add; two ranks, so order does not matter) and s23 likewise, summed in fp32 by the
+  // all-reduce across instances. A hook skipped, an all-reduce before the hook's write-back, or one
+  // missed gives other values.
+  auto grads_of = [](int64_t r) {
+    Mlp model = make_mlp(kZeroSeed, kZeroIn, kZeroHidden, kZeroOut);
+    auto [x, y] = make_batch(kZeroSeed, 0, kZeroBatch, kZeroIn, kZeroOut);
+    torch::mse_loss(model->forward(shard_rows(x, r, 4)), shard_rows(y, r, 4)).backward();
+    std::vector<torch::Tensor> out;
+    for (auto& p : model->parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  std::vector<std::vector<torch::Tensor>> g;
+  for (int64_t r = 0; r < 4; ++r) g.push_back(grads_of(r));
+  auto bf16_pair = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return ((a / 4).to(torch::kBFloat16) + (b / 4).to(torch::kBFloat16)).to(torch::kFloat);
+  };
+  run_on_mesh({4}, {"dp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kZeroSeed, kZeroIn, kZeroHidden, kZeroOut);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    config.num_distributed_optimizer_instances = 2;
+    config.comm_hook = kBf16CompressHook;
+    config.bucket_bytes = 512;
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    auto [x, y] = make_batch(kZeroSeed, 0, kZeroBatch, kZeroIn, kZeroOut);
+    torch::mse_loss(ddp.forward(shard_rows(x, mesh.rank(), 4)), shard_rows(y, mesh.rank(), 4)).backward();
+    ddp.finish_grad_sync();
+    const GradBuffer& buffer = *ddp.grad_buffer();
+    const int64_t instance_rank = buffer.groups().dp_rank();
+    int64_t checked = 0;
+    for (size_t i = 0; i < buffer.params().size(); ++i) {
+      const ParamSlot& slot = buffer.layout().slots[i];
+      const BucketSpan& span = buffer.layout().buckets[slot.bucket];
+      const int64_t shard = span.numel() / 2, begin = span.begin + instance_rank * shard;
+      const torch::Tensor pos = torch::arange(slot.offset, slot.offset + slot.numel).view(g[0][i].sizes());
+      const torch::Tensor mine = (pos >= begin).logical_and(pos < begin + shard);
+      const torch::Tensor expected = bf16_pair(g[0][i], g[1][i]) + bf16_pair(g[2][i], g[3][i]);
+      const torch::Tensor got = buffer.main_grad(static_cast<int64_t>(i)).masked_select(mine);
+      checked += got.numel();
+      EXPECT_TRUE(torch::equal(got, expected.masked_select(mine)))
+          << "param " << i << " rank " << mesh.rank() << ": max diff "
+          << (got - expected.masked_select(mine)).abs().max().item<double>();
+    }
+    EXPECT_GT(checked, 0);
+  });
+}
