@@ -8,8 +8,9 @@
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
 // "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
 // DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each shard,
-// held by one rank of every instance, by instance 0's rank only: every element is in exactly one file. A load asks for
-// its own segments at its own DP x TP; the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
+// held by one rank of every instance, by instance 0's rank only: every element is in exactly one
+// file. A load asks for its own segments at its own DP x TP (and K); the arithmetic in
+// checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
