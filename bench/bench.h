@@ -23,6 +23,7 @@ struct MeshddpSetup {
   std::string comm_hook = meshddp::kNoCommHook;
   bool fp32_grads = false;  // grad_reduce_in_fp32: bf16 params get fp32 main grads (and, without
                             // zero1, fp32 masters: Fp32Masters); same as meshddp for fp32 params
+  int64_t instances = 1;    // num_distributed_optimizer_instances (hierarchical ZeRO-1, with zero1)
 };
 
 // The model options --model, --layers, ... --dtype, --device ask for.

@@ -19,7 +19,8 @@ const char* usage() {
   return "[--mode main|sweep] [--preset gpt1b] [--model mlp|gpt] [--dtype fp32|bf16] [--layers N] [--hidden N]"
          " [--heads N] [--seq N] [--vocab N] [--batch N] [--warmup N] [--reps N]"
          " [--bucket-mb X] [--reducer-first-bucket-mb X] [--candidates a,b,...] [--sweep-mb a,b,...]"
-         " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] [--json PATH]";
+         " [--collective-reps N] [--threads N] [--seed N] [--optimizer sgd|adamw] [--device cpu|cuda] "
+         "[--optimizer-instances K] [--json PATH]";
 }
 
 }  // namespace
@@ -102,6 +103,8 @@ Flags parse_flags(int argc, char** argv) {
         f.optimizer = parse_choice_flag(arg, v, {"sgd", "adamw"});
       else if (arg == "--device")
         f.device = parse_choice_flag(arg, v, {"cpu", "cuda"});
+      else if (arg == "--optimizer-instances")
+        f.optimizer_instances = parse_int_flag(arg, v, 1);
       else
         usage_and_exit(argv[0], "unknown flag " + arg);
     } catch (const FlagError& e) {

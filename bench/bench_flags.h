@@ -29,8 +29,9 @@ struct Flags {
   int threads = 0;          // 0: cores / local ranks
   std::string json;
   uint64_t seed = 0;
-  std::string optimizer = "sgd";  // sgd (momentum 0.9) or adamw
-  std::string device = "cpu";     // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/gpu.md)
+  std::string optimizer = "sgd";    // sgd (momentum 0.9) or adamw
+  std::string device = "cpu";       // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/gpu.md)
+  int64_t optimizer_instances = 2;  // meshddp_zero1_instances: DdpConfig::num_distributed_optimizer_instances
 };
 
 // Prints "error: <bad>" and the usage, exits 2.

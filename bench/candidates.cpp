@@ -55,6 +55,43 @@ std::string layout_json(const meshddp::GradBuffer& buffer) {
   return o.str();
 }
 
+// The bytes one step hands to the collectives of each group, summed over the buckets every step
+// launches (all of them), and what a ring sends per rank for them ((p-1)/p of a reduce-scatter's
+// input or an all-gather's output, twice that for an all-reduce): the gradient reduction over the
+// DP group (its instance with hierarchical ZeRO-1; TP-partial buckets over the mesh), the shards'
+// all-reduce across instances, and ZeRO-1's param all-gather. Counted from the layout the buffer
+// launches, not from NIC counters.
+std::string group_bytes_json(const meshddp::GradBuffer& buffer) {
+  const auto& layout = buffer.layout();
+  const meshddp::SyncGroups& g = buffer.groups();
+  const bool zero1 = buffer.config().use_distributed_optimizer;
+  int64_t reduce = 0, partial = 0, cross = 0, gather = 0;
+  for (const auto& span : layout.buckets) {
+    const auto& key = layout.buffers[span.buffer].key;
+    const auto grad = static_cast<int64_t>(span.numel() * c10::elementSize(key.grad_dtype));
+    (key.tp_partial ? partial : reduce) += grad;
+    if (g.cross_instance && !key.tp_partial) cross += grad / g.dp_size();  // buckets are padded to dp_size
+    if (zero1) gather += static_cast<int64_t>(span.numel() * c10::elementSize(key.param_dtype));
+  }
+  std::ostringstream o;
+  auto entry = [&](const char* name, const c10d::ProcessGroup* group, const char* kind, int64_t bytes, int64_t ring) {
+    const int64_t p = group ? group->getSize() : 1;
+    o << "\"" << name << "\": {\"group\": \"" << (group ? meshddp::describe_group(*group) : "none")
+      << "\", \"ranks\": " << p << ", \"collective\": \"" << kind << "\", \"bytes\": " << bytes
+      << ", \"ring_bytes_per_rank\": " << ring * (p - 1) * bytes / p << "}";
+  };
+  o << "{";
+  entry("grad_reduce", g.dp.get(), zero1 ? "reduce-scatter" : "all-reduce", reduce, zero1 ? 1 : 2);
+  o << ", ";
+  entry("grad_reduce_tp_partial", g.world.get(), "all-reduce", partial, 2);
+  o << ", ";
+  entry("across_instances", g.cross_instance.get(), "all-reduce", cross, 2);
+  o << ", ";
+  entry("param_all_gather", g.dp.get(), "all-gather", gather, 1);
+  o << "}";
+  return o.str();
+}
+
 // Megatron's mixed-precision optimizer without ZeRO (Float16OptimizerWithFloat16Params), for
 // meshddp_fp32_grads with bf16 params, whose param.grad() DDP releases: an fp32 master copy of every
 // param, whose .grad is the param's fp32 main grad (a view of the flat buffer: no copy); torch::optim
@@ -85,6 +122,7 @@ meshddp::DdpConfig ddp_config(const MeshddpSetup& setup, double bucket_mb) {
   config.grad_reduce_in_fp32 = setup.fp32_grads;
   config.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
   config.use_distributed_optimizer = setup.zero1;
+  config.num_distributed_optimizer_instances = setup.instances;
   return config;
 }
 
@@ -239,7 +277,8 @@ std::unique_ptr<Candidate> Bench::make_meshddp(const std::string& name, double b
     std::ostringstream o;
     o << "\"bucket_mb\": " << bucket_mb << ", \"buckets\": " << ddp->grad_buffer()->layout().buckets.size()
       << ", \"buckets_launched_by_hooks_median\": " << median(*hooks)
-      << ", \"layout\": " << layout_json(ddp->grad_buffer());
+      << ", \"layout\": " << layout_json(ddp->grad_buffer())
+      << ", \"bytes_per_step_by_group\": " << group_bytes_json(ddp->grad_buffer());
     return o.str();
   };
   return c;

@@ -27,7 +27,12 @@ Modes
          also the bucket-size sweep. Prints prediction vs measurement.
   scale  a 7B GPT at DP 64..1024 x TP 8 on H100 nodes (constants below, with their sources); prints
          step time, exposed communication and the best bucket size per DP size.
-Both can write a JSON (--out) that bench/plot.py draws.
+  instances  hierarchical ZeRO-1 (DdpConfig::num_distributed_optimizer_instances = K): per rank and
+         step, the bytes on intra-node (NVLink) and inter-node (IB) links and the communication time of
+         flat ZeRO-1 (reduce-scatter of the grads and all-gather of the params over all D DP ranks) vs
+         K instances (reduce-scatter and all-gather within D/K ranks, all-reduce of the 1/(D/K) shard
+         across the K instances), with the optimizer state per rank (x K); says when K pays.
+All can write a JSON (--out); bench/plot.py draws cpu and scale.
 """
 import argparse
 import json
@@ -237,6 +242,86 @@ def dp_collective_ms(kind, nbytes, dp, tp, hw):
     return t
 
 
+# ------------------------------------------------------------------------------------------------
+# Instances mode: hierarchical ZeRO-1 (Megatron's num_distributed_optimizer_instances)
+# ------------------------------------------------------------------------------------------------
+def link_bytes(kind, nbytes, ranks_per_node, nodes):
+    """Per-rank bytes sent by a ring collective of nbytes (the input of a reduce-scatter / all-reduce,
+    the output of an all-gather) over a group of ranks_per_node ranks on each of `nodes` nodes, run as
+    NCCL does across nodes: intra-node reduce-scatter, inter-node `kind` on nbytes / ranks_per_node,
+    intra-node all-gather (all-reduce only). Returns (intra_node_bytes, inter_node_bytes)."""
+    a, b = ranks_per_node, nodes
+    factor = 2 if kind == "all_reduce" else 1
+    intra = factor * (a - 1) / a * nbytes
+    inter = factor * (b - 1) / b * nbytes / a
+    return intra, inter
+
+
+def link_time_ms(kind, nbytes, ranks_per_node, nodes, hw, buckets):
+    """Time of `buckets` such collectives (nbytes in all): ring latency per hop and bucket, bytes at the
+    link's bandwidth, intra- and inter-node parts one after the other."""
+    intra, inter = link_bytes(kind, nbytes, ranks_per_node, nodes)
+    factor = 2 if kind == "all_reduce" else 1
+    t = intra / (hw["nvlink_GBps"] * 1e9) * 1e3 + inter / (hw["ib_GBps"] * 1e9) * 1e3
+    t += buckets * factor * ((ranks_per_node - 1) * hw["nvlink_alpha_us"] + (nodes - 1) * hw["ib_alpha_us"]) * 1e-3
+    return t
+
+
+def group_shape(size, stride, per_node):
+    """(ranks per node, nodes) of a group of `size` DP ranks taken every `stride` consecutive DP ranks,
+    DP ranks laid out node-major with `per_node` of them per node."""
+    on_node = max(1, min(size, per_node // stride)) if stride < per_node else 1
+    return on_node, size // on_node
+
+
+def zero1_traffic(params, dp, tp, instances, hw, grad_bytes, param_bytes, bucket_mb, state_bytes=12):
+    """Per rank and step: bytes per link and time of ZeRO-1's gradient and param collectives, and the
+    optimizer state bytes, for `instances` K (1 = flat). `params` per GPU (its TP shard)."""
+    per_node = max(1, hw["gpus_per_node"] // tp)  # DP ranks sharing a node
+    inst = dp // instances
+    g, p = params * grad_bytes, params * param_bytes
+    buckets = max(1, math.ceil(g / (bucket_mb * MiB)))
+    shape = group_shape(inst, 1, per_node)  # an instance: consecutive DP ranks
+    parts = [("reduce_scatter", g, shape), ("all_gather", p, shape)]
+    if instances > 1:  # the shard, across instances: every inst-th DP rank
+        parts.append(("all_reduce", g / inst, group_shape(instances, inst, per_node)))
+    intra = inter = t = 0.0
+    for kind, n, (a, b) in parts:
+        i, e = link_bytes(kind, n, a, b)
+        intra, inter = intra + i, inter + e
+        t += link_time_ms(kind, n, a, b, hw, buckets)
+    return {"instances": instances, "instance_size": inst, "intra_node_GB": intra / 1e9, "inter_node_GB": inter / 1e9,
+            "comm_ms": t, "optimizer_state_GB": params / inst * state_bytes / 1e9, "buckets": buckets}
+
+
+def instances_mode(args):
+    hw = dict(H100)
+    hw["ib_GBps"], hw["ib_alpha_us"] = args.ib_GBps, args.ib_alpha_us
+    model = dict(GPT7B)
+    params = sum(n for _, n, _ in gpt_layers(model, args.tp, model["seq"]))
+    print(f"# hierarchical ZeRO-1: 7B GPT, TP {args.tp} ({params / 1e6:.0f} M params per GPU), "
+          f"{hw['gpus_per_node']} GPUs per node, grads {args.grad_bytes} B, params {args.param_bytes} B, "
+          f"{args.bucket_mb:g} MiB buckets; NVLink {hw['nvlink_GBps']} GB/s + {hw['nvlink_alpha_us']} us/hop, "
+          f"IB {hw['ib_GBps']} GB/s + {hw['ib_alpha_us']} us/hop; per rank and step")
+    print(f"{'DP':>5s} {'K':>4s} {'D/K':>5s} {'NVLink GB':>10s} {'IB GB':>8s} {'comm ms':>8s} {'state GB':>9s}   verdict")
+    rows = []
+    for dp in [int(x) for x in args.dp.split(",")]:
+        flat = zero1_traffic(params, dp, args.tp, 1, hw, args.grad_bytes, args.param_bytes, args.bucket_mb)
+        for k in [int(x) for x in args.instances.split(",")]:
+            if dp % k:
+                continue
+            r = zero1_traffic(params, dp, args.tp, k, hw, args.grad_bytes, args.param_bytes, args.bucket_mb)
+            r["dp"] = dp
+            r["saves_ms"] = flat["comm_ms"] - r["comm_ms"]
+            verdict = "flat" if k == 1 else (f"pays: {r['saves_ms']:.1f} ms less comm, state x{k}" if r["saves_ms"] > 0
+                                             else f"costs {-r['saves_ms']:.1f} ms more comm, state x{k}")
+            rows.append(r)
+            print(f"{dp:5d} {k:4d} {r['instance_size']:5d} {r['intra_node_GB']:10.2f} {r['inter_node_GB']:8.2f} "
+                  f"{r['comm_ms']:8.1f} {r['optimizer_state_GB']:9.2f}   {verdict}")
+    return {"mode": "instances", "hardware": hw, "model": model, "tp": args.tp, "grad_bytes": args.grad_bytes,
+            "param_bytes": args.param_bytes, "bucket_mb": args.bucket_mb, "params_per_gpu": params, "rows": rows}
+
+
 def gpt_layers(model, tp, tokens):
     """Per-GPU (numel, fwd FLOPs) of each parameter group, in registration order: embedding, the
     transformer layers, the output head (untied)."""
@@ -363,8 +448,18 @@ def main():
     s.add_argument("--allreduce-algo", choices=["ring", "best"], default="ring",
                    help="best: NCCL-like min(ring, double binary tree) for all-reduce (RS/AG stay ring)")
     s.add_argument("--out")
+    h = sub.add_parser("instances", help="hierarchical ZeRO-1: bytes per link, time and state, flat vs K instances")
+    h.add_argument("--dp", default="16,64,256,1024")
+    h.add_argument("--tp", type=int, default=1)
+    h.add_argument("--instances", default="1,2,4,8,16,32,64,128")
+    h.add_argument("--grad-bytes", type=int, default=4, help="4 = fp32 main grads (Megatron's default), 2 = bf16")
+    h.add_argument("--param-bytes", type=int, default=2, help="the all-gathered params: 2 = bf16")
+    h.add_argument("--bucket-mb", type=float, default=40.0)
+    h.add_argument("--ib-GBps", type=float, default=H100["ib_GBps"])
+    h.add_argument("--ib-alpha-us", type=float, default=H100["ib_alpha_us"])
+    h.add_argument("--out")
     args = ap.parse_args()
-    out = cpu_mode(args) if args.mode == "cpu" else scale_mode(args)
+    out = {"cpu": cpu_mode, "scale": scale_mode, "instances": instances_mode}[args.mode](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

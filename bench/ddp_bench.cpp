@@ -18,6 +18,8 @@
 //   meshddp_fp32_grads  meshddp with grad_reduce_in_fp32 (Megatron's default for bf16): with --dtype bf16,
 //                   fp32 main grads and fp32 master weights (Fp32Masters below); for fp32 params = meshddp
 //   meshddp_zero1_fp32_grads  meshddp_zero1 with grad_reduce_in_fp32
+//   meshddp_zero1_instances  meshddp_zero1 in --optimizer-instances K (default 2) instances: hierarchical
+//                   ZeRO-1 (reduce-scatter within D/K ranks, all-reduce of the shard across the K)
 //
 // Every candidate steps the same torch::optim optimizer (--optimizer sgd: momentum 0.9, the default;
 // or adamw) except meshddp_zero1*, whose DistributedOptimizer runs the same arithmetic on its shard
@@ -97,6 +99,9 @@ std::unique_ptr<Candidate> make_candidate(bench::Bench& bench, const std::string
   if (name == "meshddp") return bench.make_meshddp(name, mb, {}, meshddp_timeline);
   if (name == "meshddp_no_overlap") return bench.make_meshddp(name, mb, {.overlap = false}, nullptr);
   if (name == "meshddp_zero1") return bench.make_meshddp(name, mb, {.zero1 = true}, nullptr);
+  if (name == "meshddp_zero1_instances") {
+    return bench.make_meshddp(name, mb, {.zero1 = true, .instances = bench.flags.optimizer_instances}, nullptr);
+  }
   // before issue 14: torch's Linear, gradients added by autograd, zeroing pass
   if (name == "meshddp_autograd") return bench.make_meshddp(name, mb, {.grads_in_buffer = false}, nullptr);
   if (name == "meshddp_fp32_grads") return bench.make_meshddp(name, mb, {.fp32_grads = true}, nullptr);

@@ -27,6 +27,19 @@ void GradBufferConfig::validate() const {
   TORCH_CHECK(bucket_bytes <= (size_t{1} << 40), "GradBufferConfig: bucket_bytes = ", bucket_bytes,
               " (over 1 TiB) is surely a unit mistake; give bytes, e.g. 40 << 20 for 40 MiB");
   make_comm_hook(comm_hook);  // throws naming the built-in hooks for an unknown name
+  TORCH_CHECK(num_distributed_optimizer_instances >= 1,
+              "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
+              " must be >= 1 (1 = flat ZeRO-1)");
+}
+
+void GradBufferConfig::check_combination() const {
+  // Megatron-core requires the distributed optimizer too: the instances shard optimizer state, which
+  // plain DDP does not have (it all-reduces whole buckets over DP, where instances change nothing).
+  TORCH_CHECK(num_distributed_optimizer_instances == 1 || use_distributed_optimizer,
+              "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
+              " needs use_distributed_optimizer = true (the instances shard the ZeRO-1 optimizer state; plain DDP ",
+              "all-reduces whole buckets and has no state to shard); set use_distributed_optimizer or leave the ",
+              "instances at 1");
 }
 
 std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params) {
@@ -110,8 +123,16 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       debug_sequence_(switch_on(Switch::kDebugSync)) {
   params_ = trainable(std::move(params), frozen_params_);
   config_.validate();
+  config_.check_combination();
   TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
   dp_size_ = groups_.dp_size();
+  const int64_t instances = config_.num_distributed_optimizer_instances;
+  TORCH_CHECK(instances == 1 || groups_.cross_instance, "GradBuffer: num_distributed_optimizer_instances = ", instances,
+              " but no group across the optimizer instances was given (built from a process group, ",
+              "not a DeviceMesh); build DistributedDataParallel from the DeviceMesh so that it makes the instance ",
+              "groups, or set num_distributed_optimizer_instances = 1");
+  TORCH_CHECK(groups_.instances() == instances, "GradBuffer: num_distributed_optimizer_instances = ", instances,
+              " but the group across instances has ", groups_.instances(), " rank(s)");
 
   std::vector<ParamSpec> specs;
   specs.reserve(params_.size());
@@ -152,6 +173,8 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     Bucket& bucket = buckets_[b];
     bucket.tp_partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
     bucket.group = bucket.tp_partial ? groups_.world : groups_.dp;
+    // TP-partial buckets are all-reduced over the whole mesh: whole and final after one collective.
+    if (!bucket.tp_partial) bucket.cross_group = groups_.cross_instance;
   }
   if (config_.use_distributed_optimizer) {
     std::vector<std::string> bucket_names;
@@ -188,9 +211,10 @@ GradBuffer::~GradBuffer() {
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
-    if (b.work) {
+    for (auto* work : {&b.work, &b.cross_work}) {
+      if (!*work) continue;
       try {
-        b.work->wait();
+        (*work)->wait();
       } catch (const std::exception&) {
         // Destruction must not throw; the failure was (or will be) reported by finish_grad_sync().
       }
@@ -348,16 +372,18 @@ void GradBuffer::launch_bucket(int64_t b) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
     if (debug_sequence_) check_collective_sequence(b, *bucket.group, "all-reduce (TP-partial)");
-    if (dp_size_ > 1) data.div_(static_cast<double>(dp_size_));
+    if (groups_.data_parallel_size() > 1) data.div_(static_cast<double>(groups_.data_parallel_size()));
     hooked.group = bucket.group.get();
     hooked.what += " (TP-partial: summed over TP)";
   } else if (!skip_collective(*bucket.group)) {
     if (debug_sequence_) {
       check_collective_sequence(b, *bucket.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
-    data.div_(static_cast<double>(dp_size_));
+    data.div_(static_cast<double>(groups_.data_parallel_size()));
     hooked.group = bucket.group.get();
     if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
+  } else if (bucket.cross_group) {
+    data.div_(static_cast<double>(groups_.data_parallel_size()));  // instances of one rank: no reduce-scatter
   }
   if (hooked.group != nullptr) {
     CommHookWork launched = comm_hook_->launch(hooked);
@@ -368,6 +394,17 @@ void GradBuffer::launch_bucket(int64_t b) {
   state_ = StepState::kReducing;
 }
 
+// Note [Hierarchical ZeRO-1]
+// With K optimizer instances (Megatron's num_distributed_optimizer_instances) a bucket, pre-divided
+// by the whole D, is reduce-scattered within this rank's instance (D/K ranks) by the comm hook, as a
+// flat ZeRO-1 bucket is; its shard then holds the instance's partial sum. Once that reduce-scatter
+// and the hook's write-back are done, the shard is SUM all-reduced over the K ranks at the same
+// position in each instance: every instance then holds the D-mean, sharded 1/(D/K). The all-reduce
+// must start after the reduce-scatter completes on this bucket, so it is chained here, in the wait
+// (bucket order, like the launches, hence the same order on every rank): bucket b's all-reduce runs
+// while bucket b+1's reduce-scatter is waited for. It sums in the buffer's dtype whatever the comm
+// hook (a compression hook compresses the intra-instance reduce-scatter only). TP-partial buckets,
+// all-reduced over the whole mesh, need no second step.
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
@@ -381,6 +418,21 @@ void GradBuffer::wait_launched_buckets() {
       bucket.finish = nullptr;
       finish();
     }
+    if (bucket.launched && bucket.cross_group && !skip_collective(*bucket.cross_group)) {
+      if (debug_sequence_) {
+        check_collective_sequence(static_cast<int64_t>(b), *bucket.cross_group, "all-reduce (across instances)");
+      }
+      bucket.cross_work = all_reduce_sum(*bucket.cross_group, bucket_shard(static_cast<int64_t>(b)),
+                                         bucket_description(static_cast<int64_t>(b)) + " across optimizer instances");
+    }
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    if (!bucket.cross_work) continue;
+    auto work = std::move(bucket.cross_work);
+    bucket.cross_work.reset();
+    wait_collective(work, *bucket.cross_group,
+                    bucket_description(static_cast<int64_t>(b)) + " across optimizer instances");
   }
 }
 
@@ -456,6 +508,7 @@ void GradBuffer::reset_step_state() {
     bucket.pending = static_cast<int64_t>(layout_.buckets[b].params.size());
     bucket.launched = false;
     bucket.work = {};
+    bucket.cross_work = {};
     bucket.finish = {};
     bucket.nonfinite.piece_counts = bucket.nonfinite.total = at::Tensor();
   }

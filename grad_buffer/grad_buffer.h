@@ -19,6 +19,9 @@
 // Each bucket is pre-divided by the DP size and SUM-reduced: a DP mean on every backend (Gloo has
 // no AVG), exact for power-of-two DP sizes. With use_distributed_optimizer the collective is a
 // reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
+// Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K): still pre-divided by the whole D;
+// reduce-scattered within the instance, then the shard all-reduced across instances once its
+// reduce-scatter (and comm hook write-back) is done: Note [Hierarchical ZeRO-1] in grad_buffer.cpp.
 #pragma once
 
 #include "../mesh/placement.h"
@@ -77,9 +80,18 @@ struct GradBufferConfig {
                                              // pre-divided bucket to bf16 / fp16, reduce in it, copy back (half the
                                              // bytes; rounding per Note [Compression hooks: accuracy]). Plain, ZeRO-1
                                              // and TP-partial buckets alike
+  // (Megatron's name) hierarchical ZeRO-1: the DP group of D ranks is cut into K instances of D/K
+  // consecutive ranks; each bucket is reduce-scattered within the instance (shards of 1/(D/K)), then the
+  // shard is all-reduced across instances (SyncGroups::cross_instance). Needs use_distributed_optimizer
+  // and a DeviceMesh (DistributedDataParallel makes the groups); K must divide D. 1 = flat ZeRO-1
+  int64_t num_distributed_optimizer_instances = 1;
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
+  // Throws on fields that do not go together (validate() checks each field alone, so that Python may
+  // set them in any order): num_distributed_optimizer_instances > 1 without use_distributed_optimizer.
+  // Called by GradBuffer and DistributedDataParallel before they build anything.
+  void check_combination() const;
 };
 
 struct NamedParam {
@@ -110,9 +122,20 @@ struct SyncGroups {
   int64_t tp_size = 1;
   // The TP group (null when TP is 1): TP-replica checks, and the group TP placements must name.
   c10::intrusive_ptr<c10d::ProcessGroup> tp = {};
+  // Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K > 1): `dp` is then this rank's
+  // optimizer instance (D/K ranks: buckets are reduce-scattered and params all-gathered over it) and
+  // this is the group of the K ranks at the same position in each instance (the shards are
+  // all-reduced over it). Null otherwise.
+  c10::intrusive_ptr<c10d::ProcessGroup> cross_instance = {};
 
   int64_t dp_rank() const { return dp->getRank(); }
   int64_t dp_size() const { return dp->getSize(); }
+  int64_t instances() const { return cross_instance ? cross_instance->getSize() : 1; }
+  int64_t instance_index() const { return cross_instance ? cross_instance->getRank() : 0; }
+  // D, the ranks a gradient is averaged over: the instance's size times the number of instances.
+  int64_t data_parallel_size() const { return dp_size() * instances(); }
+  // This rank's index among those D (instances are consecutive blocks of the DP group).
+  int64_t data_parallel_rank() const { return instance_index() * dp_size() + dp_rank(); }
   // The group gradient norms and non-finite checks reduce over: the world group if there is one.
   c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
 };
@@ -176,7 +199,8 @@ class GradBuffer {
   // Flat grad buffer `i` (one per BucketLayout::buffers entry), and the bytes of all of them.
   const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   int64_t grad_buffer_bytes() const;
-  // This rank's 1/DP shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer).
+  // This rank's 1/DP shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer;
+  // with K optimizer instances, 1/(D/K): its shard within its instance).
   at::Tensor bucket_shard(int64_t b) const;
   // With the distributed optimizer: the flat param buffer of which every param is a view, and its
   // all-gather (grad_buffer/param_buffer.h). Null otherwise.
@@ -251,6 +275,10 @@ class GradBuffer {
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
     std::function<void()> finish;  // the comm hook's write-back, run after `work`
+    // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise and for TP-partial buckets):
+    // after `work` and `finish`, this rank's shard is all-reduced over it (`cross_work`).
+    c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
+    c10::intrusive_ptr<c10d::Work> cross_work;
   };
 
   // Called before autograd accumulates into param `index` during a backward with create_graph=true

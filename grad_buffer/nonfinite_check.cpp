@@ -96,8 +96,8 @@ void GradBuffer::raise_if_nonfinite() {
     for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
       for (int64_t p : layout_.buckets[b].params) {
         if (reduced_by_param[p] == 0) continue;
-        mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.dp_rank() << "): parameter '"
-             << params_[p].name << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of "
+        mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.data_parallel_rank()
+             << "): parameter '" << params_[p].name << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of "
              << slots_[p].main_grad.numel() << " in its reduced gradient, in " << bucket_description(b) << "\n";
       }
     }
@@ -119,8 +119,8 @@ void GradBuffer::raise_if_nonfinite() {
   for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
     for (int64_t p : layout_.buckets[b].params) {
       if (by_param[p] == 0) continue;
-      mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.dp_rank() << "): parameter '"
-           << params_[p].name << "' has " << by_param[p] << " NaN/Inf gradient value(s) of "
+      mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.data_parallel_rank()
+           << "): parameter '" << params_[p].name << "' has " << by_param[p] << " NaN/Inf gradient value(s) of "
            << slots_[p].main_grad.numel() << ", in " << bucket_description(b) << "\n";
     }
   }

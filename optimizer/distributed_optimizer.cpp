@@ -58,6 +58,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   // Every field, over the whole mesh (TP replicas of a param must take the same update too).
   verify_same_settings_across_ranks(buffer_->groups().stats_group(), field_settings(config_, kOptimizerConfigFields),
                                     "DistributedOptimizer", "the DistributedOptimizerConfig settings");
+  // With K optimizer instances, SyncGroups::dp is this rank's instance: its 1/(D/K) shards.
   shards_ = shard_buckets(buffer_->layout(), buffer_->groups().dp_rank(), buffer_->groups().dp_size());
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.
@@ -220,7 +221,10 @@ StepResult DistributedOptimizer::step() {
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
   // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): DP shards are disjoint.
-  if (fused_) add_stats_fused(stats);
+  // With K optimizer instances every shard is held by K ranks (one per instance, equal after the
+  // all-reduce across instances): only instance 0's count toward the norm.
+  const bool counts_norm = buffer_->groups().instance_index() == 0;
+  if (fused_) add_stats_fused(stats, counts_norm);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
     const at::Tensor norm = at::linalg_vector_norm(g, 2);
@@ -231,6 +235,7 @@ StepResult DistributedOptimizer::step() {
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }
+    if (!counts_norm) continue;
     const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], g);
     if (pieces.all_count) {
       stats[1] += norm.to(at::kDouble).square();
@@ -314,7 +319,7 @@ void DistributedOptimizer::update_sgd() {
   }
 }
 
-void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
+void DistributedOptimizer::add_stats_fused(const at::Tensor& stats, bool counts_norm) {
   // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
   // not count on this TP rank (Note [Gradient norm over DP x TP]) go into a second accumulator for
   // their count only.
@@ -326,7 +331,7 @@ void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
     for (const at::Tensor& piece : pieces.not_counted) fused_grad_stats(piece, others);
   }
   stats[0] += counted[1] + others[1];
-  stats[1] += counted[0];
+  if (counts_norm) stats[1] += counted[0];
 }
 
 void DistributedOptimizer::update_fused(double grad_scale) {
@@ -388,7 +393,7 @@ std::string DistributedOptimizer::nonfinite_report() {
   for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
     for (int64_t p : buffer_->layout().buckets[b].params) {
       if (produced[p] == 0) continue;
-      mine << "  DP rank " << buffer_->groups().dp_rank() << " produced " << produced[p]
+      mine << "  DP rank " << buffer_->groups().data_parallel_rank() << " produced " << produced[p]
            << " non-finite value(s) in its local "
            << "gradient of parameter '" << params[p].name << "' (" << buffer_->main_grad(p).numel()
            << " elements, bucket " << b << ")\n";
@@ -398,16 +403,22 @@ std::string DistributedOptimizer::nonfinite_report() {
     for (const ShardSegment& seg : shards_[b].segments) {
       if (at::isfinite(grad32_[b].narrow(0, seg.shard_offset, seg.numel)).all().item<bool>()) continue;
       mine << "  parameter '" << params[seg.param].name << "' has a non-finite reduced gradient in elements ["
-           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank " << buffer_->groups().dp_rank()
-           << "'s shard)\n";
+           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank "
+           << buffer_->groups().data_parallel_rank() << "'s shard)\n";
     }
   }
-  // Gather every rank's lines so every rank reports the same.
-  std::ostringstream report;
-  report << "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n";
-  for (const std::string& lines : all_gather_strings(*buffer_->groups().dp, mine.str(), "the non-finite report"))
-    report << lines;
-  return report.str();
+  // Gather every rank's lines so every rank reports the same: over the DP group, i.e. within the
+  // instance, then (K optimizer instances) the instances' texts across them.
+  std::string lines;
+  for (const std::string& part : all_gather_strings(*buffer_->groups().dp, mine.str(), "the non-finite report"))
+    lines += part;
+  if (const auto& cross = buffer_->groups().cross_instance) {
+    std::string all;
+    for (const std::string& part : all_gather_strings(*cross, lines, "the non-finite report across instances"))
+      all += part;
+    lines = std::move(all);
+  }
+  return "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n" + lines;
 }
 
 MemoryReport DistributedOptimizer::memory() const {

@@ -172,8 +172,9 @@ class DistributedOptimizer {
   std::string nonfinite_report();     // collective over DP: every rank gets the same text
   void update_adamw();
   void update_sgd();
-  void add_stats_fused(const at::Tensor& stats);  // stats += [non-finite count, counted sum of squares]
-  void update_fused(double grad_scale);           // steps 4-6 (without the gather) in one pass per run
+  // stats += [non-finite count, counted sum of squares (only when counts_norm: instance 0 of K)]
+  void add_stats_fused(const at::Tensor& stats, bool counts_norm);
+  void update_fused(double grad_scale);  // steps 4-6 (without the gather) in one pass per run
   void write_params_and_gather();
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer
   void write_masters_into_param_buffer();  // cast copies of the masters (no-op for fp32 params)

@@ -7,8 +7,10 @@
 // its dtype), "optim/master/<p>" (fp32, only for bf16/fp16 params: for fp32 ones the param is the
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
 // "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
-// DP group only, so every element is in exactly one file. A load asks for its own segments at its
-// own DP x TP; the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
+// DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each shard,
+// held by one rank of every instance, by instance 0's rank only: every element is in exactly one
+// file. A load asks for its own segments at its own DP x TP (and K); the arithmetic in
+// checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
@@ -31,7 +33,7 @@ std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
 
 CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
   const SyncGroups& g = buffer_->groups();
-  return {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
+  return {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
 }
 
 Json DistributedOptimizer::checkpoint_info() const { return {{"kind", kind_name(config_.kind)}, {"step", step_}}; }
@@ -56,6 +58,7 @@ std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_
       const NamedParam& p = params[seg.param];
       const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
+      if (for_save && buffer_->groups().instance_index() != 0) continue;
       const std::vector<int64_t> global = global_shape_of(p.param, placement);
       const TpSlice slice = tp_slice_of(placement);
       auto piece = [&](const std::string& key, const at::Tensor& source, bool optional) {

@@ -1,5 +1,7 @@
 // Which elements of each bucket a data-parallel rank owns under ZeRO-1, and how they map onto
 // parameters. Pure host logic over a BucketLayout: no tensors, no communication.
+// With hierarchical ZeRO-1 (K optimizer instances) `dp` here is the instance: dp_rank / dp_size are
+// the rank's index in its instance and the instance's size D/K (SyncGroups::dp is the instance).
 //
 // Rank r owns the contiguous range [begin + r * n / dp, begin + (r + 1) * n / dp) of every bucket
 // (n = the bucket's padded length, a multiple of dp). Ranges ignore param boundaries: a param may

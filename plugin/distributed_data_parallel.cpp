@@ -3,6 +3,7 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
+#include "mesh/reduction_groups.h"
 #include "plugin/ddp_config_fields.h"
 #include "plugin/tp_dim.h"
 
@@ -22,6 +23,7 @@ std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g) {
   std::vector<Setting> out = field_settings(c, kDdpConfigFields);
   out.push_back({"DP size", std::to_string(g.dp ? g.dp->getSize() : 0)});
   out.push_back({"TP size", std::to_string(g.tp_size)});
+  out.push_back({"optimizer instances", std::to_string(g.instances())});
   return out;
 }
 
@@ -56,6 +58,27 @@ c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, con
   if (dp_dims.size() == 1) return mesh[dp_dims.front()];
   (void)tp_dim_of(mesh.names(), mesh.sizes(), dp_dims);
   return mesh.flattened(dp_dims);
+}
+
+// Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K > 1): `groups.dp` becomes this rank's
+// optimizer instance, the block of D/K consecutive ranks of its DP (x CP) group, and
+// `groups.cross_instance` the ranks at its position in every instance (Note [Hierarchical ZeRO-1],
+// grad_buffer/grad_buffer.cpp). Collective over the mesh: every rank makes both groups.
+void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims, const DdpConfig& config,
+                             SyncGroups& groups) {
+  const int64_t k = config.num_distributed_optimizer_instances;
+  config.validate();  // K >= 1 with the distributed optimizer, before any group is made
+  config.check_combination();
+  if (k == 1) return;
+  const std::string name = flattened_dims_name(dp_dims);
+  const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);
+  const auto d = static_cast<int64_t>(dp_groups.front().size());
+  TORCH_CHECK(d % k == 0, "DistributedDataParallel: num_distributed_optimizer_instances = ", k,
+              " does not divide the data-parallel size ", d, " (the '", name, "' group of ", mesh.describe(),
+              "); each instance holds D/K ranks, so choose a divisor of ", d,
+              " (e.g. D / ranks per node, so that an instance is one node), or 1 for flat ZeRO-1");
+  groups.dp = mesh.group_of(name + "/optimizer_instance", optimizer_instance_groups(dp_groups, k, name));
+  groups.cross_instance = mesh.group_of(name + "/cross_instance", cross_instance_groups(dp_groups, k, name));
 }
 
 }  // namespace
@@ -108,6 +131,7 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
     : dp_group_(dp_group_over(mesh, dp_dims)), config_(config) {
   groups_.dp = dp_group_;
   groups_.world = mesh.world();
+  use_optimizer_instances(mesh, dp_dims, config_, groups_);
   if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dims); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];
     groups_.tp_rank = mesh.coordinate(tp_dim);
@@ -120,6 +144,12 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
                      DdpConfig config)
     : dp_group_(std::move(dp_group)), config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
+  TORCH_CHECK(
+      config_.num_distributed_optimizer_instances == 1,
+      "DistributedDataParallel: num_distributed_optimizer_instances = ", config_.num_distributed_optimizer_instances,
+      " needs the DeviceMesh constructor (it makes the instance groups from the mesh); this one was given ",
+      "a DP process group. Build it as DistributedDataParallel(model, mesh, \"dp\", config), or set the ",
+      "instances to 1");
   groups_.dp = dp_group_;
   init(module, {}, *dp_group_);
 }

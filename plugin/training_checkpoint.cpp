@@ -22,9 +22,10 @@ Parts parts_of(const TrainingState& state) {
       "checkpoint: TrainingState has both a DistributedOptimizer and a torch optimizer; give the one that steps");
   const SyncGroups& g = state.ddp->grad_buffer()->groups();
   Parts p;
-  p.mesh = {g.world ? g.world : g.dp, g.dp_rank(), g.dp_size(), g.tp_rank, g.tp_size};
-  p.dp_rank = g.dp_rank();
-  p.dp_size = g.dp_size();
+  // Over the whole DP group (with K optimizer instances, `g.dp` is one instance of D/K ranks).
+  p.mesh = {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
+  p.dp_rank = g.data_parallel_rank();
+  p.dp_size = g.data_parallel_size();
   p.tp_rank = g.tp_rank;
   return p;
 }

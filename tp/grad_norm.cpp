@@ -86,7 +86,7 @@ double grad_norm(GradBufferHandle buffer) {
   for (const at::Tensor& g : pieces.counted) sum += squared_norm(g).cpu();
   all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
   // The stats group spans DP too, where every DP rank holds the same mean: count it once.
-  return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().dp_size()));
+  return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().data_parallel_size()));
 }
 
 double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {

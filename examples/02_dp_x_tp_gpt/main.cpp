@@ -3,6 +3,8 @@
 // over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism). --cp N adds a
 // context-parallel dim ("dp" x "cp" x "tp"): each CP rank holds a slice of every sequence and
 // gradients are averaged over DP x CP (docs/context_parallel.md).
+// --distributed-optimizer --optimizer-instances K shards the optimizer within K instances of DP(xCP)/K
+// ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -32,6 +34,8 @@ namespace {
 struct Flags {
   int64_t dp = 1, cp = 1, tp = 1;
   bool sequence_parallel = false, distributed_optimizer = false;
+  int64_t optimizer_instances =
+      1;  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
   int64_t global_batch = 16;
   uint64_t seed = 0;
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
@@ -42,7 +46,8 @@ struct Flags {
 
 std::string usage_line() {
   return std::string(
-             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] "
+             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
+             "[--optimizer adamw|sgd] "
              "[--global-batch N] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
@@ -99,6 +104,8 @@ Flags parse(int argc, char** argv) {
         f.tp = parse_int_flag(arg, v, 1);
       else if (arg == "--cp")
         f.cp = parse_int_flag(arg, v, 1);
+      else if (arg == "--optimizer-instances")
+        f.optimizer_instances = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
       else if (arg == "--seed")
@@ -150,7 +157,8 @@ int main(int argc, char** argv) {
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
-    config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
+    config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
+    config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
     const std::vector<std::string> dp_dims =
         f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};

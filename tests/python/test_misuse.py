@@ -66,7 +66,8 @@ _FIELD_VALUES = {
     meshddp.DdpConfig: dict(
         bucket_bytes=1 << 20, overlap_grad_reduce=False, grad_reduce_in_fp32=True, pad_for_reduce_scatter=True,
         find_unused_parameters=True, use_distributed_optimizer=True, gradient_accumulation_fusion=False,
-        check_for_nan_in_grad=True, comm_hook="bf16_compress", broadcast_from_rank0=False,
+        check_for_nan_in_grad=True, comm_hook="bf16_compress", num_distributed_optimizer_instances=2,
+        broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7),
     meshddp.OptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
@@ -128,6 +129,17 @@ def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):
     with pytest.raises(RuntimeError, match=r"DistributedOptimizer: the gradient buffer was built without "
                                            r"use_distributed_optimizer"):
         meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig())
+
+
+def test_optimizer_instances_are_refused_with_the_cpp_text(mesh):
+    # Hierarchical ZeRO-1 needs a C++ DeviceMesh to make the instance groups; the Python DDP, built
+    # from process groups, refuses it (and the combination without use_distributed_optimizer first).
+    with pytest.raises(RuntimeError, match=r"num_distributed_optimizer_instances = 2 needs use_distributed_optimizer"):
+        meshddp.DistributedDataParallel(model(), mesh, config=meshddp.DdpConfig(num_distributed_optimizer_instances=2))
+    config = meshddp.DdpConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    with pytest.raises(RuntimeError, match=r"GradBuffer: num_distributed_optimizer_instances = 2 but no group across "
+                                           r"the optimizer instances was given"):
+        meshddp.DistributedDataParallel(model(), mesh, config=config)
 
 
 def test_dtensor_grad_set_to_none_is_named(mesh):

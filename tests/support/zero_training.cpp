@@ -101,6 +101,7 @@ ZeroRank::ZeroRank(DeviceMesh& mesh_, const ZeroScenario& s, uint64_t init_seed)
   config.use_distributed_optimizer = true;
   config.bucket_bytes = s.bucket_bytes;
   config.grad_reduce_in_fp32 = s.bf16;
+  config.num_distributed_optimizer_instances = s.instances;
   ddp = std::make_unique<DistributedDataParallel<MlpImpl>>(model.ptr(), mesh, "dp", config);
   opt = std::make_unique<DistributedOptimizer>(ddp->grad_buffer(), zero_optimizer_config(s));
   if (s.schedule) {

@@ -29,6 +29,7 @@ struct ZeroScenario {
   int64_t hidden = kZeroHidden;
   std::optional<LrScheduleConfig> schedule = {};  // drives both the golden's and the ZeRO-1 optimizer
   FusedStep fused_step = FusedStep::kAuto;        // kAlways: the fused kernels on CPU (fused_step_test)
+  int64_t instances = 1;                          // DdpConfig::num_distributed_optimizer_instances
 };
 
 // lr 1e-2, AdamW betas (0.9, 0.999) eps 1e-8 weight decay 0.1; SGD momentum 0.9 weight decay 0.01;
