@@ -58,7 +58,12 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   // Every field, over the whole mesh (TP replicas of a param must take the same update too).
   verify_same_settings_across_ranks(buffer_->groups().stats_group(), field_settings(config_, kOptimizerConfigFields),
                                     "DistributedOptimizer", "the DistributedOptimizerConfig settings");
-  shards_ = shard_buckets(buffer_->layout(), buffer_->groups().dp_rank(), buffer_->groups().dp_size());
+  // Each bucket sharded over its own group: DP for dense buckets, expert-DP for expert ones.
+  std::vector<ShardOwner> owners;
+  for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
+    owners.push_back({buffer_->bucket_reduction(b).shard_rank, buffer_->bucket_reduction(b).shard_size});
+  }
+  shards_ = shard_buckets(buffer_->layout(), owners);
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.
   lr_ = config_.lr;
@@ -397,9 +402,10 @@ std::string DistributedOptimizer::nonfinite_report() {
   for (size_t b = 0; b < shards_.size(); ++b) {
     for (const ShardSegment& seg : shards_[b].segments) {
       if (at::isfinite(grad32_[b].narrow(0, seg.shard_offset, seg.numel)).all().item<bool>()) continue;
+      const BucketReduction& r = buffer_->bucket_reduction(shards_[b].bucket);
       mine << "  parameter '" << params[seg.param].name << "' has a non-finite reduced gradient in elements ["
-           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank " << buffer_->groups().dp_rank()
-           << "'s shard)\n";
+           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (" << (r.expert ? "expert-DP" : "DP")
+           << " rank " << r.shard_rank << "'s shard)\n";
     }
   }
   // Gather every rank's lines so every rank reports the same.

@@ -7,8 +7,11 @@
 // its dtype), "optim/master/<p>" (fp32, only for bf16/fp16 params: for fp32 ones the param is the
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
 // "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
-// DP group only, so every element is in exactly one file. A load asks for its own segments at its
-// own DP x TP; the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
+// DP group only, so every element is in exactly one file. Expert params are sharded over their
+// expert-data-parallel group (GradBuffer::bucket_reduction), so each expert's elements too are written
+// once, by the ranks of its group; expert names are global (DDP checks it), so one key is one expert.
+// A load asks for its own segments at its own DP x TP (x EP); the arithmetic in checkpoint/reshard.h
+// finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
@@ -104,13 +107,15 @@ std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const 
 
 int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optional<int64_t> step) {
   finish_param_sync();
+  std::set<std::string> model_keys;
+  for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
+  // Each EP rank holds its own experts: a checkpoint key is the model's if any rank has it.
+  if (buffer_->groups().expert_dp) model_keys = model_keys_of_every_rank(checkpoint_mesh(), model_keys);
   CheckpointReader reader(checkpoint_mesh(), dir, step);
   std::vector<CheckpointTensor> wanted;
-  std::set<std::string> model_keys;
   try {  // a rank that fails here tells the others, which are in read()
     check_checkpoint_info(reader.meta().optimizer, reader.path());
     wanted = checkpoint_tensors(/*for_save=*/false);
-    for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
   } catch (const std::exception& e) {
     reader.fail(e);
   }
