@@ -11,8 +11,9 @@
 // over DP and expert buckets summed over the expert-DP group and divided by DP (Note [Expert gradient
 // scale], grad_buffer.cpp); an expert reduced over DP mixes different experts (O(1) errors).
 //
-// Tolerance: fp32 sums split differently across ranks (a few ulps per step): 1e-6 absolute +
-// relative, as ddp_training_test.cpp; measured max |diff| is ~1e-7 (grads, SGD params) and ~3e-7 (AdamW).
+// Tolerance: fp32 sums split differently across ranks (a few ulps per step): 5e-7 absolute +
+// relative. Measured max |diff| over 3 steps: gradients 7.5e-8, params 2.4e-7 (SGD and AdamW, also
+// after a checkpoint load and resume), grad norm 6.4e-9. An expert reduced over DP is off by O(0.1).
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
@@ -35,7 +36,7 @@ namespace {
 
 constexpr int64_t kIn = 6, kHidden = 10, kOut = 4, kBatch = 32, kExperts = 4, kDp = 4;
 constexpr uint64_t kSeed = 23;
-constexpr double kAtol = 1e-6, kRtol = 1e-6;
+constexpr double kAtol = 5e-7, kRtol = 5e-7;
 constexpr int kSteps = 3;
 constexpr double kLr = 0.05;
 
@@ -70,7 +71,8 @@ struct MoeToyImpl : torch::nn::Module {
         if ((first_token + j) % kExperts == e) rows.push_back(j);
       }
       const torch::Tensor index = torch::tensor(rows, torch::kLong);
-      loss = loss + (by_index[e]->forward(xe.index_select(0, index)) - ye.index_select(0, index)).square().sum() * scale;
+      loss =
+          loss + (by_index[e]->forward(xe.index_select(0, index)) - ye.index_select(0, index)).square().sum() * scale;
     }
     return loss;
   }
@@ -196,8 +198,8 @@ Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t p
   } else if (optim == Optim::kSgd) {
     r.plain = std::make_unique<torch::optim::SGD>(r.ddp->parameters(), torch::optim::SGDOptions(kLr));
   } else {
-    r.plain = std::make_unique<torch::optim::AdamW>(r.ddp->parameters(),
-                                                    torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+    r.plain =
+        std::make_unique<torch::optim::AdamW>(r.ddp->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
   }
   return r;
 }
@@ -208,8 +210,9 @@ void forward_backward(Rank& r, const DeviceMesh& mesh, int64_t step) {
   auto [x, y] = batch_of(step);
   const int64_t d = mesh.coordinate("dp"), b = kBatch / kDp;
   const int64_t group_first = (d / r.ep) * r.ep * b;  // the EP group's first token
-  r.ddp->forward(x.narrow(0, d * b, b), y.narrow(0, d * b, b), x.narrow(0, group_first, r.ep * b),
-                 y.narrow(0, group_first, r.ep * b), group_first)
+  r.ddp
+      ->forward(x.narrow(0, d * b, b), y.narrow(0, d * b, b), x.narrow(0, group_first, r.ep * b),
+                y.narrow(0, group_first, r.ep * b), group_first)
       .backward();
 }
 
@@ -364,8 +367,8 @@ TEST(ExpertParallel, CheckpointRoundTripWithExpertsResumesAtTheSameAndAnotherEpS
         EXPECT_EQ(loaded.step, 2);
         expect_close(params_of(r), want.params[1], "loaded param (ep " + std::to_string(ep) + ")", mesh.rank(), 1);
         train_step(r, mesh, 2, nullptr);
-        expect_close(params_of(r), want.params[2], "param after resuming (ep " + std::to_string(ep) + ")",
-                     mesh.rank(), 2);
+        expect_close(params_of(r), want.params[2], "param after resuming (ep " + std::to_string(ep) + ")", mesh.rank(),
+                     2);
       });
     }
   }
