@@ -160,9 +160,12 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
   }
   const std::vector<std::string> dims = dp_dims;
   init(module, mesh.flattened_ranks(dp_dims), groups_.world ? *groups_.world : *dp_group_, [this, &mesh, dims] {
-    const RankGroups groups =
-        expert_data_parallel_groups(mesh.sizes(), mesh.names(), dims, config_.expert_parallel_size);
-    return ExpertGroup{mesh.group_of("expert_dp", groups), group_containing(groups, mesh.rank(), "expert_dp")};
+    const int64_t ep = config_.expert_parallel_size;
+    if (ep == 1) return ExpertGroup{dp_group_, mesh.flattened_ranks(dims)};  // every DP rank holds every expert
+    // Named by its dims and EP size: DDPs with other settings on the same mesh get groups of their own.
+    const std::string name = "expert_dp." + flattened_dims_name(dims) + ".ep" + std::to_string(ep);
+    const RankGroups groups = expert_data_parallel_groups(mesh.sizes(), mesh.names(), dims, ep);
+    return ExpertGroup{mesh.group_of(name, groups), group_containing(groups, mesh.rank(), name)};
   });
 }
 

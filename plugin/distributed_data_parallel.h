@@ -71,7 +71,8 @@ class DdpEngine {
   // rank is TP. Collective over the whole mesh (the flattened group may be made here). With expert
   // params, expert gradients are averaged over the expert-data-parallel group instead
   // (expert_data_parallel_groups(sizes, names, dp_dims, config.expert_parallel_size), made here as
-  // mesh.group_of("expert_dp", ...)); expert params are checked and broadcast within it.
+  // mesh.group_of("expert_dp.dp+cp.ep2", ...); the DP group itself at EP 1); expert params are
+  // checked and broadcast within it.
   DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::vector<std::string>& dp_dims,
             DdpConfig config);
   // Over a DP group alone: expert params only with expert_parallel_size 1 (reduced over DP).
