@@ -480,6 +480,18 @@ std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTenso
   return loaded;
 }
 
+std::set<std::string> model_keys_of_every_rank(const CheckpointMesh& mesh, const std::set<std::string>& mine) {
+  std::string text;
+  for (const std::string& key : mine) text += key + "\n";
+  std::set<std::string> all;
+  for (const std::string& keys :
+       all_gather_strings(*mesh.world, text, "checkpoint load: the model keys of every rank")) {
+    std::istringstream lines(keys);
+    for (std::string line; std::getline(lines, line);) all.insert(line);
+  }
+  return all;
+}
+
 void commit_loaded(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded) {
   TORCH_INTERNAL_ASSERT(wanted.size() == loaded.size());
   c10::NoGradGuard no_grad;

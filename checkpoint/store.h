@@ -119,6 +119,12 @@ class CheckpointReader {
   CheckpointMeta meta_;
 };
 
+// Expert parallel: different ranks hold different params (each EP rank its own experts), so one
+// rank's model lacks tensors the checkpoint rightly holds. The "model/" keys of every rank (`mine`
+// on each), gathered over mesh.world, for CheckpointReader::read's check of tensors the model lacks.
+// Collective over mesh.world; call it on every rank before the CheckpointReader.
+std::set<std::string> model_keys_of_every_rank(const CheckpointMesh& mesh, const std::set<std::string>& mine);
+
 // Copies each loaded tensor into its wanted.data (skipping undefined ones). Local; cannot fail on
 // shapes read() produced.
 void commit_loaded(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded);

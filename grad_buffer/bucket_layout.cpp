@@ -16,11 +16,15 @@ struct OpenBucket {
 
 BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutConfig& config) {
   TORCH_CHECK(config.dp_size >= 1, "assign_buckets: dp_size must be >= 1, got ", config.dp_size);
+  TORCH_CHECK(config.expert_dp_size >= 1, "assign_buckets: expert_dp_size must be >= 1, got ", config.expert_dp_size);
   BucketLayout layout;
   layout.slots.resize(params.size());
   std::vector<int64_t> cursor;                  // per buffer: next free element
   std::vector<std::optional<OpenBucket>> open;  // per buffer: the bucket being filled
-  const int64_t bucket_multiple = config.dp_size * kAlignmentElems;
+  // A bucket divides into equal shards over its own reduction group (Note [Bucket layout]).
+  auto bucket_multiple = [&](int64_t buffer) {
+    return (layout.buffers[buffer].key.expert ? config.expert_dp_size : config.dp_size) * kAlignmentElems;
+  };
 
   auto close_bucket = [&](int64_t buffer) {
     OpenBucket& b = *open[buffer];
@@ -28,7 +32,7 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     span.buffer = buffer;
     span.begin = b.begin;
     span.end_unpadded = cursor[buffer];
-    span.end = config.pad_for_reduce_scatter ? round_up(cursor[buffer], bucket_multiple) : cursor[buffer];
+    span.end = config.pad_for_reduce_scatter ? round_up(cursor[buffer], bucket_multiple(buffer)) : cursor[buffer];
     span.params = std::move(b.params);
     const auto index = static_cast<int64_t>(layout.buckets.size());
     for (int64_t p : span.params) layout.slots[p].bucket = index;
@@ -42,7 +46,7 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     const ParamSpec& p = params[i];
     TORCH_CHECK(!p.name.empty(), "assign_buckets: parameter #", i, " has an empty name");
     TORCH_CHECK(p.numel >= 0, "assign_buckets: parameter '", p.name, "' has numel ", p.numel);
-    const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial};
+    const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial, p.expert};
     int64_t buffer = 0;
     while (buffer < static_cast<int64_t>(layout.buffers.size()) && !(layout.buffers[buffer].key == key)) ++buffer;
     if (buffer == static_cast<int64_t>(layout.buffers.size())) {

@@ -3,7 +3,8 @@
 // (params, config) and the rules are unit-testable without a process group.
 //
 // Note [Bucket layout]
-// - One flat buffer per (param dtype, grad dtype, device, TP-partial or not). Params are placed walking the
+// - One flat buffer per (param dtype, grad dtype, device, TP-partial or not, reduction group). Params are placed
+//   walking the
 //   registration order backwards (the last-registered param first), which is roughly the order
 //   backward produces gradients, so the first buckets complete first.
 // - A bucket closes as soon as it holds >= bucket_bytes of gradients (it may overshoot by one param);
@@ -17,6 +18,11 @@
 //   bf16): whole cache lines and vector loads for the optimizer kernels, and the shard boundaries of
 //   one buffer never depend on another buffer. Cost: < kAlignmentElems per param plus
 //   < dp_size * kAlignmentElems per bucket. Without it, params are packed densely (no padding).
+// - Reduction groups (issue 23): a param's gradient is reduced over the ranks that hold a replica of
+//   it. Dense params: the DP (x CP) group; expert (MoE) params: the expert-data-parallel group
+//   (mesh/reduction_groups.h). They live in buffers of their own (BufferKey::expert), so a bucket never
+//   mixes groups, and an expert bucket is padded to a multiple of expert_dp_size * kAlignmentElems
+//   (its ZeRO-1 shards are 1/expert_dp_size of it).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -43,12 +49,14 @@ struct ParamSpec {
   c10::ScalarType grad_dtype = c10::ScalarType::Float;  // the main grad's dtype (fp32 when reducing in fp32)
   c10::Device device{c10::DeviceType::CPU};
   bool tp_partial = false;  // gradient is a partial sum over TP: kept in buffers of its own
+  bool expert = false;      // an expert (MoE) param: reduced over the expert-data-parallel group, in buffers of its own
 };
 
 struct LayoutConfig {
   size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one param per bucket
   bool pad_for_reduce_scatter = false;        // align params, pad buckets to dp_size * kAlignmentElems
   int64_t dp_size = 1;                        // data-parallel group size (>= 1); only used for padding
+  int64_t expert_dp_size = 1;                 // expert-data-parallel group size (>= 1): pads expert buckets
 };
 
 struct BufferKey {
@@ -56,6 +64,7 @@ struct BufferKey {
   c10::ScalarType grad_dtype;
   c10::Device device;
   bool tp_partial = false;
+  bool expert = false;  // reduced over the expert-data-parallel group (ParamSpec::expert)
   bool operator==(const BufferKey&) const = default;
 };
 
@@ -88,7 +97,7 @@ struct BucketLayout {
   std::vector<ParamSlot> slots;     // indexed by param index (registration order)
 };
 
-// Throws naming the param or field on: dp_size < 1, a negative numel, an empty name.
+// Throws naming the param or field on: dp_size or expert_dp_size < 1, a negative numel, an empty name.
 BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutConfig& config);
 
 // Rounds n up to a multiple of m (m >= 1).

@@ -76,6 +76,36 @@ std::string describe_param_name(const NamedParam& p) {
 
 namespace {
 
+// Note [Expert gradient scale]
+// An expert's gradient is summed over its expert-data-parallel group but divided by the whole DP (x CP)
+// size, not by the expert-DP size (Megatron-core: expert_gradient_scaling_factor = 1 / dp_cp_size). Each
+// rank's loss is the mean over its own b = B / DP tokens; an expert receives, by all-to-all over its EP
+// group, the tokens of EP ranks' batches routed to it, each weighted 1/b. Summed over the expert-DP group
+// (one rank per EP group) that is (1/b) * sum over all B tokens routed to it, and the one-process
+// gradient (1/B) * the same sum is that divided by DP. Dividing by the expert-DP size instead would
+// scale expert gradients by EP.
+
+// How a bucket of a buffer with `key` is reduced (BucketReduction).
+BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& groups) {
+  BucketReduction r;
+  r.tp_partial = key.tp_partial;
+  r.expert = key.expert;
+  r.shard_group = key.expert ? groups.expert_dp : groups.dp;
+  TORCH_INTERNAL_ASSERT(r.shard_group, "no group for a bucket of ", key.expert ? "expert" : "dense", " params");
+  r.shard_rank = r.shard_group->getRank();
+  r.shard_size = r.shard_group->getSize();
+  r.group = key.tp_partial ? groups.world : r.shard_group;
+  // Every bucket is divided by the whole DP (x CP) size D (with K optimizer instances too), expert
+  // buckets too: Note [Expert gradient scale]. TP-partial: the world all-reduce sums over TP, the
+  // divisor makes it a DP mean.
+  r.divisor = groups.data_parallel_size();
+  // Hierarchical ZeRO-1: dense buckets' shards are all-reduced across the instances. TP-partial buckets
+  // are whole and final after their all-reduce over the world; expert buckets are sharded over the
+  // whole expert-DP group (no instances: Note [Hierarchical ZeRO-1]).
+  if (!key.tp_partial && !key.expert) r.cross_group = groups.cross_instance;
+  return r;
+}
+
 // Splits `params` (deduplicated) into the trainable ones (returned) and the frozen ones (`frozen`).
 std::vector<NamedParam> trainable(std::vector<NamedParam> params, std::vector<NamedParam>& frozen) {
   std::vector<NamedParam> kept;
@@ -154,11 +184,16 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
                   "' as its TP dim; wrap the model over the same mesh and dims it was parallelized over");
     }
     const bool partial = placement.is_partial_grad();
+    const bool expert = is_expert_param(p.param);
+    if (expert) check_expert_param(p, placement);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
-                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial});
+                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial,
+                              expert});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
-  layout_ = assign_buckets(specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_});
+  const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
+  layout_ = assign_buckets(
+      specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size});
 
   for (const auto& spec : layout_.buffers) {
     buffers_.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
@@ -169,17 +204,16 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   }
   buckets_.resize(layout_.buckets.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    // Chosen once, here: launch and wait use the group the bucket holds.
-    Bucket& bucket = buckets_[b];
-    bucket.tp_partial = layout_.buffers[layout_.buckets[b].buffer].key.tp_partial;
-    bucket.group = bucket.tp_partial ? groups_.world : groups_.dp;
-    // TP-partial buckets are all-reduced over the whole mesh: whole and final after one collective.
-    if (!bucket.tp_partial) bucket.cross_group = groups_.cross_instance;
+    // Chosen once, here: launch, wait, ZeRO-1 shards and the param all-gather use what the bucket holds.
+    buckets_[b].reduction = bucket_reduction_of(layout_.buffers[layout_.buckets[b].buffer].key, groups_);
   }
   if (config_.use_distributed_optimizer) {
-    std::vector<std::string> bucket_names;
-    for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) bucket_names.push_back(bucket_description(b));
-    param_buffer_ = std::make_unique<ParamBuffer>(layout_, params_, groups_.dp, bucket_names);
+    std::vector<ParamGather::Bucket> gather_buckets;
+    for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
+      const BucketReduction& r = buckets_[b].reduction;
+      gather_buckets.push_back({{}, {}, "param all-gather of " + bucket_description(b), r.shard_group});
+    }
+    param_buffer_ = std::make_unique<ParamBuffer>(layout_, params_, std::move(gather_buckets));
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;
@@ -368,22 +402,25 @@ void GradBuffer::launch_bucket(int64_t b) {
     count_nonfinite(b, data);
     hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
   }
-  if (bucket.tp_partial) {
+  const BucketReduction& r = bucket.reduction;
+  if (r.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
-    if (debug_sequence_) check_collective_sequence(b, *bucket.group, "all-reduce (TP-partial)");
-    if (groups_.data_parallel_size() > 1) data.div_(static_cast<double>(groups_.data_parallel_size()));
-    hooked.group = bucket.group.get();
+    if (debug_sequence_) check_collective_sequence(b, *r.group, "all-reduce (TP-partial)");
+    if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
+    hooked.group = r.group.get();
     hooked.what += " (TP-partial: summed over TP)";
-  } else if (!skip_collective(*bucket.group)) {
+  } else if (skip_collective(*r.group)) {
+    // A group of one (DP 1, or an expert-DP group of one at EP = DP): no collective, but an expert
+    // bucket is still divided by the DP size (Note [Expert gradient scale]).
+    if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
+  } else {
     if (debug_sequence_) {
-      check_collective_sequence(b, *bucket.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
+      check_collective_sequence(b, *r.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
-    data.div_(static_cast<double>(groups_.data_parallel_size()));
-    hooked.group = bucket.group.get();
+    data.div_(static_cast<double>(r.divisor));
+    hooked.group = r.group.get();
     if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
-  } else if (bucket.cross_group) {
-    data.div_(static_cast<double>(groups_.data_parallel_size()));  // instances of one rank: no reduce-scatter
   }
   if (hooked.group != nullptr) {
     CommHookWork launched = comm_hook_->launch(hooked);
@@ -404,25 +441,28 @@ void GradBuffer::launch_bucket(int64_t b) {
 // (bucket order, like the launches, hence the same order on every rank): bucket b's all-reduce runs
 // while bucket b+1's reduce-scatter is waited for. It sums in the buffer's dtype whatever the comm
 // hook (a compression hook compresses the intra-instance reduce-scatter only). TP-partial buckets,
-// all-reduced over the whole mesh, need no second step.
+// all-reduced over the whole mesh, need no second step. Expert buckets are not split into instances:
+// they are reduce-scattered over the whole expert-DP group (already D/EP ranks, the cross-node
+// saving is smaller) and need no second step either.
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     if (bucket.work) {
       auto work = std::move(bucket.work);
       bucket.work.reset();
-      wait_collective(work, *bucket.group, bucket_description(static_cast<int64_t>(b)));
+      wait_collective(work, *bucket.reduction.group, bucket_description(static_cast<int64_t>(b)));
     }
     if (bucket.finish) {
       auto finish = std::move(bucket.finish);
       bucket.finish = nullptr;
       finish();
     }
-    if (bucket.launched && bucket.cross_group && !skip_collective(*bucket.cross_group)) {
+    if (bucket.launched && bucket.reduction.cross_group && !skip_collective(*bucket.reduction.cross_group)) {
       if (debug_sequence_) {
-        check_collective_sequence(static_cast<int64_t>(b), *bucket.cross_group, "all-reduce (across instances)");
+        check_collective_sequence(static_cast<int64_t>(b), *bucket.reduction.cross_group,
+                                  "all-reduce (across instances)");
       }
-      bucket.cross_work = all_reduce_sum(*bucket.cross_group, bucket_shard(static_cast<int64_t>(b)),
+      bucket.cross_work = all_reduce_sum(*bucket.reduction.cross_group, bucket_shard(static_cast<int64_t>(b)),
                                          bucket_description(static_cast<int64_t>(b)) + " across optimizer instances");
     }
   }
@@ -431,7 +471,7 @@ void GradBuffer::wait_launched_buckets() {
     if (!bucket.cross_work) continue;
     auto work = std::move(bucket.cross_work);
     bucket.cross_work.reset();
-    wait_collective(work, *bucket.cross_group,
+    wait_collective(work, *bucket.reduction.cross_group,
                     bucket_description(static_cast<int64_t>(b)) + " across optimizer instances");
   }
 }
@@ -532,8 +572,24 @@ at::Tensor GradBuffer::bucket_data(int64_t b) const {
 
 at::Tensor GradBuffer::bucket_shard(int64_t b) const {
   const int64_t n = layout_.buckets[b].numel();
-  TORCH_INTERNAL_ASSERT(n % dp_size_ == 0, "bucket ", b, " is not padded to a multiple of the DP size");
-  return bucket_data(b).narrow(0, groups_.dp_rank() * (n / dp_size_), n / dp_size_);
+  const BucketReduction& r = buckets_[b].reduction;
+  TORCH_INTERNAL_ASSERT(n % r.shard_size == 0, "bucket ", b, " is not padded to a multiple of its group's size");
+  return bucket_data(b).narrow(0, r.shard_rank * (n / r.shard_size), n / r.shard_size);
+}
+
+bool GradBuffer::is_expert(int64_t index) const { return layout_.buffers[layout_.slots[index].buffer].key.expert; }
+
+void GradBuffer::check_expert_param(const NamedParam& p, const Placement& placement) const {
+  TORCH_CHECK(groups_.expert_dp, "GradBuffer: parameter ", describe_param_name(p),
+              " is an expert param (declare_expert_param / the plan style ExpertParallel) but this buffer has no ",
+              "expert-data-parallel group to reduce it over; build DistributedDataParallel over a DeviceMesh with ",
+              "DdpConfig::expert_parallel_size set (with a DP process group alone, only expert_parallel_size = 1 ",
+              "works), or do not declare it");
+  TORCH_CHECK(!placement.is_partial_grad(), "GradBuffer: parameter ", describe_param_name(p),
+              " is an expert param whose gradient is partial over TP (", placement.str(),
+              "); meshddp does not reduce TP-partial expert gradients (they would need an all-reduce over the ",
+              "expert-DP x TP ranks). Keep sequence-parallel norms out of the experts (or their params undeclared ",
+              "as experts)");
 }
 
 at::Tensor GradBuffer::local_nonfinite_counts() const {
@@ -562,7 +618,8 @@ std::string GradBuffer::bucket_description(int64_t b) const {
   std::ostringstream out;
   out << "gradient bucket " << b << " of " << layout_.buckets.size() << " (" << span.params.size() << " params from "
       << describe_param_name(params_[span.params.front()]) << ", " << span.numel() << " " << key.grad_dtype
-      << " elements on " << key.device << ")";
+      << " elements on " << key.device << (key.expert ? ", expert params: over the expert-data-parallel group" : "")
+      << ")";
   return out.str();
 }
 

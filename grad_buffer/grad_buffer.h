@@ -16,12 +16,15 @@
 //                               micro-batches accumulated), waits for all (state: synced).
 // With gradient_accumulation_fusion, layers may write gradients straight into their slots, and
 // zero_grad_buffer() leaves those slots to be overwritten: see Note [Slots written in place].
-// Each bucket is pre-divided by the DP size and SUM-reduced: a DP mean on every backend (Gloo has
-// no AVG), exact for power-of-two DP sizes. With use_distributed_optimizer the collective is a
-// reduce-scatter into this rank's shard of the bucket; the rest of the bucket is then scratch.
-// Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K): still pre-divided by the whole D;
-// reduce-scattered within the instance, then the shard all-reduced across instances once its
-// reduce-scatter (and comm hook write-back) is done: Note [Hierarchical ZeRO-1] in grad_buffer.cpp.
+// Each bucket is pre-divided by the DP size and SUM-reduced over its reduction group: a DP mean on
+// every backend (Gloo has no AVG), exact for power-of-two sizes. With
+// use_distributed_optimizer the collective is a reduce-scatter into this rank's shard of the bucket;
+// the rest of the bucket is then scratch. Reduction groups: dense params over DP (x CP), expert (MoE)
+// params over the expert-data-parallel group, in buffers and buckets of their own (Note [Bucket
+// layout]; BucketReduction below). Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K, dense
+// buckets): still pre-divided by the whole D; reduce-scattered within the instance, then the shard
+// all-reduced across instances once its reduce-scatter (and comm hook write-back) is done: Note
+// [Hierarchical ZeRO-1] in grad_buffer.cpp.
 #pragma once
 
 #include "../mesh/placement.h"
@@ -127,6 +130,10 @@ struct SyncGroups {
   // this is the group of the K ranks at the same position in each instance (the shards are
   // all-reduced over it). Null otherwise.
   c10::intrusive_ptr<c10d::ProcessGroup> cross_instance = {};
+  // The expert-data-parallel group (mesh/reduction_groups.h): the ranks holding the same experts, over
+  // which expert params (mesh/placement.h: declare_expert_param) are reduced. Null: no expert params
+  // allowed (the DP group itself when expert_parallel_size is 1).
+  c10::intrusive_ptr<c10d::ProcessGroup> expert_dp = {};
 
   int64_t dp_rank() const { return dp->getRank(); }
   int64_t dp_size() const { return dp->getSize(); }
@@ -138,6 +145,29 @@ struct SyncGroups {
   int64_t data_parallel_rank() const { return instance_index() * dp_size() + dp_rank(); }
   // The group gradient norms and non-finite checks reduce over: the world group if there is one.
   c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
+};
+
+// How one bucket is reduced, fixed at construction (one checked path: launch, wait, ZeRO-1 shards and
+// the param all-gather all read it). Dense buckets: over DP (x CP), divided by the DP size; expert
+// buckets: over the expert-data-parallel group, divided by the DP size too (Note [Expert gradient
+// scale] in grad_buffer.cpp: an expert's local gradient already sums tokens of EP ranks' batches);
+// TP-partial buckets: over the whole mesh (a TP sum and a DP mean in one collective), divided by the
+// DP size.
+struct BucketReduction {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // the collective runs over it
+  int64_t divisor = 1;                           // the bucket is pre-divided by it (the whole DP (x CP) size)
+  bool tp_partial = false;                       // all-reduced over the world: a TP sum and a DP mean
+  bool expert = false;                           // expert params, over the expert-data-parallel group
+  // ZeRO-1: this rank's shard is shard `shard_rank` of `shard_size` equal ones (the DP or expert-DP
+  // rank and size; the bucket is padded to a multiple of shard_size), and its param all-gather runs
+  // over `shard_group`.
+  c10::intrusive_ptr<c10d::ProcessGroup> shard_group;
+  int64_t shard_rank = 0;
+  int64_t shard_size = 1;
+  // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise, and for TP-partial and expert
+  // buckets): after the reduce-scatter within the instance and the comm hook's write-back, this rank's
+  // shard is all-reduced over it.
+  c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
 };
 
 // Counters of a GradBuffer, for tests, benchmarks and reports.
@@ -199,9 +229,13 @@ class GradBuffer {
   // Flat grad buffer `i` (one per BucketLayout::buffers entry), and the bytes of all of them.
   const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   int64_t grad_buffer_bytes() const;
-  // This rank's 1/DP shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer;
-  // with K optimizer instances, 1/(D/K): its shard within its instance).
+  // This rank's shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer):
+  // 1/DP, 1/expert-DP for expert buckets, 1/(D/K) within its instance with K optimizer instances
+  // (bucket_reduction(b)).
   at::Tensor bucket_shard(int64_t b) const;
+  const BucketReduction& bucket_reduction(int64_t b) const { return buckets_[b].reduction; }
+  // Whether param `index` is an expert param (reduced over groups().expert_dp).
+  bool is_expert(int64_t index) const;
   // With the distributed optimizer: the flat param buffer of which every param is a view, and its
   // all-gather (grad_buffer/param_buffer.h). Null otherwise.
   ParamBuffer* param_buffer() const { return param_buffer_.get(); }
@@ -265,20 +299,15 @@ class GradBuffer {
     at::Tensor piece_counts;
     at::Tensor total;
   };
-  // A bucket: the group its collective runs over, fixed at construction (the DP group, or the world
-  // for a TP-partial buffer), then its state in this step.
+  // A bucket: how it is reduced, fixed at construction, then its state in this step.
   struct Bucket {
-    c10::intrusive_ptr<c10d::ProcessGroup> group;
-    bool tp_partial = false;  // all-reduced over the world: a TP sum and a DP mean in one collective
+    BucketReduction reduction;
     BucketNonfinite nonfinite;
     int64_t pending = 0;  // params not yet ready
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
-    std::function<void()> finish;  // the comm hook's write-back, run after `work`
-    // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise and for TP-partial buckets):
-    // after `work` and `finish`, this rank's shard is all-reduced over it (`cross_work`).
-    c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
-    c10::intrusive_ptr<c10d::Work> cross_work;
+    std::function<void()> finish;               // the comm hook's write-back, run after `work`
+    c10::intrusive_ptr<c10d::Work> cross_work;  // hierarchical ZeRO-1: the all-reduce over reduction.cross_group
   };
 
   // Called before autograd accumulates into param `index` during a backward with create_graph=true
@@ -308,6 +337,8 @@ class GradBuffer {
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
+  // Throws naming `p` (an expert param) if this buffer has no expert-DP group, or if its gradient is TP-partial.
+  void check_expert_param(const NamedParam& p, const Placement& placement) const;
   // Throws naming the param if one was frozen (requires_grad_(false)) or unfrozen since construction:
   // the layout (which params have a slot) is fixed at construction. `who` names the caller.
   void check_trainable_params_unchanged(const char* who) const;

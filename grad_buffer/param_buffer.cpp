@@ -24,13 +24,15 @@ std::vector<at::Tensor> bucket_ranges(const BucketLayout& layout, const std::vec
 }
 
 std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& ranges,
-                                                const c10d::ProcessGroup& dp_group,
-                                                const std::vector<std::string>& bucket_names) {
-  std::vector<ParamGather::Bucket> buckets;
+                                                std::vector<ParamGather::Bucket> buckets) {
+  TORCH_INTERNAL_ASSERT(buckets.size() == ranges.size(), "ParamBuffer: ", buckets.size(), " buckets for ",
+                        ranges.size(), " ranges");
   for (size_t b = 0; b < ranges.size(); ++b) {
     const at::Tensor& full = ranges[b];
-    const int64_t n = full.numel() / dp_group.getSize();
-    buckets.push_back({full, full.narrow(0, dp_group.getRank() * n, n), "param all-gather of " + bucket_names[b]});
+    const c10d::ProcessGroup& group = *buckets[b].group;
+    const int64_t n = full.numel() / group.getSize();
+    buckets[b].full = full;
+    buckets[b].shard = full.narrow(0, group.getRank() * n, n);
   }
   return buckets;
 }
@@ -38,10 +40,10 @@ std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& r
 }  // namespace
 
 ParamBuffer::ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params,
-                         c10::intrusive_ptr<c10d::ProcessGroup> dp_group, const std::vector<std::string>& bucket_names)
+                         std::vector<ParamGather::Bucket> buckets)
     : buffers_(allocate(layout)),
       bucket_data_(bucket_ranges(layout, buffers_)),
-      gather_(dp_group, gather_buckets(bucket_data_, *dp_group, bucket_names)) {
+      gather_(gather_buckets(bucket_data_, std::move(buckets))) {
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSlot& slot = layout.slots[i];
     at::Tensor& param = params[i].param;

@@ -23,11 +23,11 @@ struct NamedParam;
 class ParamBuffer {
  public:
   // Allocates the flat param buffers of `layout`, copies each param of `params` (the layout's, in
-  // its order) into its slot and points the param at it. `bucket_names[b]` names bucket b in
-  // messages. The all-gathers run over `dp_group`; this rank's shard of a bucket is its DP rank's
-  // 1/DP of it (buckets are padded to a multiple of the DP size).
-  ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params,
-              c10::intrusive_ptr<c10d::ProcessGroup> dp_group, const std::vector<std::string>& bucket_names);
+  // its order) into its slot and points the param at it. `buckets[b]` gives bucket b's name (`what`)
+  // and the group its all-gather runs over (its DP group, or expert-DP group for expert params);
+  // `full` and `shard` are filled here: this rank's shard of a bucket is its group rank's 1/size of
+  // it (buckets are padded to a multiple of that size).
+  ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params, std::vector<ParamGather::Bucket> buckets);
   ParamBuffer(const ParamBuffer&) = delete;
   ParamBuffer& operator=(const ParamBuffer&) = delete;
 

@@ -40,8 +40,9 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&wait_for_params_fallback>());
 }
 
-ParamGather::ParamGather(c10::intrusive_ptr<c10d::ProcessGroup> dp_group, std::vector<Bucket> buckets)
-    : dp_group_(std::move(dp_group)), buckets_(std::move(buckets)), works_(buckets_.size()) {}
+ParamGather::ParamGather(std::vector<Bucket> buckets) : buckets_(std::move(buckets)), works_(buckets_.size()) {
+  for (const Bucket& b : buckets_) TORCH_INTERNAL_ASSERT(b.group, "ParamGather: no group for ", b.what);
+}
 
 ParamGather::~ParamGather() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -60,11 +61,10 @@ void ParamGather::start(bool async) {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(pending_ == 0, "ParamGather: ", pending_, " parameter all-gather(s) of the previous step are still ",
                 "pending; wait_all() before starting new ones");
-    if (!skip_collective(*dp_group_)) {
-      for (size_t b = buckets_.size(); b-- > 0;) {  // forward order: last bucket first
-        works_[b] = all_gather_into(*dp_group_, buckets_[b].full, buckets_[b].shard, buckets_[b].what);
-        ++pending_;
-      }
+    for (size_t b = buckets_.size(); b-- > 0;) {  // forward order: last bucket first
+      if (skip_collective(*buckets_[b].group)) continue;
+      works_[b] = all_gather_into(*buckets_[b].group, buckets_[b].full, buckets_[b].shard, buckets_[b].what);
+      ++pending_;
     }
   }
   if (!async) wait_all();
@@ -75,7 +75,7 @@ void ParamGather::wait_bucket(size_t b) {
   auto work = std::move(works_[b]);
   works_[b].reset();
   --pending_;
-  wait_collective(work, *dp_group_, buckets_[b].what);
+  wait_collective(work, *buckets_[b].group, buckets_[b].what);
 }
 
 void ParamGather::wait_all() {

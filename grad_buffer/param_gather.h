@@ -29,11 +29,12 @@ namespace meshddp {
 class ParamGather {
  public:
   struct Bucket {
-    at::Tensor full;   // the bucket's range of the param buffer (all ranks' shards)
-    at::Tensor shard;  // this rank's shard of it (a view into `full`)
-    std::string what;  // for messages
+    at::Tensor full;                               // the bucket's range of the param buffer (all ranks' shards)
+    at::Tensor shard;                              // this rank's shard of it (a view into `full`)
+    std::string what;                              // for messages
+    c10::intrusive_ptr<c10d::ProcessGroup> group;  // the all-gather runs over it: the bucket's DP (or expert-DP) group
   };
-  ParamGather(c10::intrusive_ptr<c10d::ProcessGroup> dp_group, std::vector<Bucket> buckets);
+  explicit ParamGather(std::vector<Bucket> buckets);
   ~ParamGather();
 
   // Launches every bucket's all-gather (forward order). async=false waits for all of them here.
@@ -67,7 +68,6 @@ class ParamGather {
  private:
   void wait_bucket(size_t b);  // mutex held
 
-  c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   std::vector<Bucket> buckets_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   mutable std::mutex mutex_;

@@ -25,6 +25,13 @@ NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard,
   return norm_pieces(grad, runs, buffer.groups().tp_rank);
 }
 
+// Each element once over the whole mesh (Note [Gradient norm over DP x TP]): shards are disjoint within
+// a bucket's group. With K optimizer instances a dense shard is held by K ranks (one per instance, equal
+// after the all-reduce across instances): only instance 0's counts. Expert buckets have no instances.
+bool counts_toward_norm(const GradBuffer& buffer, const BucketShard& shard) {
+  return !buffer.bucket_reduction(shard.bucket).cross_group || buffer.groups().instance_index() == 0;
+}
+
 }  // namespace
 
 std::string field_text(const std::vector<ParamGroupRule>& rules) {
@@ -58,8 +65,13 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   // Every field, over the whole mesh (TP replicas of a param must take the same update too).
   verify_same_settings_across_ranks(buffer_->groups().stats_group(), field_settings(config_, kOptimizerConfigFields),
                                     "DistributedOptimizer", "the DistributedOptimizerConfig settings");
-  // With K optimizer instances, SyncGroups::dp is this rank's instance: its 1/(D/K) shards.
-  shards_ = shard_buckets(buffer_->layout(), buffer_->groups().dp_rank(), buffer_->groups().dp_size());
+  // Each bucket sharded over its own group: DP for dense buckets (this rank's instance with K optimizer
+  // instances: 1/(D/K)), expert-DP for expert ones.
+  std::vector<ShardOwner> owners;
+  for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
+    owners.push_back({buffer_->bucket_reduction(b).shard_rank, buffer_->bucket_reduction(b).shard_size});
+  }
+  shards_ = shard_buckets(buffer_->layout(), owners);
 
   // Param groups: the default, then one per rule. A param matches a rule by any of its names.
   lr_ = config_.lr;
@@ -220,11 +232,8 @@ StepResult DistributedOptimizer::step() {
   const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
-  // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): DP shards are disjoint.
-  // With K optimizer instances every shard is held by K ranks (one per instance, equal after the
-  // all-reduce across instances): only instance 0's count toward the norm.
-  const bool counts_norm = buffer_->groups().instance_index() == 0;
-  if (fused_) add_stats_fused(stats, counts_norm);
+  // Each element once over the whole mesh: counts_toward_norm().
+  if (fused_) add_stats_fused(stats);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
     const at::Tensor norm = at::linalg_vector_norm(g, 2);
@@ -235,7 +244,7 @@ StepResult DistributedOptimizer::step() {
     if (!g.is_cpu() || !std::isfinite(norm.item<double>())) {
       stats[0] += at::isfinite(g).logical_not().sum().to(at::kDouble);
     }
-    if (!counts_norm) continue;
+    if (!counts_toward_norm(buffer_, shards_[b])) continue;
     const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], g);
     if (pieces.all_count) {
       stats[1] += norm.to(at::kDouble).square();
@@ -319,7 +328,7 @@ void DistributedOptimizer::update_sgd() {
   }
 }
 
-void DistributedOptimizer::add_stats_fused(const at::Tensor& stats, bool counts_norm) {
+void DistributedOptimizer::add_stats_fused(const at::Tensor& stats) {
   // fused_grad_stats gives [sum of squares of finite elements, non-finite count]; elements that do
   // not count on this TP rank (Note [Gradient norm over DP x TP]) go into a second accumulator for
   // their count only.
@@ -327,11 +336,12 @@ void DistributedOptimizer::add_stats_fused(const at::Tensor& stats, bool counts_
   const at::Tensor counted = at::zeros({2}, f64), others = at::zeros({2}, f64);
   for (size_t b = 0; b < grad32_.size(); ++b) {
     const NormPieces pieces = shard_norm_pieces(buffer_, shards_[b], grad32_[b]);
-    for (const at::Tensor& piece : pieces.counted) fused_grad_stats(piece, counted);
+    const bool counts = counts_toward_norm(buffer_, shards_[b]);
+    for (const at::Tensor& piece : pieces.counted) fused_grad_stats(piece, counts ? counted : others);
     for (const at::Tensor& piece : pieces.not_counted) fused_grad_stats(piece, others);
   }
   stats[0] += counted[1] + others[1];
-  if (counts_norm) stats[1] += counted[0];
+  stats[1] += counted[0];
 }
 
 void DistributedOptimizer::update_fused(double grad_scale) {
@@ -402,9 +412,12 @@ std::string DistributedOptimizer::nonfinite_report() {
   for (size_t b = 0; b < shards_.size(); ++b) {
     for (const ShardSegment& seg : shards_[b].segments) {
       if (at::isfinite(grad32_[b].narrow(0, seg.shard_offset, seg.numel)).all().item<bool>()) continue;
+      const BucketReduction& r = buffer_->bucket_reduction(shards_[b].bucket);
       mine << "  parameter '" << params[seg.param].name << "' has a non-finite reduced gradient in elements ["
-           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") (DP rank "
-           << buffer_->groups().data_parallel_rank() << "'s shard)\n";
+           << seg.param_offset << ", " << seg.param_offset + seg.numel << ") ("
+           << (r.expert ? "expert-DP rank " + std::to_string(r.shard_rank)
+                        : "DP rank " + std::to_string(buffer_->groups().data_parallel_rank()))
+           << "'s shard)\n";
     }
   }
   // Gather every rank's lines so every rank reports the same: over the DP group, i.e. within the

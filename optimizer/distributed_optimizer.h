@@ -172,8 +172,8 @@ class DistributedOptimizer {
   std::string nonfinite_report();     // collective over DP: every rank gets the same text
   void update_adamw();
   void update_sgd();
-  // stats += [non-finite count, counted sum of squares (only when counts_norm: instance 0 of K)]
-  void add_stats_fused(const at::Tensor& stats, bool counts_norm);
+  // stats += [non-finite count, sum of squares of what this rank counts (counts_toward_norm in the .cpp)]
+  void add_stats_fused(const at::Tensor& stats);
   void update_fused(double grad_scale);  // steps 4-6 (without the gather) in one pass per run
   void write_params_and_gather();
   at::Tensor param_shard(size_t b) const;  // this rank's shard of bucket b's range of the param buffer

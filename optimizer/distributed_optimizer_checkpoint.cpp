@@ -7,10 +7,12 @@
 // its dtype), "optim/master/<p>" (fp32, only for bf16/fp16 params: for fp32 ones the param is the
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
 // "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
-// DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each shard,
+// DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each dense shard,
 // held by one rank of every instance, by instance 0's rank only: every element is in exactly one
-// file. A load asks for its own segments at its own DP x TP (and K); the arithmetic in
-// checkpoint/reshard.h finds them in the saved pieces.
+// file. Expert params are sharded over their expert-data-parallel group (GradBuffer::bucket_reduction;
+// no instances), so each expert's elements too are written once, by the ranks of its group; expert
+// names are global (DDP checks it), so one key is one expert. A load asks for its own segments at its
+// own DP x TP (x EP, and K); the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
@@ -58,7 +60,10 @@ std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_
       const NamedParam& p = params[seg.param];
       const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
-      if (for_save && buffer_->groups().instance_index() != 0) continue;
+      // Hierarchical ZeRO-1: the K instances hold the same dense shard; instance 0 writes it.
+      if (for_save && buffer_->bucket_reduction(shards_[b].bucket).cross_group &&
+          buffer_->groups().instance_index() != 0)
+        continue;
       const std::vector<int64_t> global = global_shape_of(p.param, placement);
       const TpSlice slice = tp_slice_of(placement);
       auto piece = [&](const std::string& key, const at::Tensor& source, bool optional) {
@@ -107,15 +112,17 @@ std::string DistributedOptimizer::save_checkpoint(const std::string& dir, const 
 
 int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optional<int64_t> step) {
   finish_param_sync();
+  std::set<std::string> model_keys;
+  for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
+  // Each EP rank holds its own experts: a checkpoint key is the model's if any rank has it.
+  if (buffer_->groups().expert_dp) model_keys = model_keys_of_every_rank(checkpoint_mesh(), model_keys);
   CheckpointReader reader(checkpoint_mesh(), dir, step);
   std::vector<CheckpointTensor> wanted;
-  std::set<std::string> model_keys;
   try {  // a rank that fails here tells the others, which are in read()
     // Not mid-step: the next step would apply the old params' gradients to the loaded ones.
     buffer_->check_no_sync_pending("DistributedOptimizer::load_checkpoint");
     check_checkpoint_info(reader.meta().optimizer, reader.path());
     wanted = checkpoint_tensors(/*for_save=*/false);
-    for (const NamedParam& p : buffer_->params()) model_keys.insert("model/" + p.name);
   } catch (const std::exception& e) {
     reader.fail(e);
   }

@@ -35,4 +35,16 @@ struct BucketShard {
 // multiple of dp_size (the layout must be built with pad_for_reduce_scatter and the same dp_size).
 std::vector<BucketShard> shard_buckets(const BucketLayout& layout, int64_t dp_rank, int64_t dp_size);
 
+// Which shard of a bucket a rank owns: its rank and the size of the bucket's reduction group (the
+// DP group for dense buckets, the expert-data-parallel group for expert ones: GradBuffer's
+// BucketReduction::shard_rank / shard_size).
+struct ShardOwner {
+  int64_t rank = 0;
+  int64_t size = 1;
+};
+
+// The same with each bucket's own owner (`owners` indexed like layout.buckets): buckets reduced over
+// different groups are cut into different numbers of shards. Same checks, per bucket.
+std::vector<BucketShard> shard_buckets(const BucketLayout& layout, const std::vector<ShardOwner>& owners);
+
 }  // namespace meshddp

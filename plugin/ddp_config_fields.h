@@ -25,7 +25,8 @@ inline constexpr auto kDdpConfigFields =
                     field("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0),
                     field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
                     field("broadcast_buffers", &DdpConfig::broadcast_buffers),
-                    field("tp_replica_check_interval", &DdpConfig::tp_replica_check_interval, kNonNegative));
+                    field("tp_replica_check_interval", &DdpConfig::tp_replica_check_interval, kNonNegative),
+                    field("expert_parallel_size", &DdpConfig::expert_parallel_size, FieldRange{1.0, false}));
 
 // DdpConfig counts its GradBufferConfig base as one initializer.
 static_assert(std::tuple_size_v<decltype(kDdpConfigFields)> ==

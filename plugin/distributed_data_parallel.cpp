@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <unordered_map>
 
@@ -19,35 +20,79 @@ namespace {
 
 // Every setting the gradient sync depends on, which must be the same on every rank: every config
 // field (kDdpConfigFields), then the group sizes.
-std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g) {
+std::vector<Setting> config_settings(const DdpConfig& c, const SyncGroups& g, bool has_experts) {
   std::vector<Setting> out = field_settings(c, kDdpConfigFields);
   out.push_back({"DP size", std::to_string(g.dp ? g.dp->getSize() : 0)});
   out.push_back({"TP size", std::to_string(g.tp_size)});
   out.push_back({"optimizer instances", std::to_string(g.instances())});
+  out.push_back({"expert params", has_experts ? "some" : "none"});  // decides whether the expert-DP group is made
   return out;
 }
 
-// The bucket layout as settings: bucket count, then per bucket (launch order) its size, dtype,
-// collective and first param. `partial_only`: just the TP-partial buckets (all-reduced over the
-// whole mesh, so they must agree across TP ranks too).
-std::vector<Setting> layout_settings(const GradBuffer& buffer, bool partial_only) {
+// Whether any param (frozen ones too: they differ across EP ranks all the same) is an expert param
+// (mesh/placement.h).
+bool has_expert_params(const std::vector<NamedTensor>& params) {
+  return std::any_of(params.begin(), params.end(),
+                     [](const NamedTensor& p) { return p.tensor.defined() && is_expert_param(p.tensor); });
+}
+
+// Checks that expert params are named apart across EP ranks: each expert name must be held by exactly
+// the ranks of one expert-DP group (expert_dp_size of the DP ranks). Experts named locally (every EP
+// rank's first expert "experts.0...") would be saved to one checkpoint key from several EP ranks.
+void verify_expert_names_are_global(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& experts,
+                                    int64_t expert_dp_size, int64_t ep) {
+  std::string mine;
+  for (const auto& p : experts) mine += p.name + "\n";
+  std::map<std::string, int64_t> holders;
+  for (const std::string& text : all_gather_strings(dp_group, mine, "the expert name check")) {
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) ++holders[line];
+  }
+  for (const auto& [name, count] : holders) {
+    TORCH_CHECK(count == expert_dp_size, "DistributedDataParallel: expert parameter '", name, "' is held by ", count,
+                " of the ", dp_group.getSize(), " data-parallel ranks, but an expert lives on the ", expert_dp_size,
+                " ranks of one expert-data-parallel group (DP size ", dp_group.getSize(), " / expert_parallel_size ",
+                ep, "). Name experts by their global index (e.g. 'experts.<e>.fc1.weight' with e counted over all ",
+                "EP ranks), so that each EP rank's experts have names of their own (checkpoints key them by name)");
+  }
+}
+
+// Splits `params` into dense and expert ones.
+std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> split_experts(const std::vector<NamedTensor>& params) {
+  std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> out;
+  for (const auto& p : params) (is_expert_param(p.tensor) ? out.second : out.first).push_back(p);
+  return out;
+}
+
+// Which buckets a layout agreement covers: those of one group (the DP group compares the dense
+// buckets, each expert-DP group its expert buckets: different EP ranks hold different experts), or
+// the TP-partial ones (all-reduced over the whole mesh, so they must agree across TP ranks too).
+enum class LayoutPart { kDense, kExpert, kTpPartial };
+
+// The bucket layout as settings: bucket count, then per bucket (launch order) of `part` its size,
+// dtype, collective and first param.
+std::vector<Setting> layout_settings(const GradBuffer& buffer, LayoutPart part) {
   const BucketLayout& layout = buffer.layout();
   std::vector<Setting> out;
   int64_t count = 0;
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const BucketSpan& span = layout.buckets[b];
     const BufferKey& key = layout.buffers[span.buffer].key;
-    if (partial_only && !key.tp_partial) continue;
+    const bool in_part = part == LayoutPart::kTpPartial ? key.tp_partial : key.expert == (part == LayoutPart::kExpert);
+    if (!in_part) continue;
     ++count;
     std::ostringstream v;
     v << span.numel() << " x " << key.grad_dtype << ", "
       << (key.tp_partial                              ? "all-reduce over the mesh"
           : buffer.config().use_distributed_optimizer ? "reduce-scatter"
                                                       : "all-reduce")
-      << ", first param '" << buffer.params()[span.params.front()].name << "'";
+      << (key.expert ? " over expert-DP" : "") << ", first param '" << buffer.params()[span.params.front()].name << "'";
     out.push_back({"bucket " + std::to_string(b), v.str()});
   }
-  out.insert(out.begin(), Setting{partial_only ? "TP-partial bucket count" : "bucket count", std::to_string(count)});
+  const char* what = part == LayoutPart::kTpPartial ? "TP-partial bucket count"
+                     : part == LayoutPart::kExpert  ? "expert bucket count"
+                                                    : "bucket count";
+  out.insert(out.begin(), Setting{what, std::to_string(count)});
   return out;
 }
 
@@ -137,7 +182,15 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
     groups_.tp_rank = mesh.coordinate(tp_dim);
     groups_.tp_size = mesh.size(tp_dim);
   }
-  init(module, mesh.flattened_ranks(dp_dims), groups_.world ? *groups_.world : *dp_group_);
+  const std::vector<std::string> dims = dp_dims;
+  init(module, mesh.flattened_ranks(dp_dims), groups_.world ? *groups_.world : *dp_group_, [this, &mesh, dims] {
+    const int64_t ep = config_.expert_parallel_size;
+    if (ep == 1) return ExpertGroup{dp_group_, mesh.flattened_ranks(dims)};  // every DP rank holds every expert
+    // Named by its dims and EP size: DDPs with other settings on the same mesh get groups of their own.
+    const std::string name = "expert_dp." + flattened_dims_name(dims) + ".ep" + std::to_string(ep);
+    const RankGroups groups = expert_data_parallel_groups(mesh.sizes(), mesh.names(), dims, ep);
+    return ExpertGroup{mesh.group_of(name, groups), group_containing(groups, mesh.rank(), name)};
+  });
 }
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
@@ -151,47 +204,81 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
       "a DP process group. Build it as DistributedDataParallel(model, mesh, \"dp\", config), or set the ",
       "instances to 1");
   groups_.dp = dp_group_;
-  init(module, {}, *dp_group_);
+  init(module, {}, *dp_group_, [this] { return expert_group_without_mesh({}); });
 }
 
 DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
                      const std::vector<int64_t>& dp_global_ranks, DdpConfig config)
     : dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
-  init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_);
+  init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_,
+       [this, dp_global_ranks] {
+         return groups_.expert_dp ? ExpertGroup{groups_.expert_dp, {}} : expert_group_without_mesh(dp_global_ranks);
+       });
+}
+
+DdpEngine::ExpertGroup DdpEngine::expert_group_without_mesh(const std::vector<int64_t>& dp_global_ranks) const {
+  TORCH_CHECK(config_.expert_parallel_size == 1, "DistributedDataParallel: the model has expert params ",
+              "(declare_expert_param / ExpertParallel) and DdpConfig::expert_parallel_size = ",
+              config_.expert_parallel_size, ", but DDP was given a data-parallel process group, not a DeviceMesh, ",
+              "so it cannot make the expert-data-parallel groups; build DistributedDataParallel over the DeviceMesh ",
+              "(e.g. DistributedDataParallel(model, mesh, {\"dp\"}, config)), or use expert_parallel_size = 1");
+  return {dp_group_, dp_global_ranks};
 }
 
 void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
-                     c10d::ProcessGroup& agreement_group) {
+                     c10d::ProcessGroup& agreement_group, const ExpertGroupMaker& expert_group) {
   TORCH_CHECK(module, "DistributedDataParallel: the module is null");
   std::vector<NamedTensor> params, buffers;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) params.push_back({item.key(), item.value()});
   for (const auto& item : module->named_buffers(/*recurse=*/true)) buffers.push_back({item.key(), item.value()});
-  init(std::move(params), std::move(buffers), dp_global_ranks, agreement_group);
+  init(std::move(params), std::move(buffers), dp_global_ranks, agreement_group, expert_group);
 }
 
 void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
-                     const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group) {
+                     const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
+                     const ExpertGroupMaker& expert_group) {
   config_.validate();
+  const int64_t ep = config_.expert_parallel_size;
+  TORCH_CHECK(dp_group_->getSize() % ep == 0, "DistributedDataParallel: DdpConfig::expert_parallel_size = ", ep,
+              " does not divide the data-parallel size ", dp_group_->getSize(),
+              " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
+              " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
+              dp_group_->getSize(), ", or change the mesh");
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
     if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
   }
   // First, before any collective whose kind depends on them: the settings agree on every rank.
-  verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_), "DistributedDataParallel",
-                                    "the DdpConfig settings");
+  const bool has_experts = has_expert_params(params);
+  verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
+                                    "DistributedDataParallel", "the DdpConfig settings");
+  // Expert params are held by their expert-data-parallel group only: they are checked, broadcast and
+  // reduced within it; dense params within DP.
+  std::vector<int64_t> expert_global_ranks;
+  if (has_experts) {
+    ExpertGroup made = expert_group();
+    groups_.expert_dp = made.group;
+    expert_global_ranks = made.global_ranks;
+    ensure_cpu_backend(*groups_.expert_dp, "DistributedDataParallel");
+  }
+  const auto [dense_params, expert_params] = split_experts(params);
   std::vector<NamedParam> named;
   for (const auto& p : params) named.push_back({p.name, p.tensor});
   unique_params_ = deduplicate_params(named);
   module_buffers_ = std::move(buffers);
+  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_params, groups_.expert_dp->getSize(), ep);
   if (config_.verify_model_across_ranks) {
-    // Compared within each DP group; the verdict is then agreed over the whole mesh, so that a
-    // mismatch in one DP group stops every rank here rather than leaving the others to hang in
-    // the next mesh-wide collective.
+    // Compared within each DP group (expert params within each expert-DP group); the verdict is then
+    // agreed over the whole mesh, so that a mismatch in one DP group stops every rank here rather than
+    // leaving the others to hang in the next mesh-wide collective.
     std::string mismatch;
     try {
-      verify_same_tensors_across_ranks(*dp_group_, params, "parameter", dp_global_ranks);
+      verify_same_tensors_across_ranks(*dp_group_, dense_params, "parameter", dp_global_ranks);
+      if (has_experts) {
+        verify_same_tensors_across_ranks(*groups_.expert_dp, expert_params, "expert parameter", expert_global_ranks);
+      }
     } catch (const c10::Error& e) {
       mismatch = e.what_without_backtrace();
     }
@@ -207,28 +294,36 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
         "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
         "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
-  std::vector<NamedTensor> state, tp_replicated_state;
+  std::vector<NamedTensor> state, expert_state, tp_replicated_state;
   for (const auto& p : unique_params_) {
-    state.push_back({p.name, p.param});
+    (is_expert_param(p.param) ? expert_state : state).push_back({p.name, p.param});
     if (!get_placement(p.param).is_shard()) tp_replicated_state.push_back({p.name, p.param});
   }
   state.insert(state.end(), module_buffers_.begin(), module_buffers_.end());
   tp_replicated_state.insert(tp_replicated_state.end(), module_buffers_.begin(), module_buffers_.end());
   if (config_.broadcast_from_rank0) {
-    // DP first (each TP column takes its DP rank 0's values), then TP for what every TP rank holds
-    // whole: all replicas of a replicated param then equal global rank 0's.
+    // DP first (each TP column takes its DP rank 0's values; experts their expert-DP rank 0's), then TP
+    // for what every TP rank holds whole: all replicas of a replicated param then equal one rank's.
     broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
+    if (has_experts) {
+      broadcast_from_group_rank0(*groups_.expert_dp, expert_state,
+                                 "the initial expert parameters (from expert-data-parallel rank 0)");
+    }
     if (groups_.tp) {
       broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
                                  "the initial TP-replicated parameters and buffers (from TP rank 0)");
     }
   }
   buffer_ = std::make_unique<GradBuffer>(named, groups_, static_cast<GradBufferConfig>(config_));
-  verify_same_settings_across_ranks(*dp_group_, layout_settings(*buffer_, false), "DistributedDataParallel",
-                                    "the gradient bucket layouts");
+  verify_same_settings_across_ranks(*dp_group_, layout_settings(*buffer_, LayoutPart::kDense),
+                                    "DistributedDataParallel", "the gradient bucket layouts");
+  if (has_experts) {
+    verify_same_settings_across_ranks(*groups_.expert_dp, layout_settings(*buffer_, LayoutPart::kExpert),
+                                      "DistributedDataParallel", "the expert gradient bucket layouts");
+  }
   if (groups_.world && groups_.tp_size > 1) {
-    verify_same_settings_across_ranks(*groups_.world, layout_settings(*buffer_, true), "DistributedDataParallel",
-                                      "the TP-partial gradient bucket layouts");
+    verify_same_settings_across_ranks(*groups_.world, layout_settings(*buffer_, LayoutPart::kTpPartial),
+                                      "DistributedDataParallel", "the TP-partial gradient bucket layouts");
   }
   for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
     if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);

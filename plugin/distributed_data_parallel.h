@@ -22,6 +22,7 @@
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -47,6 +48,13 @@ struct DdpConfig : GradBufferConfig {
                                             // that drifted (e.g. an undeclared sequence-parallel norm).
                                             // Costs one read of the replicated params and one small
                                             // all-gather per check. 0 = off
+  int64_t expert_parallel_size = 1;         // (Megatron's name) EP, carved out of the DP (x CP) ranks: each block of
+                                            // this many consecutive DP ranks holds different experts
+                                            // (mesh/reduction_groups.h). Expert params (declare_expert_param, or the
+                                            // plan style ExpertParallel) are reduced over the expert-data-parallel
+                                            // group (DP size / EP ranks holding the same experts), dense ones over DP.
+                                            // >= 1, must divide the DP (x CP) size; > 1 needs a DeviceMesh. 1 = the
+                                            // expert-DP group is the DP group
 
   void validate() const;  // throws naming the field
   // Every field (GradBufferConfig's too) is listed once in plugin/ddp_config_fields.h, which drives
@@ -60,9 +68,14 @@ class DdpEngine {
             DdpConfig config);
   // Over several dims (e.g. {"dp", "cp"}, in mesh order): every gradient is averaged over their
   // flattened group (mesh.flattened(dp_dims), 1/(dp*cp)); the one remaining dim with more than one
-  // rank is TP. Collective over the whole mesh (the flattened group may be made here).
+  // rank is TP. Collective over the whole mesh (the flattened group may be made here). With expert
+  // params, expert gradients are averaged over the expert-data-parallel group instead
+  // (expert_data_parallel_groups(sizes, names, dp_dims, config.expert_parallel_size), made here as
+  // mesh.group_of("expert_dp.dp+cp.ep2", ...); the DP group itself at EP 1); expert params are
+  // checked and broadcast within it.
   DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const std::vector<std::string>& dp_dims,
             DdpConfig config);
+  // Over a DP group alone: expert params only with expert_parallel_size 1 (reduced over DP).
   DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
             DdpConfig config);
   // For callers that hold no torch::nn::Module (the Python package, plugin/python/): the module's
@@ -143,10 +156,20 @@ class DdpEngine {
   GradBuffer& buffer() { return *buffer_; }
 
  private:
+  // The expert-data-parallel group and its global ranks (for messages); made by init() only when
+  // the model has expert params, after the ranks agreed on that.
+  struct ExpertGroup {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    std::vector<int64_t> global_ranks;
+  };
+  using ExpertGroupMaker = std::function<ExpertGroup()>;
   void init(const std::shared_ptr<torch::nn::Module>& module, const std::vector<int64_t>& dp_global_ranks,
-            c10d::ProcessGroup& agreement_group);
+            c10d::ProcessGroup& agreement_group, const ExpertGroupMaker& expert_group);
   void init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
-            const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group);
+            const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
+            const ExpertGroupMaker& expert_group);
+  // The expert-DP group over a DP group alone: the DP group itself when expert_parallel_size is 1.
+  ExpertGroup expert_group_without_mesh(const std::vector<int64_t>& dp_global_ranks) const;
   void maybe_check_tp_replicas();
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;

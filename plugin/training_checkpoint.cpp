@@ -1,5 +1,7 @@
 #include "plugin/training_checkpoint.h"
 
+#include "mesh/placement.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adamw.h>
@@ -13,6 +15,8 @@ namespace {
 struct Parts {
   CheckpointMesh mesh;
   int64_t dp_rank = 0, dp_size = 1, tp_rank = 0;
+  int64_t expert_dp_rank = 0, expert_dp_size = 1;  // expert params are held by their expert-DP group only
+  bool has_experts = false;
 };
 
 Parts parts_of(const TrainingState& state) {
@@ -27,19 +31,29 @@ Parts parts_of(const TrainingState& state) {
   p.dp_rank = g.data_parallel_rank();
   p.dp_size = g.data_parallel_size();
   p.tp_rank = g.tp_rank;
+  if (g.expert_dp) {
+    p.has_experts = true;
+    p.expert_dp_rank = g.expert_dp->getRank();
+    p.expert_dp_size = g.expert_dp->getSize();
+  }
   return p;
 }
 
 // One module tensor (param or buffer) as a piece: for a save, this DP rank's even share of the
-// local tensor (TP rank 0 only for tensors not sharded over TP); for a load, all of it.
+// local tensor (TP rank 0 only for tensors not sharded over TP; for an expert param, this
+// expert-DP rank's share: only its expert-DP group holds it); for a load, all of it.
 void add_module_tensor(std::vector<CheckpointTensor>& out, const std::string& key, const at::Tensor& tensor,
-                       const Placement& placement, const Parts& parts, bool for_save) {
+                       const Placement& placement, bool is_expert, const Parts& parts, bool for_save) {
   if (for_save && !placement.is_shard() && parts.tp_rank != 0) return;
   at::Tensor flat = tensor.detach();
   TORCH_CHECK(flat.is_contiguous(), "checkpoint: '", key, "' is not contiguous");
   flat = flat.view({-1});
   int64_t begin = 0, end = flat.numel();
-  if (for_save) std::tie(begin, end) = even_split(flat.numel(), parts.dp_rank, parts.dp_size);
+  if (for_save && is_expert) {
+    std::tie(begin, end) = even_split(flat.numel(), parts.expert_dp_rank, parts.expert_dp_size);
+  } else if (for_save) {
+    std::tie(begin, end) = even_split(flat.numel(), parts.dp_rank, parts.dp_size);
+  }
   out.push_back({key, flat.narrow(0, begin, end - begin), global_shape_of(tensor, placement), tp_slice_of(placement),
                  begin, end, false});
 }
@@ -52,11 +66,12 @@ std::vector<CheckpointTensor> module_tensors(const TrainingState& state, const P
   for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
     model_keys.insert("model/" + item.key());
     if (state.distributed_optimizer && item.value().requires_grad()) continue;
-    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), parts, for_save);
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()),
+                      is_expert_param(item.value()), parts, for_save);
   }
   for (const auto& item : state.module->named_buffers(/*recurse=*/true)) {
     model_keys.insert("model/" + item.key());
-    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), parts, for_save);
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), false, parts, for_save);
   }
   return out;
 }
@@ -106,8 +121,8 @@ std::string save_checkpoint(const TrainingState& state, const std::string& dir, 
       for (const std::string& name : kind.names) {
         const at::Tensor t = torch_state_tensor(*it->second, name);
         if (!t.defined()) continue;
-        add_module_tensor(tensors, "optim/" + name + "/" + item.key(), t, get_placement(item.value()), parts,
-                          /*for_save=*/true);
+        add_module_tensor(tensors, "optim/" + name + "/" + item.key(), t, get_placement(item.value()),
+                          is_expert_param(item.value()), parts, /*for_save=*/true);
       }
     }
     meta.optimizer = {{"kind", kind.kind}, {"step", opt_step}};
@@ -118,8 +133,13 @@ std::string save_checkpoint(const TrainingState& state, const std::string& dir, 
 LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& dir, std::optional<int64_t> step) {
   const Parts parts = parts_of(state);
   if (state.distributed_optimizer) state.distributed_optimizer->finish_param_sync();
-  CheckpointReader reader(parts.mesh, dir, step);
+  // The model's keys: this rank's, or with experts every rank's (each EP rank holds its own experts).
   std::set<std::string> model_keys;
+  for (const auto& item : state.module->named_parameters(/*recurse=*/true)) model_keys.insert("model/" + item.key());
+  for (const auto& item : state.module->named_buffers(/*recurse=*/true)) model_keys.insert("model/" + item.key());
+  if (parts.has_experts) model_keys = model_keys_of_every_rank(parts.mesh, model_keys);
+  CheckpointReader reader(parts.mesh, dir, step);
+  std::set<std::string> local_model_keys;
   std::vector<CheckpointTensor> wanted;
   size_t module_count = 0;
   const Json& saved_optimizer = reader.meta().optimizer;
@@ -134,7 +154,7 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
   try {
     // Not mid-step: the next step would apply the old params' gradients to the loaded ones.
     state.ddp->grad_buffer()->check_no_sync_pending("meshddp::load_checkpoint");
-    wanted = module_tensors(state, parts, /*for_save=*/false, model_keys);
+    wanted = module_tensors(state, parts, /*for_save=*/false, local_model_keys);
     module_count = wanted.size();
     if (state.distributed_optimizer) {
       state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
@@ -157,7 +177,8 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
           at::Tensor t = at::zeros_like(item.value().detach(), at::MemoryFormat::Contiguous);
           // Absent before the first step (AdamW) or without momentum (SGD): then the state stays empty.
           const bool expected = kind.kind == "adamw" ? optimizer_step > 0 : reader.has(key);
-          add_module_tensor(wanted, key, t, get_placement(item.value()), parts, /*for_save=*/false);
+          add_module_tensor(wanted, key, t, get_placement(item.value()), is_expert_param(item.value()), parts,
+                            /*for_save=*/false);
           wanted.back().optional = !expected;
           slot.tensors.push_back(t);
         }

@@ -80,13 +80,21 @@ std::string nonfinite_params(const GradBuffer& buffer) {
 double grad_norm(GradBufferHandle buffer) {
   check_plain_ddp(*buffer, "grad_norm");
   buffer.finish_grad_sync();
-  // On the host, as the sum over the mesh is read there anyway (CPU fp64: one element).
-  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  const NormPieces pieces = norm_pieces(*buffer);
-  for (const at::Tensor& g : pieces.counted) sum += squared_norm(g).cpu();
+  // On the host, as the sum over the mesh is read there anyway (CPU fp64): [dense params, expert
+  // params], summed apart because they have different replica counts.
+  at::Tensor sum = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
+  const int64_t tp_rank = buffer->groups().tp_rank;
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+    if (!buffer->placement(i).counts_on_tp_rank(tp_rank)) continue;
+    sum[buffer->is_expert(i) ? 1 : 0] += squared_norm(buffer->main_grad(i)).cpu();
+  }
   all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
-  // The stats group spans DP too, where every DP rank holds the same mean: count it once.
-  return std::sqrt(sum.item<double>() / static_cast<double>(buffer->groups().data_parallel_size()));
+  // The stats group spans DP too, where every rank of a param's reduction group holds the same mean:
+  // count it once (Note [Gradient norm over DP x TP]).
+  const SyncGroups& g = buffer->groups();
+  const double expert_replicas = g.expert_dp ? static_cast<double>(g.expert_dp->getSize()) : 1.0;
+  return std::sqrt(sum[0].item<double>() / static_cast<double>(g.data_parallel_size()) +
+                   sum[1].item<double>() / expert_replicas);
 }
 
 double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {

@@ -26,7 +26,10 @@ namespace meshddp {
 // counts its chunk; a replicated param (and a TP-partial one, summed over TP by the sync) has the
 // same gradient on every TP rank, so TP rank 0 alone counts it (Placement::counts_on_tp_rank). Over
 // DP: ZeRO-1 shards are disjoint, so every DP rank counts its shard; in plain DDP every DP rank holds
-// the whole DP mean, so the sum over the mesh counts it DP times and is divided by the DP size. Tied
+// the whole DP mean, so the sum over the mesh counts it DP times and is divided by the DP size.
+// Expert (MoE) params are held by their expert-data-parallel group only (different EP ranks hold
+// different experts): in plain DDP their sum is divided by the expert-DP size instead; under ZeRO-1
+// their shards are disjoint within that group, so again each element counts once. Tied
 // weights are one param in the GradBuffer (deduplicate_params), hence one term. Every rank gets the
 // same bits: the sum is one all-reduce over the buffer's stats group (the whole mesh).
 

@@ -12,8 +12,8 @@ namespace meshddp {
 namespace {
 
 std::string style_name(const TpStyle& style) {
-  static const char* names[] = {"ColwiseParallel", "RowwiseParallel", "VocabParallel", "SequenceSharded",
-                                "SequenceParallelNorm"};
+  static const char* names[] = {"ColwiseParallel", "RowwiseParallel",      "VocabParallel",
+                                "SequenceSharded", "SequenceParallelNorm", "ExpertParallel"};
   return names[style.index()];
 }
 
@@ -73,6 +73,10 @@ void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::ve
       if (std::holds_alternative<VocabParallel>(style)) {
         check_divisible(m.path, style, embedding->num_embeddings, "vocabulary entries", tp);
       }
+    } else if (std::holds_alternative<ExpertParallel>(style)) {
+      TORCH_CHECK(!m.module->named_parameters(/*recurse=*/true).is_empty(), "parallelize: '", m.path, "' is a ",
+                  m.module->name(), " with no parameters; ExpertParallel marks a module's params as expert params, ",
+                  "so it applies to a module holding experts' weights");
     } else {
       TORCH_CHECK(!m.module->named_parameters(/*recurse=*/true).is_empty(), "parallelize: '", m.path, "' is a ",
                   m.module->name(), " with no parameters; SequenceParallelNorm marks a module's params as partial ",
@@ -105,6 +109,8 @@ void parallelize(torch::nn::Module& model, const DeviceMesh& mesh, const std::ve
       dynamic_cast<tp::EmbeddingImpl&>(*m.module).parallelize_vocab(g, sp);
     } else if (std::holds_alternative<SequenceSharded>(style)) {
       if (sp) dynamic_cast<tp::EmbeddingImpl&>(*m.module).parallelize_sequence_sharded(g);
+    } else if (std::holds_alternative<ExpertParallel>(style)) {
+      for (const auto& param : m.module->parameters(/*recurse=*/true)) declare_expert_param(param);
     } else if (sp) {
       for (const auto& param : m.module->parameters(/*recurse=*/true)) {
         set_placement(param, Placement::partial_grad(g->getGroupName()));

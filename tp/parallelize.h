@@ -8,7 +8,8 @@
 //       {"blocks.*.attn.q", ColwiseParallel{.unit = head_dim, .unit_name = "heads"}},
 //       {"blocks.*.attn.o", RowwiseParallel{}},
 //       {"blocks.*.mlp.fc1", ColwiseParallel{}}, {"blocks.*.mlp.fc2", RowwiseParallel{}},
-//       {"blocks.*.ln*", SequenceParallelNorm{}}, {"ln_f", SequenceParallelNorm{}}},
+//       {"blocks.*.ln*", SequenceParallelNorm{}}, {"ln_f", SequenceParallelNorm{}},
+//       {"blocks.*.moe.experts", ExpertParallel{}}},
 //     {.sequence_parallel = true});
 //
 // Validation (before anything changes; every message names the module, the style and the sizes):
@@ -44,7 +45,14 @@ struct SequenceSharded {};  // Embedding (positions): replicated; output sharded
 // LayerNorm, torch::nn::LayerNorm, a user's RMSNorm, a qk-norm): all its params get gradients that
 // are partial sums over TP, summed by DDP once per step. No-op without SP.
 struct SequenceParallelNorm {};
-using TpStyle = std::variant<ColwiseParallel, RowwiseParallel, VocabParallel, SequenceSharded, SequenceParallelNorm>;
+// Mixture of experts: every param of the module (and its children) is an expert param
+// (declare_expert_param, mesh/placement.h): DDP reduces its gradient over the expert-data-parallel
+// group (DdpConfig::expert_parallel_size) instead of DP. Any module type; TP-independent, so it
+// composes with a TP style on the expert's own layers, e.g. {"experts.*.fc1", ColwiseParallel{}}
+// listed before {"experts", ExpertParallel{}} (the first matching entry wins per module path).
+struct ExpertParallel {};
+using TpStyle = std::variant<ColwiseParallel, RowwiseParallel, VocabParallel, SequenceSharded, SequenceParallelNorm,
+                             ExpertParallel>;
 
 struct PlanEntry {
   std::string pattern;

@@ -112,3 +112,28 @@ TEST(BucketLayout, RejectsBadConfigAndParams) {
     EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("parameter 'p0' has numel -1"));
   }
 }
+
+TEST(BucketLayout, ExpertParamsGetBuffersOfTheirOwnPaddedToTheExpertDpSize) {
+  // p0 dense, p1 expert, p2 dense, p3 expert; DP 4, expert-DP 2.
+  auto params = fp32_params({100, 30, 50, 70});
+  params[1].expert = params[3].expert = true;
+  const auto layout = assign_buckets(params, LayoutConfig{size_t{1} << 30, true, 4, 2});
+  ASSERT_EQ(layout.buffers.size(), 2u);
+  // Reverse order: p3 (expert) opens buffer 0, p2 (dense) buffer 1.
+  EXPECT_TRUE(layout.buffers[0].key.expert);
+  EXPECT_FALSE(layout.buffers[1].key.expert);
+  EXPECT_EQ(layout.slots[3].buffer, 0);
+  EXPECT_EQ(layout.slots[1].buffer, 0);
+  EXPECT_EQ(layout.slots[2].buffer, 1);
+  EXPECT_EQ(layout.slots[0].buffer, 1);
+  ASSERT_EQ(layout.buckets.size(), 2u);  // one per buffer: a bucket never mixes groups
+  for (const BucketSpan& span : layout.buckets) {
+    const int64_t group_size = layout.buffers[span.buffer].key.expert ? 2 : 4;
+    EXPECT_EQ(span.numel() % (group_size * kAlignmentElems), 0);
+  }
+  // Expert bucket: p3 at 0 (70), p1 at 128 (30): 158 -> padded to 2 * 64 = 128 multiples: 256.
+  EXPECT_EQ(layout.buckets[layout.slots[3].bucket].end, 256);
+  // Dense bucket: p2 at 0 (50), p0 at 64 (100): 164 -> 4 * 64 = 256 multiples: 256.
+  EXPECT_EQ(layout.buckets[layout.slots[2].bucket].end, 256);
+  EXPECT_THROW(assign_buckets(params, LayoutConfig{0, true, 4, 0}), c10::Error);
+}

@@ -314,3 +314,26 @@ TEST(GradBuffer, SumsTpPartialGradientsOverTpAndAveragesOverDpOnTwoByTwoMesh) {
     });
   }
 }
+
+TEST(GradBuffer, RefusesAnExpertParamWithoutAnExpertDpGroupOrWithATpPartialGradientNamingIt) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_params();
+    declare_expert_param(params[2].param);
+    EXPECT_THAT(error_of([&] { GradBuffer buffer(params, mesh["dp"], one_bucket_per_param()); }),
+                HasSubstr("parameter 'layer2.weight' is an expert param (declare_expert_param / the plan style "
+                          "ExpertParallel) but this buffer has no expert-data-parallel group"));
+    // With the group (here the DP group itself, as at expert_parallel_size 1): its own buffer and bucket.
+    SyncGroups groups{mesh["dp"], nullptr, 0, 1, nullptr, mesh["dp"]};
+    GradBuffer buffer(params, groups, one_bucket_per_param());
+    EXPECT_TRUE(buffer.is_expert(2));
+    EXPECT_FALSE(buffer.is_expert(1));
+    EXPECT_NE(buffer.layout().slots[2].buffer, buffer.layout().slots[1].buffer);
+    EXPECT_TRUE(buffer.bucket_reduction(buffer.layout().slots[2].bucket).expert);
+    auto partial = make_params();
+    declare_expert_param(partial[0].param);
+    set_placement(partial[0].param, Placement::partial_grad());
+    SyncGroups with_tp{mesh["dp"], mesh.world(), 0, 2, nullptr, mesh["dp"]};
+    EXPECT_THAT(error_of([&] { GradBuffer refused(partial, with_tp, one_bucket_per_param()); }),
+                HasSubstr("parameter 'layer0.weight' is an expert param whose gradient is partial over TP"));
+  });
+}

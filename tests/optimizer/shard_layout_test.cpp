@@ -78,3 +78,28 @@ TEST(ShardLayout, RejectsABucketNotPaddedForTheDpSize) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("not a multiple of the DP size 2"), std::string::npos);
   }
 }
+
+TEST(ShardLayout, ShardsEachBucketOverItsOwnGroupDenseOverDpExpertOverExpertDp) {
+  // p0 dense (200), p1 expert (100); DP 4, expert-DP 2: the dense bucket is cut in 4, the expert one in 2.
+  auto params = params_of({200, 100});
+  params[1].expert = true;
+  const auto layout = assign_buckets(params, LayoutConfig{size_t{1} << 20, true, 4, 2});
+  ASSERT_EQ(layout.buckets.size(), 2u);
+  std::vector<ShardOwner> owners(2);
+  for (int64_t b = 0; b < 2; ++b) {
+    const bool expert = layout.buffers[layout.buckets[b].buffer].key.expert;
+    owners[b] = expert ? ShardOwner{1, 2} : ShardOwner{3, 4};  // DP rank 3 is expert-DP rank 1
+  }
+  const auto shards = shard_buckets(layout, owners);
+  for (int64_t b = 0; b < 2; ++b) {
+    const BucketSpan& span = layout.buckets[b];
+    EXPECT_EQ(shards[b].numel, span.numel() / owners[b].size);
+    EXPECT_EQ(shards[b].begin, span.begin + owners[b].rank * shards[b].numel);
+  }
+  const int64_t expert_bucket = layout.slots[1].bucket;
+  EXPECT_EQ(layout.buckets[expert_bucket].numel(), 128);  // 100 padded to 2 * 64
+  ASSERT_EQ(shards[expert_bucket].segments.size(), 1u);   // elements [64, 100) of p1
+  EXPECT_EQ(shards[expert_bucket].segments[0].param_offset, 64);
+  EXPECT_EQ(shards[expert_bucket].segments[0].numel, 36);
+  EXPECT_THROW(shard_buckets(layout, std::vector<ShardOwner>(1)), c10::Error);  // one owner per bucket
+}

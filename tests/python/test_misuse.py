@@ -68,7 +68,8 @@ _FIELD_VALUES = {
         find_unused_parameters=True, use_distributed_optimizer=True, gradient_accumulation_fusion=False,
         check_for_nan_in_grad=True, comm_hook="bf16_compress", num_distributed_optimizer_instances=2,
         broadcast_from_rank0=False,
-        verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7),
+        verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
+        expert_parallel_size=2),
     meshddp.OptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
