@@ -18,8 +18,10 @@ inline std::vector<meshddp::PlanEntry> tp_plan(const Config& c) {
       {"blocks.*.attn.k", heads},
       {"blocks.*.attn.v", heads},
       {"blocks.*.attn.o", RowwiseParallel{}},  // back to full width (all-reduce / reduce-scatter)
-      {"blocks.*.mlp.fc1", ColwiseParallel{}},
-      {"blocks.*.mlp.fc2", RowwiseParallel{}},
+      // A mixture of experts splits each (local) expert like the dense MLP (expert tensor parallel =
+      // TP: the TP peers of an EP rank receive the same tokens); its router stays replicated.
+      {c.experts > 0 ? "blocks.*.moe.experts.*.fc1" : "blocks.*.mlp.fc1", ColwiseParallel{}},
+      {c.experts > 0 ? "blocks.*.moe.experts.*.fc2" : "blocks.*.mlp.fc2", RowwiseParallel{}},
       {"blocks.*.ln*", SequenceParallelNorm{}},  // under SP: norms on sequence shards, partial grads
       {"ln_f", SequenceParallelNorm{}},
   };

@@ -2,7 +2,9 @@
 // single-device code; gpt_plan.h parallelizes it over "tp"; DistributedDataParallel syncs gradients
 // over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism). --cp N adds a
 // context-parallel dim ("dp" x "cp" x "tp"): each CP rank holds a slice of every sequence and
-// gradients are averaged over DP x CP (docs/context_parallel.md).
+// gradients are averaged over DP x CP (docs/context_parallel.md). --experts E makes each block's MLP a
+// dropless mixture of E experts (top --top-k); --ep N spreads them over expert-parallel groups of N
+// ranks carved out of DP (x CP), tokens moving by all-to-all (docs/expert_parallel.md).
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -31,6 +33,7 @@ namespace {
 
 struct Flags {
   int64_t dp = 1, cp = 1, tp = 1;
+  int64_t ep = 1;  // expert-parallel size (--ep); the number of experts and top-k are in `model`
   bool sequence_parallel = false, distributed_optimizer = false;
   int64_t global_batch = 16;
   uint64_t seed = 0;
@@ -44,7 +47,7 @@ std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] "
              "[--global-batch N] "
-             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep N]] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
@@ -72,7 +75,36 @@ void validate(const Flags& f) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
                     (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
   }
+  if (m.experts == 0 && f.ep > 1) throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
+  if (m.experts > 0) {
+    if (m.top_k > m.experts)
+      throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
+    if (m.experts % f.ep != 0)
+      throw FlagError("--experts " + n(m.experts) + " must divide by --ep " + n(f.ep) + " (each EP rank holds E / ep)");
+    if ((f.dp * f.cp) % f.ep != 0) {
+      throw FlagError("--ep " + n(f.ep) + " must divide --dp " + n(f.dp) + (f.cp > 1 ? " x --cp " + n(f.cp) : "") +
+                      " (expert-parallel groups are carved out of the data-parallel ranks)");
+    }
+    if (f.sequence_parallel && f.tp > 1) {
+      throw FlagError(
+          "--sequence-parallel with --experts is not supported: the MoE layer routes whole tokens, which "
+          "sequence parallelism splits over TP; drop one of them (--experts works with --tp without it)");
+    }
+  }
   examples::validate_run_flags(f.run);
+}
+
+// TODO(lead-merge): with branch h23-expert-groups merged, this becomes `config.expert_parallel_size = ep;`
+// (DDP then reduces every declare_expert_param'd gradient over the expert-data-parallel group and keeps
+// each expert's own initial weights) and the checks below go. Until then DDP would average rank 0's
+// experts with rank 1's other experts, so an EP run is refused beyond its first step, whose loss (the
+// forward before any sync) is what this branch can check against one process.
+void set_expert_parallel_size(meshddp::DdpConfig& config, int64_t ep, int64_t steps) {
+  if (ep == 1) return;
+  TORCH_CHECK(steps == 1, "gpt_example: --ep ", ep,
+              " > 1 needs DDP's expert-parallel gradient sync (DdpConfig::expert_parallel_size), not in this build; "
+              "run --ep 1, or --steps 1 to check the first loss only");
+  config.broadcast_from_rank0 = false;  // every rank built the same weights from --seed; keep its own experts
 }
 
 Flags parse(int argc, char** argv) {
@@ -99,6 +131,12 @@ Flags parse(int argc, char** argv) {
         f.tp = parse_int_flag(arg, v, 1);
       else if (arg == "--cp")
         f.cp = parse_int_flag(arg, v, 1);
+      else if (arg == "--ep")
+        f.ep = parse_int_flag(arg, v, 1);
+      else if (arg == "--experts")
+        f.model.experts = parse_int_flag(arg, v, 0);
+      else if (arg == "--top-k")
+        f.model.top_k = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
       else if (arg == "--seed")
@@ -144,16 +182,31 @@ int main(int argc, char** argv) {
                  : meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
-    torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
+    torch::manual_seed(f.seed);  // every rank builds the full model (all experts), then keeps its shards
     gpt::Gpt model(f.model);
-    meshddp::parallelize(*model, mesh, gpt::tp_plan(f.model), {.sequence_parallel = f.sequence_parallel});
-    if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
-    meshddp::DdpConfig config;
-    config.use_distributed_optimizer = f.distributed_optimizer;
-    config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
     const std::vector<std::string> dp_dims =
         f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+    // Expert parallel: blocks of --ep consecutive DP (x CP) ranks, TP fixed (mesh/reduction_groups.h).
+    c10::intrusive_ptr<c10d::ProcessGroup> ep_group;
+    if (f.ep > 1) {
+      const std::vector<int64_t> sizes = f.cp > 1 ? std::vector<int64_t>{f.dp, f.cp, f.tp} : std::vector<int64_t>{f.dp, f.tp};
+      const std::vector<std::string> names =
+          f.cp > 1 ? std::vector<std::string>{"dp", "cp", "tp"} : std::vector<std::string>{"dp", "tp"};
+      ep_group = mesh.group_of("ep", meshddp::expert_parallel_groups(sizes, names, dp_dims, f.ep));
+      model->set_expert_parallel(ep_group.get());
+    }
+    meshddp::parallelize(*model, mesh, gpt::tp_plan(f.model), {.sequence_parallel = f.sequence_parallel});
+    if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
+    // The experts' weights (each held by one rank of each EP group): DDP reduces their gradients over
+    // the expert-data-parallel group, the router's and all dense ones over DP (x CP).
+    for (const auto& named : model->named_parameters()) {
+      if (named.key().find(".moe.experts.") != std::string::npos) meshddp::declare_expert_param(named.value());
+    }
+    meshddp::DdpConfig config;
+    config.use_distributed_optimizer = f.distributed_optimizer;
+    config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
+    set_expert_parallel_size(config, f.ep, f.run.steps);
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
@@ -186,8 +239,11 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
-      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
-                   mesh.describe().c_str(), f.sequence_parallel ? ", sequence parallel" : "",
+      const std::string moe = f.model.experts > 0 ? ", " + std::to_string(f.model.experts) + " experts (top-" +
+                                                        std::to_string(f.model.top_k) + ", ep " + std::to_string(f.ep) + ")"
+                                                  : std::string();
+      std::fprintf(stderr, "# gpt: %s%s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
+                   mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }
