@@ -44,8 +44,8 @@ at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& output_sp
   if (group == nullptr || group->getSize() == 1) {
     const std::vector<int64_t> all{x.dim() ? x.size(0) : -1};
     TORCH_CHECK(output_splits == all && input_splits == all, "expert parallel all_to_all on one rank: splits ",
-                c10::IntArrayRef(output_splits), " / ", c10::IntArrayRef(input_splits),
-                " must both be {x.size(0)} = {", all[0], "}");
+                c10::IntArrayRef(output_splits), " / ", c10::IntArrayRef(input_splits), " must both be {x.size(0)} = {",
+                all[0], "}");
     return x;
   }
   return AllToAll::apply(x, output_splits, input_splits, group);

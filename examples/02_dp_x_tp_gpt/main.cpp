@@ -47,7 +47,8 @@ std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer] [--optimizer adamw|sgd] "
              "[--global-batch N] "
-             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep N]] ") +
+             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
+             "N]] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
@@ -75,10 +76,10 @@ void validate(const Flags& f) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
                     (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
   }
-  if (m.experts == 0 && f.ep > 1) throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
+  if (m.experts == 0 && f.ep > 1)
+    throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
   if (m.experts > 0) {
-    if (m.top_k > m.experts)
-      throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
+    if (m.top_k > m.experts) throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
     if (m.experts % f.ep != 0)
       throw FlagError("--experts " + n(m.experts) + " must divide by --ep " + n(f.ep) + " (each EP rank holds E / ep)");
     if ((f.dp * f.cp) % f.ep != 0) {
@@ -95,16 +96,14 @@ void validate(const Flags& f) {
 }
 
 // TODO(lead-merge): with branch h23-expert-groups merged, this becomes `config.expert_parallel_size = ep;`
-// (DDP then reduces every declare_expert_param'd gradient over the expert-data-parallel group and keeps
-// each expert's own initial weights) and the checks below go. Until then DDP would average rank 0's
-// experts with rank 1's other experts, so an EP run is refused beyond its first step, whose loss (the
-// forward before any sync) is what this branch can check against one process.
-void set_expert_parallel_size(meshddp::DdpConfig& config, int64_t ep, int64_t steps) {
-  if (ep == 1) return;
-  TORCH_CHECK(steps == 1, "gpt_example: --ep ", ep,
-              " > 1 needs DDP's expert-parallel gradient sync (DdpConfig::expert_parallel_size), not in this build; "
-              "run --ep 1, or --steps 1 to check the first loss only");
-  config.broadcast_from_rank0 = false;  // every rank built the same weights from --seed; keep its own experts
+// (DDP then reduces every declare_expert_param'd gradient over the expert-data-parallel group, and
+// checks and broadcasts expert params within it) and the refusal goes. Until then DDP (rightly) refuses
+// a model whose experts differ across DP ranks.
+void set_expert_parallel_size(meshddp::DdpConfig& config, int64_t ep) {
+  (void)config;
+  TORCH_CHECK(ep == 1, "gpt_example: --ep ", ep,
+              " > 1 needs DDP's expert-parallel gradient sync (DdpConfig::expert_parallel_size), which this build "
+              "does not have yet; run with --ep 1 (all experts on every rank)");
 }
 
 Flags parse(int argc, char** argv) {
@@ -190,7 +189,8 @@ int main(int argc, char** argv) {
     // Expert parallel: blocks of --ep consecutive DP (x CP) ranks, TP fixed (mesh/reduction_groups.h).
     c10::intrusive_ptr<c10d::ProcessGroup> ep_group;
     if (f.ep > 1) {
-      const std::vector<int64_t> sizes = f.cp > 1 ? std::vector<int64_t>{f.dp, f.cp, f.tp} : std::vector<int64_t>{f.dp, f.tp};
+      const std::vector<int64_t> sizes =
+          f.cp > 1 ? std::vector<int64_t>{f.dp, f.cp, f.tp} : std::vector<int64_t>{f.dp, f.tp};
       const std::vector<std::string> names =
           f.cp > 1 ? std::vector<std::string>{"dp", "cp", "tp"} : std::vector<std::string>{"dp", "tp"};
       ep_group = mesh.group_of("ep", meshddp::expert_parallel_groups(sizes, names, dp_dims, f.ep));
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;  // ZeRO-1 skips such steps instead
-    set_expert_parallel_size(config, f.ep, f.run.steps);
+    set_expert_parallel_size(config, f.ep);
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
@@ -239,9 +239,10 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
-      const std::string moe = f.model.experts > 0 ? ", " + std::to_string(f.model.experts) + " experts (top-" +
-                                                        std::to_string(f.model.top_k) + ", ep " + std::to_string(f.ep) + ")"
-                                                  : std::string();
+      const std::string moe = f.model.experts > 0
+                                  ? ", " + std::to_string(f.model.experts) + " experts (top-" +
+                                        std::to_string(f.model.top_k) + ", ep " + std::to_string(f.ep) + ")"
+                                  : std::string();
       std::fprintf(stderr, "# gpt: %s%s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
                    mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),

@@ -6,11 +6,12 @@
 // Tolerance: the all-to-all moves bits, so it must be exact. The MoE layer on EP ranks computes each
 // token's output from the same rows in the same order as one process, but its matmuls see fewer rows,
 // which may change how BLAS blocks them: outputs and gradients asserted within 1e-6 (measured: printed).
+#include "tp/expert_parallel.h"
+
 #include "examples/02_dp_x_tp_gpt/moe.h"
 #include "mesh/all_to_all.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
-#include "tp/expert_parallel.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
