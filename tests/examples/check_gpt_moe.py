@@ -9,10 +9,13 @@ expert-data-parallel group: DdpConfig::expert_parallel_size).
 
 Tolerance: rtol 1e-5 over 10 steps, as check_gpt_example.py: the runs differ only in how fp32 sums are
 split (router and expert matmuls over fewer rows, DP means, TP partial sums), ~1e-7 per step. Measured
-max relative differences are printed: 1.2e-7 (dp2), 1.4e-7 (dp2 x tp2). At EP 2 the step-0 loss (the
-forward through the all-to-alls, before any gradient sync) differed from the one-process loss by
-<= 5.7e-8 relative (dp2, dp4, dp2 x tp2, dp2 x cp2). Broken on purpose: experts in a different
-order on return (the tokens' outputs not put back in token order) moves step 0's loss by 2.5e-2."""
+max relative differences (printed): 6.2e-8 (dp2), 1.2e-7 (dp2 x tp2). At EP 2 the step-0 loss (the
+forward through the all-to-alls, before any gradient sync matters) differed from the one-process loss
+by <= 5.7e-8 relative (dp2, dp4, dp2 x tp2, dp2 x cp2; measured with DDP's model-agreement checks
+disabled by hand, before the expert-DP sync existed). Broken on purpose: a router normalised over the
+batch (softmax over tokens, not experts) moves dp2's step 1 by 1.8e-4; received rows handed to the
+local experts source-major instead of expert-major (tp::route_to_experts) moves EP 2's step 0 by
+3.5e-4 (dp2) and 2.4e-4 (dp4)."""
 import sys
 
 from torchrun_losses import run_losses
