@@ -42,7 +42,7 @@ torch::Tensor weights_on(int64_t dst, int64_t rows) {
 
 }  // namespace
 
-TEST(ExpertParallel, RouteCountsSplitsAndOrdersReceivedRowsExpertMajor) {
+TEST(ExpertTokenExchange, RouteCountsSplitsAndOrdersReceivedRowsExpertMajor) {
   // 4 experts over 2 EP ranks; this rank holds experts 0 and 1. It sends 1 row to expert 0, 2 to
   // expert 2 and 3 to expert 3; it receives 1 + 2 rows (experts 0, 1) from rank 0, 2 + 1 from rank 1.
   const tp::ExpertRoute route = tp::route_to_experts({1, 0, 2, 3}, {1, 2, 2, 1}, 2);
@@ -53,14 +53,14 @@ TEST(ExpertParallel, RouteCountsSplitsAndOrdersReceivedRowsExpertMajor) {
   EXPECT_EQ(route.expert_major, (std::vector<int64_t>{0, 3, 4, 1, 2, 5}));
 }
 
-TEST(ExpertParallel, RouteRefusesExpertsThatDoNotDivideOverEp) {
+TEST(ExpertTokenExchange, RouteRefusesExpertsThatDoNotDivideOverEp) {
   EXPECT_THAT(error_of([] { tp::route_to_experts({1, 2, 3}, {1, 2, 3}, 2); }),
               HasSubstr("3 experts do not divide over an EP group of 2 ranks"));
   EXPECT_THAT(error_of([] { tp::route_to_experts({1, 2, 3, 4}, {1, 2, 3}, 2); }),
               HasSubstr("received counts have 3 entries, expected EP size 2 x experts per rank 2"));
 }
 
-TEST(ExpertParallel, AllToAllMatchesLocalGoldenForwardAndBackwardOnFourRanks) {
+TEST(ExpertTokenExchange, AllToAllMatchesLocalGoldenForwardAndBackwardOnFourRanks) {
   constexpr int64_t kRanks = 4;
   run_on_mesh({kRanks}, {"ep"}, [](DeviceMesh& mesh) {
     const int64_t me = mesh.rank();
@@ -90,7 +90,7 @@ TEST(ExpertParallel, AllToAllMatchesLocalGoldenForwardAndBackwardOnFourRanks) {
   });
 }
 
-TEST(ExpertParallel, AllToAllNamesSplitsThatDoNotFitTheTensor) {
+TEST(ExpertTokenExchange, AllToAllNamesSplitsThatDoNotFitTheTensor) {
   run_on_mesh({2}, {"ep"}, [](DeviceMesh& mesh) {
     const auto x = torch::zeros({3, kWidth});
     EXPECT_THAT(error_of([&] { tp::all_to_all(x, {1, 1}, {1, 1}, mesh["ep"].get()); }),
@@ -125,7 +125,7 @@ torch::Tensor output_weights_of(int64_t rank) {
 
 }  // namespace
 
-TEST(ExpertParallel, MoeOnTwoEpRanksMatchesAllExpertsInOneProcess) {
+TEST(ExpertTokenExchange, MoeOnTwoEpRanksMatchesAllExpertsInOneProcess) {
   // The golden: both ranks' tokens through one layer holding all 4 experts.
   gpt::Moe golden = build_moe();
   const auto out = golden->forward(torch::cat({tokens_of(0), tokens_of(1)}));
