@@ -4,8 +4,11 @@
 // from the projection's width / head_dim, the sequence length from q), so the same code runs on one
 // device, on TP shards, and on sequence shards. Context parallel (set_context_parallel): each rank of
 // the CP group holds a contiguous slice of every sequence; positions are global and attention
-// all-gathers keys and values over CP (docs/context_parallel.md).
+// all-gathers keys and values over CP (docs/context_parallel.md). With experts > 0 each block's MLP is
+// a dropless mixture of experts (moe.h; expert parallel: set_expert_parallel, docs/expert_parallel.md).
 #pragma once
+
+#include "examples/02_dp_x_tp_gpt/moe.h"
 
 #include <torch/torch.h>
 
@@ -25,6 +28,11 @@ struct Config {
   // embedding's tensor, registered under both names (how C++ models usually tie weights). Same
   // math as wte->unembed(); DDP must see one parameter.
   bool lm_head_module = false;
+  // Mixture of experts: 0 = a dense MLP per block; E > 0 = an MoE layer of E experts (each an MLP of
+  // the same shape) per block ("blocks.<l>.moe.router", "blocks.<l>.moe.experts.<e>.fc1"), each
+  // token going to its top_k experts.
+  int64_t experts = 0;
+  int64_t top_k = 2;
   int64_t head_dim() const { return dim / heads; }
 };
 
@@ -69,29 +77,25 @@ struct AttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-struct MlpImpl : torch::nn::Module {
-  MlpImpl(const Config& c)
-      : fc1(register_module("fc1", meshddp::tp::Linear(c.dim, c.dim * c.mlp_ratio))),
-        fc2(register_module("fc2", meshddp::tp::Linear(c.dim * c.mlp_ratio, c.dim))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
-  meshddp::tp::Linear fc1, fc2;
-};
-TORCH_MODULE(Mlp);
-
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const Config& c)
       : ln1(register_module("ln1", meshddp::tp::LayerNorm(c.dim))),
         attn(register_module("attn", Attention(c))),
-        ln2(register_module("ln2", meshddp::tp::LayerNorm(c.dim))),
-        mlp(register_module("mlp", Mlp(c))) {}
+        ln2(register_module("ln2", meshddp::tp::LayerNorm(c.dim))) {
+    if (c.experts > 0)
+      moe = register_module("moe", Moe(c.dim, c.dim * c.mlp_ratio, c.experts, c.top_k));
+    else
+      mlp = register_module("mlp", Mlp(c.dim, c.dim * c.mlp_ratio));
+  }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
-    return x + mlp(ln2(x));
+    return x + (moe ? moe(ln2(x)) : mlp(ln2(x)));
   }
   meshddp::tp::LayerNorm ln1;
   Attention attn;
   meshddp::tp::LayerNorm ln2;
-  Mlp mlp;
+  Mlp mlp{nullptr};  // the dense MLP (experts == 0)
+  Moe moe{nullptr};  // or the mixture of experts
 };
 TORCH_MODULE(Block);
 
@@ -109,6 +113,13 @@ struct GptImpl : torch::nn::Module {
   void set_context_parallel(meshddp::tp::Group* group) {
     cp = group;
     for (const auto& block : *blocks) block->as<BlockImpl>()->attn->cp = group;
+  }
+  // Expert parallel over `group` (kept by pointer; must outlive the model): each MoE layer keeps its
+  // block of the experts (MoeImpl::set_expert_parallel). No-op without experts.
+  void set_expert_parallel(meshddp::tp::Group* group) {
+    for (const auto& block : *blocks) {
+      if (auto& moe = block->as<BlockImpl>()->moe) moe->set_expert_parallel(group);
+    }
   }
   // ids [B, T] -> logits [B, T, vocab] (this rank's vocab shard once parallelized).
   torch::Tensor forward(const torch::Tensor& ids) {

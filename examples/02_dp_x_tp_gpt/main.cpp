@@ -2,7 +2,9 @@
 // single-device code; gpt_plan.h parallelizes it over "tp"; DistributedDataParallel syncs gradients
 // over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism). --cp N adds a
 // context-parallel dim ("dp" x "cp" x "tp"): each CP rank holds a slice of every sequence and
-// gradients are averaged over DP x CP (docs/context_parallel.md).
+// gradients are averaged over DP x CP (docs/context_parallel.md). --experts E makes each block's MLP a
+// dropless mixture of E experts (top --top-k); --ep N spreads them over expert-parallel groups of N
+// ranks carved out of DP (x CP), tokens moving by all-to-all (docs/expert_parallel.md).
 // --distributed-optimizer --optimizer-instances K shards the optimizer within K instances of DP(xCP)/K
 // ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
 //
@@ -33,9 +35,10 @@ namespace {
 
 struct Flags {
   int64_t dp = 1, cp = 1, tp = 1;
+  int64_t ep = 1;  // expert-parallel size (--ep); the number of experts and top-k are in `model`
   bool sequence_parallel = false, distributed_optimizer = false;
-  int64_t optimizer_instances =
-      1;  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
+  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
+  int64_t optimizer_instances = 1;
   int64_t global_batch = 16;
   uint64_t seed = 0;
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
@@ -49,7 +52,8 @@ std::string usage_line() {
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
              "[--optimizer adamw|sgd] "
              "[--global-batch N] "
-             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] ") +
+             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
+             "N]] ") +
          examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
@@ -76,6 +80,22 @@ void validate(const Flags& f) {
   if (f.sequence_parallel && m.seq_len % (f.cp * f.tp) != 0) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
                     (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
+  }
+  if (m.experts == 0 && f.ep > 1)
+    throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
+  if (m.experts > 0) {
+    if (m.top_k > m.experts) throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
+    if (m.experts % f.ep != 0)
+      throw FlagError("--experts " + n(m.experts) + " must divide by --ep " + n(f.ep) + " (each EP rank holds E / ep)");
+    if ((f.dp * f.cp) % f.ep != 0) {
+      throw FlagError("--ep " + n(f.ep) + " must divide --dp " + n(f.dp) + (f.cp > 1 ? " x --cp " + n(f.cp) : "") +
+                      " (expert-parallel groups are carved out of the data-parallel ranks)");
+    }
+    if (f.sequence_parallel && f.tp > 1) {
+      throw FlagError(
+          "--sequence-parallel with --experts is not supported: the MoE layer routes whole tokens, which "
+          "sequence parallelism splits over TP; drop one of them (--experts works with --tp without it)");
+    }
   }
   examples::validate_run_flags(f.run);
 }
@@ -106,6 +126,12 @@ Flags parse(int argc, char** argv) {
         f.cp = parse_int_flag(arg, v, 1);
       else if (arg == "--optimizer-instances")
         f.optimizer_instances = parse_int_flag(arg, v, 1);
+      else if (arg == "--ep")
+        f.ep = parse_int_flag(arg, v, 1);
+      else if (arg == "--experts")
+        f.model.experts = parse_int_flag(arg, v, 0);
+      else if (arg == "--top-k")
+        f.model.top_k = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
       else if (arg == "--seed")
@@ -151,17 +177,28 @@ int main(int argc, char** argv) {
                  : meshddp::DeviceMesh::from_env({f.dp, f.tp}, {"dp", "tp"}, examples::mesh_options(f.run));
     examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
 
-    torch::manual_seed(f.seed);  // every rank builds the full model, then keeps its shards
+    torch::manual_seed(f.seed);  // every rank builds the full model (all experts), then keeps its shards
     gpt::Gpt model(f.model);
+    // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
+    const std::vector<std::string> dp_dims =
+        f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+    // Expert parallel: blocks of --ep consecutive DP (x CP) ranks, TP fixed (mesh/reduction_groups.h).
+    c10::intrusive_ptr<c10d::ProcessGroup> ep_group;
+    if (f.ep > 1) {
+      const std::vector<int64_t> sizes =
+          f.cp > 1 ? std::vector<int64_t>{f.dp, f.cp, f.tp} : std::vector<int64_t>{f.dp, f.tp};
+      const std::vector<std::string> names =
+          f.cp > 1 ? std::vector<std::string>{"dp", "cp", "tp"} : std::vector<std::string>{"dp", "tp"};
+      ep_group = mesh.group_of("ep", meshddp::expert_parallel_groups(sizes, names, dp_dims, f.ep));
+      model->set_expert_parallel(ep_group.get());
+    }
     meshddp::parallelize(*model, mesh, gpt::tp_plan(f.model), {.sequence_parallel = f.sequence_parallel});
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
-    // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
-    const std::vector<std::string> dp_dims =
-        f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+    config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
@@ -194,8 +231,12 @@ int main(int argc, char** argv) {
     if (mesh.rank() == 0) {
       int64_t n = 0;
       for (const auto& p : model->parameters()) n += p.numel();
-      std::fprintf(stderr, "# gpt: %s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
-                   mesh.describe().c_str(), f.sequence_parallel ? ", sequence parallel" : "",
+      const std::string moe = f.model.experts > 0
+                                  ? ", " + std::to_string(f.model.experts) + " experts (top-" +
+                                        std::to_string(f.model.top_k) + ", ep " + std::to_string(f.ep) + ")"
+                                  : std::string();
+      std::fprintf(stderr, "# gpt: %s%s%s%s, %lld params on rank 0, global batch %lld x %lld tokens\n",
+                   mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }

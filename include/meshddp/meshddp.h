@@ -20,7 +20,8 @@
 #include "plugin/training_checkpoint.h"
 
 // Tensor parallelism: layers, plans, the linear that writes its weight gradient into the buffer, and
-// the gradient norm and clipping over DP x TP (plain DDP).
+// the gradient norm and clipping over DP x TP (plain DDP); the all-to-all of expert parallelism.
+#include "tp/expert_parallel.h"
 #include "tp/grad_norm.h"
 #include "tp/linear_with_grad_in_buffer.h"
 #include "tp/parallelize.h"

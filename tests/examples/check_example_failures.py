@@ -34,6 +34,12 @@ for binary, args, message in (
     (gpt_binary, ["--lr", "nan"], "--lr: 'nan' is out of range"),
     (gpt_binary, ["--inject-nan", "3"], "--inject-nan: '3' is not STEP:RANK"),
     (gpt_binary, ["--lr-decay-style", "cosin"], "--lr-decay-style: 'cosin' is not one of constant, linear, cosine"),
+    (gpt_binary, ["--ep", "2"], "--ep 2 needs --experts"),
+    (gpt_binary, ["--experts", "2", "--top-k", "3"], "--top-k 3 must be at most --experts 2"),
+    (gpt_binary, ["--experts", "4", "--dp", "3", "--global-batch", "12", "--ep", "3"], "--experts 4 must divide by --ep 3"),
+    (gpt_binary, ["--experts", "4", "--dp", "1", "--ep", "2"], "--ep 2 must divide --dp 1 (expert-parallel groups"),
+    (gpt_binary, ["--experts", "4", "--tp", "2", "--sequence-parallel"],
+     "--sequence-parallel with --experts is not supported"),
     (ddp_binary, ["--global-batch", "-4"], "--global-batch must be in [1, ...], got -4"),
     (ddp_binary, ["--log-interval", "2.5"], "--log-interval: '2.5' is not an integer"),
 ):
