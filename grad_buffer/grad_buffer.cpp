@@ -394,7 +394,7 @@ void GradBuffer::launch_bucket(int64_t b) {
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b)};
+  CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b), {}};
   if (counts_nonfinite()) {
     // The local values (the collective replaces them), or what the hook sends instead (its cast).
     // The counts are members, on the current stream, which the collective's stream waits for at
