@@ -323,7 +323,7 @@ TEST(GradBuffer, RefusesAnExpertParamWithoutAnExpertDpGroupOrWithATpPartialGradi
                 HasSubstr("parameter 'layer2.weight' is an expert param (declare_expert_param / the plan style "
                           "ExpertParallel) but this buffer has no expert-data-parallel group"));
     // With the group (here the DP group itself, as at expert_parallel_size 1): its own buffer and bucket.
-    SyncGroups groups{mesh["dp"], nullptr, 0, 1, nullptr, mesh["dp"]};
+    SyncGroups groups{.dp = mesh["dp"], .world = nullptr, .expert_dp = mesh["dp"]};
     GradBuffer buffer(params, groups, one_bucket_per_param());
     EXPECT_TRUE(buffer.is_expert(2));
     EXPECT_FALSE(buffer.is_expert(1));
@@ -332,7 +332,7 @@ TEST(GradBuffer, RefusesAnExpertParamWithoutAnExpertDpGroupOrWithATpPartialGradi
     auto partial = make_params();
     declare_expert_param(partial[0].param);
     set_placement(partial[0].param, Placement::partial_grad());
-    SyncGroups with_tp{mesh["dp"], mesh.world(), 0, 2, nullptr, mesh["dp"]};
+    SyncGroups with_tp{.dp = mesh["dp"], .world = mesh.world(), .tp_rank = 0, .tp_size = 2, .expert_dp = mesh["dp"]};
     EXPECT_THAT(error_of([&] { GradBuffer refused(partial, with_tp, one_bucket_per_param()); }),
                 HasSubstr("parameter 'layer0.weight' is an expert param whose gradient is partial over TP"));
   });
