@@ -114,6 +114,13 @@ void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::stri
   const int64_t k = config.num_distributed_optimizer_instances;
   config.validate();  // K >= 1 with the distributed optimizer, before any group is made
   config.check_combination();
+  // K agrees on every rank before any rank makes the instance groups: a rank with K = 1 would skip
+  // their rendezvous (and a rank with another K ask for other groups), leaving the others to wait
+  // there until the store timeout. init()'s settings check comes too late for that.
+  c10d::ProcessGroup& agreement = groups.world ? *groups.world : *groups.dp;
+  ensure_cpu_backend(agreement, "DistributedDataParallel");
+  verify_same_settings_across_ranks(agreement, {{"num_distributed_optimizer_instances", std::to_string(k)}},
+                                    "DistributedDataParallel", "the hierarchical ZeRO-1 settings");
   if (k == 1) return;
   const std::string name = flattened_dims_name(dp_dims);
   const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);

@@ -374,3 +374,19 @@ TEST(ExpertParallel, CheckpointRoundTripWithExpertsResumesAtTheSameAndAnotherEpS
   }
   remove_dir(dir);
 }
+
+// Rank 0 declares its experts, the others forget to: the others would broadcast and reduce the
+// experts over DP while rank 0 waits in the expert-DP group. Every rank must fail, naming the setting.
+TEST(ExpertParallel, RanksThatDisagreeOnWhichParamsAreExpertsFailOnEveryRank) {
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    MoeToy model = make_model(experts_of(mesh.rank() % 2, 2), 0, 0);
+    if (mesh.rank() == 0) {
+      for (auto& p : model->experts->parameters()) declare_expert_param(p);
+    }
+    DdpConfig config;
+    config.expert_parallel_size = 2;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                testing::HasSubstr("expert params"))
+        << "rank " << mesh.rank();
+  });
+}
