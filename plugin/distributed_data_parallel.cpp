@@ -246,12 +246,6 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
                      const ExpertGroupMaker& expert_group) {
   config_.validate();
-  const int64_t ep = config_.expert_parallel_size;
-  TORCH_CHECK(dp_group_->getSize() % ep == 0, "DistributedDataParallel: DdpConfig::expert_parallel_size = ", ep,
-              " does not divide the data-parallel size ", dp_group_->getSize(),
-              " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
-              " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
-              dp_group_->getSize(), ", or change the mesh");
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
@@ -261,6 +255,14 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   const bool has_experts = has_expert_params(params);
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
+  // After the agreement (it compares expert_parallel_size and the DP size): every rank reaches the same
+  // verdict, rather than one failing alone while the others wait in the settings check.
+  const int64_t ep = config_.expert_parallel_size;
+  TORCH_CHECK(dp_group_->getSize() % ep == 0, "DistributedDataParallel: DdpConfig::expert_parallel_size = ", ep,
+              " does not divide the data-parallel size ", dp_group_->getSize(),
+              " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
+              " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
+              dp_group_->getSize(), ", or change the mesh");
   // Expert params are held by their expert-data-parallel group only: they are checked, broadcast and
   // reduced within it; dense params within DP.
   std::vector<int64_t> expert_global_ranks;

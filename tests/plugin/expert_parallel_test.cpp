@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <map>
 
 using namespace meshddp;
@@ -389,4 +390,21 @@ TEST(ExpertParallel, RanksThatDisagreeOnWhichParamsAreExpertsFailOnEveryRank) {
                 testing::HasSubstr("expert params"))
         << "rank " << mesh.rank();
   });
+}
+
+// Rank 0 asks for EP 3 (not dividing dp 4), the others for EP 2: rank 0's own check must not leave
+// the others waiting in the settings agreement. Every rank fails at once, naming the field.
+TEST(ExpertParallel, RanksThatDisagreeOnTheExpertParallelSizeFailOnEveryRankAtOnce) {
+  const auto start = std::chrono::steady_clock::now();
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    MoeToy model = make_model(experts_of(mesh.rank() % 2, 2), 0, 0);
+    for (auto& p : model->experts->parameters()) declare_expert_param(p);
+    DdpConfig config;
+    config.expert_parallel_size = mesh.rank() == 0 ? 3 : 2;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                testing::HasSubstr("expert_parallel_size"))
+        << "rank " << mesh.rank();
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0)
+      << "the ranks waited on each other instead of failing at once";
 }
