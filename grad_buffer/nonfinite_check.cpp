@@ -132,7 +132,8 @@ void GradBuffer::raise_if_nonfinite() {
        all_gather_strings(groups_.stats_group(), mine.str(), "the non-finite gradient report", device)) {
     report << lines;
   }
-  report << "The reduced gradients are non-finite on every rank; do not step the optimizer. Look for a too-large "
+  report << "The reduced gradients of these params are non-finite on every rank that holds them; do not step the "
+            "optimizer. Look for a too-large "
             "learning rate, an overflow in that rank's forward/backward, or a bad batch on that rank";
   TORCH_CHECK(false, report.str());
 }

@@ -1,11 +1,14 @@
 #include "mesh/all_to_all.h"
 
 #include "mesh/collective_progress.h"
+#include "mesh/collectives.h"
+#include "mesh/switches.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <numeric>
+#include <sstream>
 
 namespace meshddp {
 namespace {
@@ -27,6 +30,36 @@ void check_splits(const c10d::ProcessGroup& group, const std::vector<int64_t>& s
               " sum to ", total, " rows, but the ", role, " tensor has sizes ", t.sizes());
 }
 
+// MESHDDP_DEBUG_SYNC: every rank's splits on every rank, then the same verdict everywhere: what rank i
+// sends to rank j (its input_splits[j]) must be what j expects from i (its output_splits[i]). Splits
+// that fit each rank's tensors but disagree across ranks are otherwise caught by no check: Gloo aborts
+// the receiving process from its own thread ("Received data size doesn't match expected size"), NCCL
+// hangs or reads garbage.
+void check_splits_agree(c10d::ProcessGroup& group, const std::vector<int64_t>& output_splits,
+                        const std::vector<int64_t>& input_splits, const c10::Device& device, const std::string& what) {
+  std::ostringstream mine;
+  for (int64_t s : input_splits) mine << s << ' ';
+  for (int64_t s : output_splits) mine << s << ' ';
+  const auto all =
+      all_gather_strings(group, mine.str(), "the MESHDDP_DEBUG_SYNC check of the all-to-all of " + what, device);
+  const auto n = static_cast<size_t>(group.getSize());
+  std::vector<std::vector<int64_t>> in(n, std::vector<int64_t>(n)), out(n, std::vector<int64_t>(n));
+  for (size_t r = 0; r < n; ++r) {
+    std::istringstream words(all[r]);
+    for (auto& v : in[r]) words >> v;
+    for (auto& v : out[r]) words >> v;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      TORCH_CHECK(in[i][j] == out[j][i], prefix(group, what), "group rank ", i, " sends ", in[i][j],
+                  " rows to group rank ", j, " (its input splits ", c10::IntArrayRef(in[i]), "), but rank ", j,
+                  " expects ", out[j][i], " from it (its output splits ", c10::IntArrayRef(out[j]),
+                  "); every rank's output_splits[i] must be rank i's input_splits for it (exchange the counts ",
+                  "first, e.g. all_to_all_counts) (this is group rank ", group.getRank(), ")");
+    }
+  }
+}
+
 }  // namespace
 
 Work all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
@@ -43,6 +76,7 @@ Work all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& output, const 
               " must share dtype, device and row shape (sizes after dim 0)");
   check_splits(group, output_splits, output, "output", what);
   check_splits(group, input_splits, input, "input", what);
+  if (switch_on(Switch::kDebugSync)) check_splits_agree(group, output_splits, input_splits, input.device(), what);
   at::Tensor out = output, in = input;
   std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;
   Work work = group.alltoall_base(out, in, out_splits, in_splits, c10d::AllToAllOptions());

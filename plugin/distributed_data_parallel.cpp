@@ -114,6 +114,13 @@ void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::stri
   const int64_t k = config.num_distributed_optimizer_instances;
   config.validate();  // K >= 1 with the distributed optimizer, before any group is made
   config.check_combination();
+  // K agrees on every rank before any rank makes the instance groups: a rank with K = 1 would skip
+  // their rendezvous (and a rank with another K ask for other groups), leaving the others to wait
+  // there until the store timeout. init()'s settings check comes too late for that.
+  c10d::ProcessGroup& agreement = groups.world ? *groups.world : *groups.dp;
+  ensure_cpu_backend(agreement, "DistributedDataParallel");
+  verify_same_settings_across_ranks(agreement, {{"num_distributed_optimizer_instances", std::to_string(k)}},
+                                    "DistributedDataParallel", "the hierarchical ZeRO-1 settings");
   if (k == 1) return;
   const std::string name = flattened_dims_name(dp_dims);
   const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);
@@ -239,12 +246,6 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
                      const ExpertGroupMaker& expert_group) {
   config_.validate();
-  const int64_t ep = config_.expert_parallel_size;
-  TORCH_CHECK(dp_group_->getSize() % ep == 0, "DistributedDataParallel: DdpConfig::expert_parallel_size = ", ep,
-              " does not divide the data-parallel size ", dp_group_->getSize(),
-              " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
-              " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
-              dp_group_->getSize(), ", or change the mesh");
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
@@ -254,6 +255,14 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   const bool has_experts = has_expert_params(params);
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
+  // After the agreement (it compares expert_parallel_size and the DP size): every rank reaches the same
+  // verdict, rather than one failing alone while the others wait in the settings check.
+  const int64_t ep = config_.expert_parallel_size;
+  TORCH_CHECK(dp_group_->getSize() % ep == 0, "DistributedDataParallel: DdpConfig::expert_parallel_size = ", ep,
+              " does not divide the data-parallel size ", dp_group_->getSize(),
+              " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
+              " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
+              dp_group_->getSize(), ", or change the mesh");
   // Expert params are held by their expert-data-parallel group only: they are checked, broadcast and
   // reduced within it; dense params within DP.
   std::vector<int64_t> expert_global_ranks;

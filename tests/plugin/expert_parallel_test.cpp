@@ -27,6 +27,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cmath>
 #include <map>
 
 using namespace meshddp;
@@ -373,4 +375,60 @@ TEST(ExpertParallel, CheckpointRoundTripWithExpertsResumesAtTheSameAndAnotherEpS
     }
   }
   remove_dir(dir);
+}
+
+// Rank 0 declares its experts, the others forget to: the others would broadcast and reduce the
+// experts over DP while rank 0 waits in the expert-DP group. Every rank must fail, naming the setting.
+TEST(ExpertParallel, RanksThatDisagreeOnWhichParamsAreExpertsFailOnEveryRank) {
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    MoeToy model = make_model(experts_of(mesh.rank() % 2, 2), 0, 0);
+    if (mesh.rank() == 0) {
+      for (auto& p : model->experts->parameters()) declare_expert_param(p);
+    }
+    DdpConfig config;
+    config.expert_parallel_size = 2;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                testing::HasSubstr("expert params"))
+        << "rank " << mesh.rank();
+  });
+}
+
+// Rank 0 asks for EP 3 (not dividing dp 4), the others for EP 2: rank 0's own check must not leave
+// the others waiting in the settings agreement. Every rank fails at once, naming the field.
+TEST(ExpertParallel, RanksThatDisagreeOnTheExpertParallelSizeFailOnEveryRankAtOnce) {
+  const auto start = std::chrono::steady_clock::now();
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    MoeToy model = make_model(experts_of(mesh.rank() % 2, 2), 0, 0);
+    for (auto& p : model->experts->parameters()) declare_expert_param(p);
+    DdpConfig config;
+    config.expert_parallel_size = mesh.rank() == 0 ? 3 : 2;
+    EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, "dp", config); }),
+                testing::HasSubstr("expert_parallel_size"))
+        << "rank " << mesh.rank();
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0)
+      << "the ranks waited on each other instead of failing at once";
+}
+
+// A NaN in one expert's gradient on one rank, with check_for_nan_in_grad: every rank throws (the check
+// spans the mesh, not just that expert's expert-DP group), naming the expert param and the rank.
+TEST(ExpertParallel, NanInOneExpertGradientIsNamedWithItsRankOnEveryRank) {
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    MoeToy model = make_model(experts_of(mesh.rank() % 2, 2), 0, 0);
+    for (auto& p : model->experts->parameters()) declare_expert_param(p);
+    DdpConfig config;
+    config.expert_parallel_size = 2;
+    config.check_for_nan_in_grad = true;
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
+    torch::Tensor loss = torch::zeros({});
+    for (auto& p : model->parameters()) loss = loss + p.square().sum();
+    if (mesh.rank() == 3) loss = loss + model->by_index.at(2)->parameters().front().sum() * NAN;
+    const std::string error = error_of([&] {
+      loss.backward();
+      ddp.finish_grad_sync();
+    });
+    EXPECT_THAT(error, testing::HasSubstr("rank 3 (DP rank 3): parameter 'experts.2.")) << "rank " << mesh.rank();
+    EXPECT_THAT(error, testing::HasSubstr("non-finite on every rank that holds them")) << "rank " << mesh.rank();
+    if (mesh.rank() == 0) std::cout << "[ " << error.substr(0, 700) << " ]" << std::endl;
+  });
 }

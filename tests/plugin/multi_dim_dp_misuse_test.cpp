@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -109,6 +110,30 @@ TEST(DistributedDataParallelOverDpAndCp, RanksThatDisagreeOnTheDpDimsFailOnEvery
   });
   for (const auto& [rank, error] : errors) {
     EXPECT_THAT(error, testing::HasSubstr("DistributedDataParallel")) << "rank " << rank << " built its DDP";
+    std::cout << "[ rank " << rank << ": " << error.substr(0, 400) << " ]" << std::endl;
+  }
+}
+
+// Rank 0 asks for 2 optimizer instances, the others for 1: rank 0 alone would make the instance groups
+// (a rendezvous the others never join) while the others wait in the settings check. Every rank must
+// get an error naming the setting, promptly, none hang.
+TEST(DistributedDataParallelOverDpAndCp, RanksThatDisagreeOnTheOptimizerInstancesFailOnEveryRank) {
+  std::map<int64_t, std::string> errors;
+  std::mutex mutex;
+  const auto start = std::chrono::steady_clock::now();
+  run_on_mesh({4, 1, 1}, {"dp", "cp", "tp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kSeed, kIn, kHidden, kOut);
+    DdpConfig config;
+    config.use_distributed_optimizer = true;
+    config.num_distributed_optimizer_instances = mesh.rank() == 0 ? 2 : 1;
+    std::string error = error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh, {"dp", "cp"}, config); });
+    std::lock_guard<std::mutex> lock(mutex);
+    errors[mesh.rank()] = error;
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 30.0) << "the ranks waited on each other instead of failing at once";
+  for (const auto& [rank, error] : errors) {
+    EXPECT_THAT(error, testing::HasSubstr("num_distributed_optimizer_instances")) << "rank " << rank;
     std::cout << "[ rank " << rank << ": " << error.substr(0, 400) << " ]" << std::endl;
   }
 }

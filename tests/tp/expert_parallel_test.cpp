@@ -11,6 +11,7 @@
 
 #include "examples/02_dp_x_tp_gpt/moe.h"
 #include "mesh/all_to_all.h"
+#include "mesh/switches.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 
@@ -166,4 +167,21 @@ TEST(ExpertTokenExchange, MoeOnTwoEpRanksMatchesAllExpertsInOneProcess) {
     EXPECT_TRUE(torch::allclose(router, golden_grads.at("router.weight"), 0, 1e-6)) << "rank " << me;
   });
   std::cout << "[ MoE on 2 EP ranks vs one process: max |diff| " << worst << " ]" << std::endl;
+}
+
+// Splits that fit each rank's tensors but disagree across ranks: rank 0 sends 2 rows to rank 1, which
+// expects 1. Without a check Gloo aborts rank 1's process from its own thread (std::terminate,
+// "Received data size doesn't match expected size"); MESHDDP_DEBUG_SYNC=1 names both ranks' splits
+// on every rank, before the exchange.
+TEST(ExpertTokenExchange, AllToAllWithSplitsThatDisagreeAcrossRanksIsNamedOnEveryRankUnderDebugSync) {
+  override_switch_for_testing(Switch::kDebugSync, true);
+  run_on_mesh({2}, {"ep"}, [](DeviceMesh& mesh) {
+    const auto x = torch::ones({3, kWidth});
+    const std::vector<int64_t> out = mesh.rank() == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{1, 2};
+    EXPECT_THAT(error_of([&] { tp::all_to_all(x, out, {1, 2}, mesh["ep"].get()); }),
+                HasSubstr("group rank 0 sends 2 rows to group rank 1 (its input splits [1, 2]), but rank 1 expects 1 "
+                          "from it (its output splits [1, 2])"))
+        << "rank " << mesh.rank();
+  });
+  override_switch_for_testing(Switch::kDebugSync, std::nullopt);
 }
