@@ -8,6 +8,8 @@
 # No compiler cache for the consumer: it sees meshddp's headers as system headers, which a cache set to
 # skip those could take from another tree's install. Usage: check_cmake_consumer.sh <source dir> <build dir> <python of the venv holding torch> <work dir>
 set -euo pipefail
+# CMake reads these from the environment: a cache the caller set for its own build must not reach the consumer.
+unset CMAKE_C_COMPILER_LAUNCHER CMAKE_CXX_COMPILER_LAUNCHER CMAKE_CUDA_COMPILER_LAUNCHER
 src="$1" build="$2" python="$3" work="$4"
 rm -rf "$work" && mkdir -p "$work"
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
