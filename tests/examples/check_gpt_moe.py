@@ -23,7 +23,7 @@ local experts source-major instead of expert-major (tp::route_to_experts) moves 
 import sys
 import tempfile
 
-from torchrun_losses import run_losses
+from torchrun_losses import expect_curve_close, expect_decreasing, run_losses
 
 binary, mode = sys.argv[1], sys.argv[2]
 STEPS = 10
@@ -37,19 +37,12 @@ def losses(dp, tp, ep, *extra, cp=1, first=0):
 
 
 def check(name, reference, curve, first=0):
-    print(f"{name:28s}:", curve)
-    reference = reference[first:]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(reference, curve))
-    print(f"{'':28s}  max relative difference to one process: {worst:.2e}")
-    for s, (a, b) in enumerate(zip(reference, curve)):
-        if abs(a - b) > RTOL * abs(a):
-            sys.exit(f"FAILED: step {first + s}: loss {a} in one process vs {b} at {name} (rtol {RTOL})")
+    expect_curve_close(reference[first:], curve, RTOL, name, reference_name="one process", first=first)
 
 
 reference = losses(1, 1, 1)
 print(f"{'one process':28s}:", reference)
-if not reference[-1] < reference[0]:
-    sys.exit(f"FAILED: the loss did not decrease: {reference[0]} -> {reference[-1]}")
+expect_decreasing(reference)
 if mode == "replicated":
     check("dp2", reference, losses(2, 1, 1))
     check("dp2 x tp2", reference, losses(2, 2, 1))
