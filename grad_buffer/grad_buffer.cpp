@@ -403,22 +403,19 @@ void GradBuffer::launch_bucket(int64_t b) {
     hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
   }
   const BucketReduction& r = bucket.reduction;
+  // Pre-divided by the whole DP (x CP) size, every kind of bucket, also where its group has one rank
+  // and no collective runs (an expert-DP group of one at EP = DP: Note [Expert gradient scale]).
+  if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
   if (r.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
     if (debug_sequence_) check_collective_sequence(b, *r.group, "all-reduce (TP-partial)");
-    if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
     hooked.group = r.group.get();
     hooked.what += " (TP-partial: summed over TP)";
-  } else if (skip_collective(*r.group)) {
-    // A group of one (DP 1, or an expert-DP group of one at EP = DP): no collective, but an expert
-    // bucket is still divided by the DP size (Note [Expert gradient scale]).
-    if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
-  } else {
+  } else if (!skip_collective(*r.group)) {
     if (debug_sequence_) {
       check_collective_sequence(b, *r.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
-    data.div_(static_cast<double>(r.divisor));
     hooked.group = r.group.get();
     if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
   }
