@@ -42,84 +42,7 @@ void GradBufferConfig::check_combination() const {
               "instances at 1");
 }
 
-std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params) {
-  std::vector<NamedParam> unique;
-  std::unordered_map<const c10::TensorImpl*, size_t> index_of;
-  for (auto& p : params) {
-    TORCH_CHECK(p.param.defined(), "GradBuffer: parameter '", p.name, "' is an undefined tensor");
-    TORCH_CHECK(p.param.layout() == at::kStrided, "GradBuffer: parameter '", p.name, "' is a ", p.param.layout(),
-                " tensor, but meshddp keeps every parameter in a dense flat buffer; make it dense (e.g. ",
-                "param.to_dense()) or keep it out of DistributedDataParallel (wrap only the dense part of the model)");
-    TORCH_CHECK(!p.param.is_meta(), "GradBuffer: parameter '", p.name, "' is on the meta device (no storage: a model ",
-                "built under torch.device(\"meta\") or an empty-weights context); materialize it first (e.g. ",
-                "module.to_empty(device=...) and initialize or load its weights), or keep it out of ",
-                "DistributedDataParallel");
-    const auto [it, inserted] = index_of.emplace(p.param.unsafeGetTensorImpl(), unique.size());
-    if (inserted) {
-      unique.push_back(std::move(p));
-    } else {
-      NamedParam& first = unique[it->second];
-      first.aliases.push_back(std::move(p.name));
-      for (auto& alias : p.aliases) first.aliases.push_back(std::move(alias));
-    }
-  }
-  return unique;
-}
-
-std::string describe_param_name(const NamedParam& p) {
-  std::string out = "'" + p.name + "'";
-  if (p.aliases.empty()) return out;
-  out += " (also";
-  for (size_t i = 0; i < p.aliases.size(); ++i) out += (i ? ", '" : " '") + p.aliases[i] + "'";
-  return out + ")";
-}
-
 namespace {
-
-// Note [Expert gradient scale]
-// An expert's gradient is summed over its expert-data-parallel group but divided by the whole DP (x CP)
-// size, not by the expert-DP size (Megatron-core: expert_gradient_scaling_factor = 1 / dp_cp_size). Each
-// rank's loss is the mean over its own b = B / DP tokens; an expert receives, by all-to-all over its EP
-// group, the tokens of EP ranks' batches routed to it, each weighted 1/b. Summed over the expert-DP group
-// (one rank per EP group) that is (1/b) * sum over all B tokens routed to it, and the one-process
-// gradient (1/B) * the same sum is that divided by DP. Dividing by the expert-DP size instead would
-// scale expert gradients by EP.
-
-// How a bucket of a buffer with `key` is reduced (BucketReduction).
-BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& groups) {
-  BucketReduction r;
-  r.tp_partial = key.tp_partial;
-  r.expert = key.expert;
-  r.shard_group = key.expert ? groups.expert_dp : groups.dp;
-  TORCH_INTERNAL_ASSERT(r.shard_group, "no group for a bucket of ", key.expert ? "expert" : "dense", " params");
-  r.shard_rank = r.shard_group->getRank();
-  r.shard_size = r.shard_group->getSize();
-  r.group = key.tp_partial ? groups.world : r.shard_group;
-  // Every bucket is divided by the whole DP (x CP) size D (with K optimizer instances too), expert
-  // buckets too: Note [Expert gradient scale]. TP-partial: the world all-reduce sums over TP, the
-  // divisor makes it a DP mean.
-  r.divisor = groups.data_parallel_size();
-  // Hierarchical ZeRO-1: dense buckets' shards are all-reduced across the instances. TP-partial buckets
-  // are whole and final after their all-reduce over the world; expert buckets are sharded over the
-  // whole expert-DP group (no instances: Note [Hierarchical ZeRO-1]).
-  if (!key.tp_partial && !key.expert) r.cross_group = groups.cross_instance;
-  return r;
-}
-
-// Splits `params` (deduplicated) into the trainable ones (returned) and the frozen ones (`frozen`).
-std::vector<NamedParam> trainable(std::vector<NamedParam> params, std::vector<NamedParam>& frozen) {
-  std::vector<NamedParam> kept;
-  for (auto& p : deduplicate_params(std::move(params))) {
-    if (!p.param.requires_grad()) {
-      frozen.push_back(std::move(p));
-      continue;
-    }
-    TORCH_CHECK(p.param.is_leaf(), "GradBuffer: parameter '", p.name,
-                "' requires grad but is not a leaf tensor; register the parameter itself, not a view or result of it");
-    kept.push_back(std::move(p));
-  }
-  return kept;
-}
 
 c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
   const auto dtype = p.scalar_type();
@@ -151,7 +74,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       config_(config),
       comm_hook_(make_comm_hook(config_.comm_hook)),
       debug_sequence_(switch_on(Switch::kDebugSync)) {
-  params_ = trainable(std::move(params), frozen_params_);
+  params_ = split_trainable_params(std::move(params), frozen_params_);
   config_.validate();
   config_.check_combination();
   TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
@@ -185,7 +108,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     }
     const bool partial = placement.is_partial_grad();
     const bool expert = is_expert_param(p.param);
-    if (expert) check_expert_param(p, placement);
+    if (expert) check_expert_param(p, placement, groups_);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
                               main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial,
                               expert});
@@ -575,19 +498,6 @@ at::Tensor GradBuffer::bucket_shard(int64_t b) const {
 }
 
 bool GradBuffer::is_expert(int64_t index) const { return layout_.buffers[layout_.slots[index].buffer].key.expert; }
-
-void GradBuffer::check_expert_param(const NamedParam& p, const Placement& placement) const {
-  TORCH_CHECK(groups_.expert_dp, "GradBuffer: parameter ", describe_param_name(p),
-              " is an expert param (declare_expert_param / the plan style ExpertParallel) but this buffer has no ",
-              "expert-data-parallel group to reduce it over; build DistributedDataParallel over a DeviceMesh with ",
-              "DdpConfig::expert_parallel_size set (with a DP process group alone, only expert_parallel_size = 1 ",
-              "works), or do not declare it");
-  TORCH_CHECK(!placement.is_partial_grad(), "GradBuffer: parameter ", describe_param_name(p),
-              " is an expert param whose gradient is partial over TP (", placement.str(),
-              "); meshddp does not reduce TP-partial expert gradients (they would need an all-reduce over the ",
-              "expert-DP x TP ranks). Keep sequence-parallel norms out of the experts (or their params undeclared ",
-              "as experts)");
-}
 
 at::Tensor GradBuffer::local_nonfinite_counts() const {
   std::lock_guard<std::mutex> lock(mutex_);

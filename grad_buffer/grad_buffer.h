@@ -29,8 +29,10 @@
 
 #include "../mesh/placement.h"
 #include "bucket_layout.h"
+#include "bucket_reduction.h"
 #include "comm_hook.h"
 #include "grad_in_place.h"
+#include "named_param.h"
 #include "nonfinite_count.h"
 #include "param_buffer.h"
 
@@ -95,79 +97,6 @@ struct GradBufferConfig {
   // set them in any order): num_distributed_optimizer_instances > 1 without use_distributed_optimizer.
   // Called by GradBuffer and DistributedDataParallel before they build anything.
   void check_combination() const;
-};
-
-struct NamedParam {
-  std::string name;                       // module path, e.g. "blocks.3.mlp.fc1.weight"
-  at::Tensor param;                       // a leaf that requires grad
-  std::vector<std::string> aliases = {};  // other names the same tensor is registered under (tied
-                                          // weights); filled by GradBuffer, which keeps one entry per tensor
-};
-
-// One entry per tensor (a TensorImpl): a tensor registered under several names (tied weights, e.g.
-// an LM head that is the token embedding) is one parameter, kept under its first name, with the
-// later names as aliases. Order of first appearance is kept. Throws naming a param that is undefined,
-// sparse (or any non-strided layout) or on the meta device: none can live in a flat buffer. Pure: no
-// communication.
-std::vector<NamedParam> deduplicate_params(std::vector<NamedParam> params);
-
-// "'wte.weight'" or "'wte.weight' (also 'lm_head.weight')", for messages.
-std::string describe_param_name(const NamedParam& p);
-
-// The groups a GradBuffer syncs over. `world` (the whole DP x TP mesh) sums gradients that are
-// partial over TP (Placement::kPartialGrad: their buckets are all-reduced over it, pre-divided by
-// the DP size: a TP sum and a DP mean in one collective, once per step) and reduces gradient norms;
-// it may be null when no param is TP-partial and TP is 1.
-struct SyncGroups {
-  c10::intrusive_ptr<c10d::ProcessGroup> dp;
-  c10::intrusive_ptr<c10d::ProcessGroup> world;
-  int64_t tp_rank = 0;
-  int64_t tp_size = 1;
-  // The TP group (null when TP is 1): TP-replica checks, and the group TP placements must name.
-  c10::intrusive_ptr<c10d::ProcessGroup> tp = {};
-  // Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K > 1): `dp` is then this rank's
-  // optimizer instance (D/K ranks: buckets are reduce-scattered and params all-gathered over it) and
-  // this is the group of the K ranks at the same position in each instance (the shards are
-  // all-reduced over it). Null otherwise.
-  c10::intrusive_ptr<c10d::ProcessGroup> cross_instance = {};
-  // The expert-data-parallel group (mesh/reduction_groups.h): the ranks holding the same experts, over
-  // which expert params (mesh/placement.h: declare_expert_param) are reduced. Null: no expert params
-  // allowed (the DP group itself when expert_parallel_size is 1).
-  c10::intrusive_ptr<c10d::ProcessGroup> expert_dp = {};
-
-  int64_t dp_rank() const { return dp->getRank(); }
-  int64_t dp_size() const { return dp->getSize(); }
-  int64_t instances() const { return cross_instance ? cross_instance->getSize() : 1; }
-  int64_t instance_index() const { return cross_instance ? cross_instance->getRank() : 0; }
-  // D, the ranks a gradient is averaged over: the instance's size times the number of instances.
-  int64_t data_parallel_size() const { return dp_size() * instances(); }
-  // This rank's index among those D (instances are consecutive blocks of the DP group).
-  int64_t data_parallel_rank() const { return instance_index() * dp_size() + dp_rank(); }
-  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
-  c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
-};
-
-// How one bucket is reduced, fixed at construction (one checked path: launch, wait, ZeRO-1 shards and
-// the param all-gather all read it). Dense buckets: over DP (x CP), divided by the DP size; expert
-// buckets: over the expert-data-parallel group, divided by the DP size too (Note [Expert gradient
-// scale] in grad_buffer.cpp: an expert's local gradient already sums tokens of EP ranks' batches);
-// TP-partial buckets: over the whole mesh (a TP sum and a DP mean in one collective), divided by the
-// DP size.
-struct BucketReduction {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;  // the collective runs over it
-  int64_t divisor = 1;                           // the bucket is pre-divided by it (the whole DP (x CP) size)
-  bool tp_partial = false;                       // all-reduced over the world: a TP sum and a DP mean
-  bool expert = false;                           // expert params, over the expert-data-parallel group
-  // ZeRO-1: this rank's shard is shard `shard_rank` of `shard_size` equal ones (the DP or expert-DP
-  // rank and size; the bucket is padded to a multiple of shard_size), and its param all-gather runs
-  // over `shard_group`.
-  c10::intrusive_ptr<c10d::ProcessGroup> shard_group;
-  int64_t shard_rank = 0;
-  int64_t shard_size = 1;
-  // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise, and for TP-partial and expert
-  // buckets): after the reduce-scatter within the instance and the comm hook's write-back, this rank's
-  // shard is all-reduced over it.
-  c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
 };
 
 // Counters of a GradBuffer, for tests, benchmarks and reports.
@@ -338,7 +267,6 @@ class GradBuffer {
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
   // Throws naming `p` (an expert param) if this buffer has no expert-DP group, or if its gradient is TP-partial.
-  void check_expert_param(const NamedParam& p, const Placement& placement) const;
   // Throws naming the param if one was frozen (requires_grad_(false)) or unfrozen since construction:
   // the layout (which params have a slot) is fixed at construction. `who` names the caller.
   void check_trainable_params_unchanged(const char* who) const;

@@ -1,0 +1,79 @@
+// SyncGroups (the process groups a GradBuffer reduces over) and BucketReduction (how one bucket is
+// reduced: group, divisor, ZeRO-1 shard, cross-instance step), chosen once per bucket by the pure
+// bucket_reduction_of(); and the checks an expert param must pass. No communication.
+#pragma once
+
+#include "../mesh/placement.h"
+#include "bucket_layout.h"
+#include "named_param.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+
+namespace meshddp {
+
+// The groups a GradBuffer syncs over. `world` (the whole DP x TP mesh) sums gradients that are
+// partial over TP (Placement::kPartialGrad: their buckets are all-reduced over it, pre-divided by
+// the DP size: a TP sum and a DP mean in one collective, once per step) and reduces gradient norms;
+// it may be null when no param is TP-partial and TP is 1.
+struct SyncGroups {
+  c10::intrusive_ptr<c10d::ProcessGroup> dp;
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+  // The TP group (null when TP is 1): TP-replica checks, and the group TP placements must name.
+  c10::intrusive_ptr<c10d::ProcessGroup> tp = {};
+  // Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K > 1): `dp` is then this rank's
+  // optimizer instance (D/K ranks: buckets are reduce-scattered and params all-gathered over it) and
+  // this is the group of the K ranks at the same position in each instance (the shards are
+  // all-reduced over it). Null otherwise.
+  c10::intrusive_ptr<c10d::ProcessGroup> cross_instance = {};
+  // The expert-data-parallel group (mesh/reduction_groups.h): the ranks holding the same experts, over
+  // which expert params (mesh/placement.h: declare_expert_param) are reduced. Null: no expert params
+  // allowed (the DP group itself when expert_parallel_size is 1).
+  c10::intrusive_ptr<c10d::ProcessGroup> expert_dp = {};
+
+  int64_t dp_rank() const { return dp->getRank(); }
+  int64_t dp_size() const { return dp->getSize(); }
+  int64_t instances() const { return cross_instance ? cross_instance->getSize() : 1; }
+  int64_t instance_index() const { return cross_instance ? cross_instance->getRank() : 0; }
+  // D, the ranks a gradient is averaged over: the instance's size times the number of instances.
+  int64_t data_parallel_size() const { return dp_size() * instances(); }
+  // This rank's index among those D (instances are consecutive blocks of the DP group).
+  int64_t data_parallel_rank() const { return instance_index() * dp_size() + dp_rank(); }
+  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
+  c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
+};
+
+// How one bucket is reduced, fixed at construction (one checked path: launch, wait, ZeRO-1 shards and
+// the param all-gather all read it). Dense buckets: over DP (x CP), divided by the DP size; expert
+// buckets: over the expert-data-parallel group, divided by the DP size too (Note [Expert gradient
+// scale] in bucket_reduction.cpp: an expert's local gradient already sums tokens of EP ranks' batches);
+// TP-partial buckets: over the whole mesh (a TP sum and a DP mean in one collective), divided by the
+// DP size.
+struct BucketReduction {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // the collective runs over it
+  int64_t divisor = 1;                           // the bucket is pre-divided by it (the whole DP (x CP) size)
+  bool tp_partial = false;                       // all-reduced over the world: a TP sum and a DP mean
+  bool expert = false;                           // expert params, over the expert-data-parallel group
+  // ZeRO-1: this rank's shard is shard `shard_rank` of `shard_size` equal ones (the DP or expert-DP
+  // rank and size; the bucket is padded to a multiple of shard_size), and its param all-gather runs
+  // over `shard_group`.
+  c10::intrusive_ptr<c10d::ProcessGroup> shard_group;
+  int64_t shard_rank = 0;
+  int64_t shard_size = 1;
+  // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise, and for TP-partial and expert
+  // buckets): after the reduce-scatter within the instance and the comm hook's write-back, this rank's
+  // shard is all-reduced over it.
+  c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
+};
+
+// How a bucket of a buffer with `key` is reduced over `groups`. Pure: reads the groups' ranks and sizes.
+BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& groups);
+
+// Throws naming `p` when it is declared an expert (mesh/placement.h: declare_expert_param) but
+// `groups` has no expert-data-parallel group, or when its gradient is partial over TP.
+void check_expert_param(const NamedParam& p, const Placement& placement, const SyncGroups& groups);
+
+}  // namespace meshddp
