@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
                    "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
                    mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer()->layout().buckets.size(),
                    static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
-      std::fprintf(stderr, "%s\n", examples::precision_header(flags.precision, flags.distributed_optimizer).c_str());
+      std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
     examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
                                              mesh.rank(), flags.seed, flags.global_batch);

@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
                    mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
-      std::fprintf(stderr, "%s\n", examples::precision_header(f.precision, f.distributed_optimizer).c_str());
+      std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);

@@ -28,15 +28,31 @@ void validate_precision_flags(const PrecisionFlags& f, bool distributed_optimize
   }
 }
 
-std::string precision_header(const PrecisionFlags& f, bool distributed_optimizer) {
-  if (!f.bf16) {
-    return "# dtypes: params fp32, activations fp32, main grads fp32 (reduced in fp32), optimizer state fp32";
+namespace {
+
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : c10::toString(t);
+}
+
+}  // namespace
+
+std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::DistributedOptimizer* zero1,
+                             const Fp32MasterParams* masters) {
+  const meshddp::NamedParam* first = nullptr;
+  for (const auto& p : ddp.named_parameters()) {
+    if (p.param.requires_grad()) {
+      first = &p;
+      break;
+    }
   }
-  const std::string grads = f.grad_reduce_in_bf16 ? "main grads bf16 (reduced in bf16)"
-                                                  : "main grads fp32 (reduced in fp32)";
-  const std::string masters = distributed_optimizer ? "masters fp32 (this rank's ZeRO-1 shard)"
-                                                    : "masters fp32 (a whole copy, as Float16OptimizerWithFloat16Params)";
-  return "# dtypes: params bf16, activations bf16, " + grads + ", " + masters + ", optimizer state fp32";
+  if (first == nullptr) return "# dtypes: no trainable params";
+  const std::string param = dtype_name(first->param.scalar_type());
+  const std::string grad = dtype_name(ddp.main_grad(first->name).scalar_type());
+  std::string master = "masters: the params themselves";
+  if (zero1 != nullptr && zero1->memory().master_weight_bytes > 0) master = "masters fp32 (this rank's ZeRO-1 shard)";
+  if (masters != nullptr) master = "masters fp32 (a whole copy, as Float16OptimizerWithFloat16Params)";
+  return "# dtypes: params " + param + ", activations " + param + ", main grads " + grad + " (reduced in " + grad +
+         "), " + master + ", optimizer state fp32";
 }
 
 Fp32MasterParams::Fp32MasterParams(const meshddp::DdpEngine& ddp) {
@@ -59,7 +75,7 @@ void Fp32MasterParams::take_grads(const meshddp::DdpEngine& ddp) {
 
 void Fp32MasterParams::write_params() {
   c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < masters_.size(); ++i) params_[i].copy_(masters_[i]);
+  at::_foreach_copy_(params_, masters_);
 }
 
 }  // namespace examples

@@ -34,9 +34,14 @@ bool parse_precision_flag(const std::string& arg, const std::string& value, Prec
 // --save-dir needs --distributed-optimizer, whose fp32 masters and state are.
 void validate_precision_flags(const PrecisionFlags& f, bool distributed_optimizer, bool checkpoints);
 
-// "# dtypes: params bf16, activations bf16, main grads fp32 (reduced in fp32), masters fp32 (ZeRO-1
-// shard), optimizer state fp32": the step log's header line of what each buffer holds.
-std::string precision_header(const PrecisionFlags& f, bool distributed_optimizer);
+class Fp32MasterParams;
+
+// "# dtypes: params bf16, activations bf16, main grads fp32 (reduced in fp32), masters fp32 (this
+// rank's ZeRO-1 shard), optimizer state fp32": the step log's header line. Read from the buffers
+// themselves (a param, its main grad, ZeRO-1's master bytes), not from the flags, so that a run
+// that reduces in another dtype than asked says so. `zero1` / `masters`: null when not used.
+std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::DistributedOptimizer* zero1,
+                             const Fp32MasterParams* masters);
 
 // Plain DDP with bf16 params: an fp32 copy of every trainable param (Megatron's
 // Float16OptimizerWithFloat16Params), which the torch optimizer steps. Per step:

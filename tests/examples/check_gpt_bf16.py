@@ -32,8 +32,14 @@ BF16 = ["--dtype", "bf16", "--global-batch", "16", "--seed", "1"]
 
 
 def losses(dp=1, tp=1, cp=1, *extra, first=0, steps=STEPS):
-    return run_losses(binary, dp * cp * tp, steps,
-                      ["--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *BF16, *extra], first=first)
+    """The run's loss curve; its step-log header must show the dtypes the flags ask for, read from
+    the buffers (examples/common/precision.h): bf16 params, main grads fp32 (bf16 with
+    --grad-reduce-in-bf16), fp32 masters (ZeRO-1's shard or plain DDP's whole copy)."""
+    grads = "bf16" if "--grad-reduce-in-bf16" in extra else "fp32"
+    masters = "this rank's ZeRO-1 shard" if "--distributed-optimizer" in extra else "a whole copy"
+    header = f"# dtypes: params bf16, activations bf16, main grads {grads} (reduced in {grads}), masters fp32 ({masters}"
+    return run_losses(binary, dp * cp * tp, steps, ["--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *BF16, *extra],
+                      first=first, expect_in_stderr=[header])
 
 
 def worst(reference, curve):
