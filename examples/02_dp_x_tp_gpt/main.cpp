@@ -47,8 +47,8 @@ struct Flags {
   int64_t micro_batches = 1;  // per DP rank and step: backward accumulates, the last one syncs
   uint64_t seed = 0;
   examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
-  std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
+  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
@@ -288,10 +288,10 @@ int main(int argc, char** argv) {
         // The loss in fp32 (bf16 logits widened, as Megatron's cross entropy does); the mean over
         // this rank's tokens: slices are equal, so the DP x CP gradient mean is the gradient of the
         // whole batch's mean.
-        auto micro_loss = meshddp::tp::cross_entropy(logits.to(torch::kFloat).view({-1, logits.size(-1)}),
-                                                     mine(targets).narrow(0, m * micro, micro).reshape({-1}),
-                                                     mesh["tp"].get()) /
-                          static_cast<double>(f.micro_batches);
+        auto micro_loss =
+            meshddp::tp::cross_entropy(logits.to(torch::kFloat).view({-1, logits.size(-1)}),
+                                       mine(targets).narrow(0, m * micro, micro).reshape({-1}), mesh["tp"].get()) /
+            static_cast<double>(f.micro_batches);
         micro_loss.backward();
         loss = loss + micro_loss.detach().to(torch::kDouble);
       }
