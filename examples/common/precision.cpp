@@ -48,10 +48,15 @@ std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::Distr
   if (first == nullptr) return "# dtypes: no trainable params";
   const std::string param = dtype_name(first->param.scalar_type());
   const std::string grad = dtype_name(ddp.main_grad(first->name).scalar_type());
+  // A compression hook reduces the buffer in its own dtype.
+  const std::string& hook = ddp.config().comm_hook;
+  const std::string reduced = hook == meshddp::kBf16CompressHook   ? std::string("bf16")
+                              : hook == meshddp::kFp16CompressHook ? std::string("fp16")
+                                                                   : grad;
   std::string master = "masters: the params themselves";
   if (zero1 != nullptr && zero1->memory().master_weight_bytes > 0) master = "masters fp32 (this rank's ZeRO-1 shard)";
   if (masters != nullptr) master = "masters fp32 (a whole copy, as Float16OptimizerWithFloat16Params)";
-  return "# dtypes: params " + param + ", activations " + param + ", main grads " + grad + " (reduced in " + grad +
+  return "# dtypes: params " + param + ", activations " + param + ", main grads " + grad + " (reduced in " + reduced +
          "), " + master + ", optimizer state fp32";
 }
 

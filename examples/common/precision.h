@@ -38,7 +38,7 @@ class Fp32MasterParams;
 
 // "# dtypes: params bf16, activations bf16, main grads fp32 (reduced in fp32), masters fp32 (this
 // rank's ZeRO-1 shard), optimizer state fp32": the step log's header line. Read from the buffers
-// themselves (a param, its main grad, ZeRO-1's master bytes), not from the flags, so that a run
+// themselves (a param, its main grad, the comm hook, ZeRO-1's master bytes), not from the flags, so that a run
 // that reduces in another dtype than asked says so. `zero1` / `masters`: null when not used.
 std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::DistributedOptimizer* zero1,
                              const Fp32MasterParams* masters);

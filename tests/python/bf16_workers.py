@@ -25,6 +25,7 @@ class TinyLlamaConfig:
     max_position_embeddings: int = 16
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
 
 
 @dataclass
@@ -89,6 +90,11 @@ class TinyLlamaForCausalLM(torch.nn.Module):
         self.lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):  # as HF's PreTrainedModel: N(0, initializer_range)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, std=self.config.initializer_range)
 
     def forward(self, input_ids, labels=None):
         positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
