@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
-    config.grad_reduce_in_fp32 = f.precision.bf16 && !f.precision.grad_reduce_in_fp32();  // BROKEN ON PURPOSE
+    config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd

@@ -152,7 +152,8 @@ def main():
     torch.manual_seed(args.seed)  # every rank builds the whole model; parallelize_module keeps its shards
     bf16 = args.dtype == "bf16"
     model = Gpt().to(torch.bfloat16 if bf16 else torch.float32)  # before TP: every layout holds the same values
-    parallelize_module(model, mesh["tp"], tp_plan(len(model.blocks)))
+    if args.tp > 1:  # at --tp 1 the params stay plain tensors (DTensor params cannot take fp32 main grads)
+        parallelize_module(model, mesh["tp"], tp_plan(len(model.blocks)))
     config = meshddp.DdpConfig(use_distributed_optimizer=args.distributed_optimizer,
                                grad_reduce_in_fp32=bf16 and not args.grad_reduce_in_bf16)
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", config)
