@@ -7,6 +7,9 @@
 // ranks carved out of DP (x CP), tokens moving by all-to-all (docs/expert_parallel.md).
 // --distributed-optimizer --optimizer-instances K shards the optimizer within K instances of DP(xCP)/K
 // ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
+// --dtype bf16 trains in bf16 with fp32 main grads and fp32 masters (--grad-reduce-in-bf16: bf16 main
+// grads), as Megatron does (examples/common/precision.h); --micro-batches K accumulates K micro-batches
+// per DP rank and syncs once.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -18,6 +21,7 @@
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
+#include "examples/common/precision.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
@@ -40,9 +44,11 @@ struct Flags {
   // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
   int64_t optimizer_instances = 1;
   int64_t global_batch = 16;
+  int64_t micro_batches = 1;  // per DP rank and step: backward accumulates, the last one syncs
   uint64_t seed = 0;
-  std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
+  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
+  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
@@ -51,10 +57,10 @@ std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
              "[--optimizer adamw|sgd] "
-             "[--global-batch N] "
+             "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
              "N]] ") +
-         examples::run_flags_usage() + examples::checkpoint_usage();
+         examples::precision_usage() + " " + examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
 [[noreturn]] void usage(const char* prog, const std::string& error) {
@@ -71,8 +77,10 @@ void validate(const Flags& f) {
     throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
   if (m.vocab % f.tp != 0)
     throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % f.dp != 0)
-    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
+  if (f.global_batch % (f.dp * f.micro_batches) != 0) {
+    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp) +
+                    (f.micro_batches > 1 ? " x --micro-batches " + n(f.micro_batches) : std::string()));
+  }
   if (m.seq_len % f.cp != 0) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
                     " (each CP rank holds a slice of every sequence)");
@@ -98,6 +106,7 @@ void validate(const Flags& f) {
     }
   }
   examples::validate_run_flags(f.run);
+  examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }
 
 Flags parse(int argc, char** argv) {
@@ -113,6 +122,7 @@ Flags parse(int argc, char** argv) {
       f.distributed_optimizer = true;
       continue;
     }
+    if (examples::parse_precision_switch(arg, f.precision)) continue;
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
@@ -134,6 +144,10 @@ Flags parse(int argc, char** argv) {
         f.model.top_k = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
+      else if (arg == "--micro-batches")
+        f.micro_batches = parse_int_flag(arg, v, 1);
+      else if (examples::parse_precision_flag(arg, v, f.precision))
+        continue;
       else if (arg == "--seed")
         f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {
@@ -179,6 +193,7 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(f.seed);  // every rank builds the full model (all experts), then keeps its shards
     gpt::Gpt model(f.model);
+    model->to(f.precision.param_dtype());  // before parallelize: every layout holds the same bf16 values
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
     const std::vector<std::string> dp_dims =
         f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
@@ -198,10 +213,12 @@ int main(int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
+    config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    std::unique_ptr<examples::Fp32MasterParams> masters;  // plain DDP in bf16: the optimizer steps fp32 copies
     meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
     const bool sgd = f.optimizer == "sgd";
     if (f.distributed_optimizer) {
@@ -212,11 +229,12 @@ int main(int argc, char** argv) {
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
       schedule.attach(*zero1);
     } else {
+      if (f.precision.bf16) masters = std::make_unique<examples::Fp32MasterParams>(ddp);
+      const std::vector<torch::Tensor> stepped = masters ? masters->masters() : ddp.parameters();
       if (sgd) {
-        adamw = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(f.run.lr));
+        adamw = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(f.run.lr));
       } else {
-        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(),
-                                                      torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+        adamw = std::make_unique<torch::optim::AdamW>(stepped, torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
       }
       schedule.attach(*adamw);
     }
@@ -239,6 +257,7 @@ int main(int argc, char** argv) {
                    mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
+      std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
@@ -259,13 +278,23 @@ int main(int argc, char** argv) {
       const auto mine = [&](const torch::Tensor& t) {
         return t.narrow(0, dp_rank * local, local).narrow(1, cp_rank * slice, slice);
       };
-      auto logits = ddp.forward(mine(ids));
-      // The mean over this rank's tokens: slices are equal, so the DP x CP gradient mean is the
-      // gradient of the whole batch's mean.
-      auto loss =
-          meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mesh["tp"].get());
+      // --micro-batches K: K slices of this rank's sequences; backward accumulates, the last one syncs.
+      const int64_t micro = local / f.micro_batches;
+      torch::Tensor loss = torch::zeros({}, torch::kDouble);
       inject.before_backward(step, mesh.rank());
-      loss.backward();
+      for (int64_t m = 0; m < f.micro_batches; ++m) {
+        ddp.set_is_last_microbatch(m == f.micro_batches - 1);
+        auto logits = ddp.forward(mine(ids).narrow(0, m * micro, micro));
+        // The loss in fp32 (bf16 logits widened, as Megatron's cross entropy does); the mean over
+        // this rank's tokens: slices are equal, so the DP x CP gradient mean is the gradient of the
+        // whole batch's mean.
+        auto micro_loss =
+            meshddp::tp::cross_entropy(logits.to(torch::kFloat).view({-1, logits.size(-1)}),
+                                       mine(targets).narrow(0, m * micro, micro).reshape({-1}), mesh["tp"].get()) /
+            static_cast<double>(f.micro_batches);
+        micro_loss.backward();
+        loss = loss + micro_loss.detach().to(torch::kDouble);
+      }
       inject.after_backward();
       meshddp::StepResult result;
       if (zero1) {
@@ -274,10 +303,12 @@ int main(int argc, char** argv) {
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
         result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
+        if (masters) masters->take_grads(ddp);
         adamw->step();
+        if (masters) masters->write_params();
       }
       if (!result.skipped) schedule.step();
-      auto global = loss.detach().to(torch::kDouble).reshape({1}) / static_cast<double>(f.dp * f.cp);
+      auto global = loss.reshape({1}) / static_cast<double>(f.dp * f.cp);
       meshddp::all_reduce_sum_now(ddp.dp_group(), global, "the example's loss report");
       if (mesh.rank() == 0) {
         std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), global.item<double>());
