@@ -11,13 +11,12 @@
 //     [--layers 4 --hidden 256 --heads 4 --seq 128 --vocab 4096 --batch 2 --steps 40 --save-every 5]
 #include "bench/bench_models.h"
 
-#include <meshddp/meshddp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fcntl.h>
+#include <meshddp/meshddp.h>
 #include <string>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -74,15 +73,24 @@ Flags parse(int argc, char** argv) {
       continue;
     }
     const long n = std::strtol(v.c_str(), nullptr, 10);
-    if (a == "--layers") f.model.layers = n;
-    else if (a == "--hidden") f.model.hidden = n;
-    else if (a == "--heads") f.model.heads = n;
-    else if (a == "--seq") f.model.seq = n;
-    else if (a == "--vocab") f.model.vocab = n;
-    else if (a == "--batch") f.model.batch = n;
-    else if (a == "--steps") f.steps = static_cast<int>(n);
-    else if (a == "--save-every") f.save_every = static_cast<int>(n);
-    else TORCH_CHECK(false, "checkpoint_bench: unknown flag '", a, "'");
+    if (a == "--layers")
+      f.model.layers = n;
+    else if (a == "--hidden")
+      f.model.hidden = n;
+    else if (a == "--heads")
+      f.model.heads = n;
+    else if (a == "--seq")
+      f.model.seq = n;
+    else if (a == "--vocab")
+      f.model.vocab = n;
+    else if (a == "--batch")
+      f.model.batch = n;
+    else if (a == "--steps")
+      f.steps = static_cast<int>(n);
+    else if (a == "--save-every")
+      f.save_every = static_cast<int>(n);
+    else
+      TORCH_CHECK(false, "checkpoint_bench: unknown flag '", a, "'");
   }
   TORCH_CHECK(!f.dir.empty() && f.save_every > 0, "checkpoint_bench: --dir DIR is required; --save-every >= 1");
   return f;
@@ -127,15 +135,16 @@ void run(const Flags& f, meshddp::DeviceMesh& mesh, bool async) {
     file_bytes = last.file_bytes;
   }
   if (!async) {  // no report: the newest file's size
-    const std::string file = dir + "/step-" + std::to_string(f.steps - f.steps % f.save_every) + "/rank00000.safetensors";
+    const std::string file =
+        dir + "/step-" + std::to_string(f.steps - f.steps % f.save_every) + "/rank00000.safetensors";
     struct stat st{};
     TORCH_CHECK(::stat(file.c_str(), &st) == 0, "checkpoint_bench: no '", file, "'");
     file_bytes = st.st_size;
   }
   for (int k = 0; k < 3; ++k) plain_mb_s.push_back(file_bytes / 1e3 / plain_write_ms(dir + "/plain-write", file_bytes));
   if (mesh.rank() != 0) return;
-  std::printf("%-5s saves %zu  stall median %.1f ms max %.1f ms | step without a save: median %.1f ms", async ? "async" : "sync",
-              stalls.size(), median(stalls), max_of(stalls), median(plain_steps));
+  std::printf("%-5s saves %zu  stall median %.1f ms max %.1f ms | step without a save: median %.1f ms",
+              async ? "async" : "sync", stalls.size(), median(stalls), max_of(stalls), median(plain_steps));
   if (async) std::printf(", while writing: median %.1f ms max %.1f ms", median(writing_steps), max_of(writing_steps));
   std::printf("\n      rank 0 file %.1f MB", file_bytes / 1e6);
   if (async) std::printf(": background write %.0f MB/s median (write, fsync, read back, CRC32C)", median(write_mb_s));

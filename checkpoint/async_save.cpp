@@ -120,8 +120,8 @@ AsyncSaveStart AsyncCheckpointSave::start(const std::string& dir, const Checkpoi
   if (!reuse) {
     buffers_.clear();
     for (const CheckpointTensor& t : tensors) {
-      buffers_.push_back(at::empty(
-          {t.data.numel()}, at::TensorOptions().dtype(t.data.scalar_type()).pinned_memory(t.data.is_cuda())));
+      buffers_.push_back(
+          at::empty({t.data.numel()}, at::TensorOptions().dtype(t.data.scalar_type()).pinned_memory(t.data.is_cuda())));
     }
   }
   auto pending = std::make_unique<Pending>();
@@ -209,8 +209,9 @@ AsyncSaveReport AsyncCheckpointSave::advance(bool block) {
   // Phase 3 is done on rank 0: committed, or not.
   const Json& rank0 = json_at(flags[0], "result", "rank 0's progress");
   if (rank0.contains("error")) {
-    AsyncSaveReport r = p.report(AsyncSaveReport::Kind::kFailed,
-                                 s.failure("writing the manifest", save_phases::errors_of(std::vector<Json>(1, rank0))));
+    AsyncSaveReport r =
+        p.report(AsyncSaveReport::Kind::kFailed,
+                 s.failure("writing the manifest", save_phases::errors_of(std::vector<Json>(1, rank0))));
     pending_.reset();
     return r;
   }

@@ -47,15 +47,15 @@ struct AsyncSaveReport {
   };
   Kind kind = Kind::kNone;
   int64_t step = -1;
-  std::string path;       // <dir>/step-<N>
-  std::string message;    // kFailed: the same text on every rank, naming each failing rank and its file
-  double write_ms = 0;    // this rank's background write of its file (write, fsync, read back, CRC)
+  std::string path;        // <dir>/step-<N>
+  std::string message;     // kFailed: the same text on every rank, naming each failing rank and its file
+  double write_ms = 0;     // this rank's background write of its file (write, fsync, read back, CRC)
   int64_t file_bytes = 0;  // this rank's file
   bool failed() const { return kind == Kind::kFailed; }
 };
 
 struct AsyncSaveStart {
-  std::string path;         // <dir>/step-<N>
+  std::string path;          // <dir>/step-<N>
   AsyncSaveReport previous;  // the save start() waited for (kind kNone when none was pending)
   double wait_ms = 0;        // waiting for it (IfBusy::kWait)
   double snapshot_ms = 0;    // copying the pieces to host memory

@@ -1,8 +1,8 @@
 #include "checkpoint/store.h"
 
 #include "checkpoint/file_check.h"
-#include "checkpoint/save_phases.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/save_phases.h"
 #include "mesh/collectives.h"
 
 #include <ATen/ATen.h>
@@ -135,8 +135,8 @@ std::string prepare(const Save& s) {
   s.fail_if_any(statuses, "preparing the directory");
   for (int64_t r = 0; r < s.world_size; ++r) {
     const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
-    TORCH_CHECK(step == s.meta.step, "checkpoint save of step ", s.meta.step, " to '", s.step_dir, "' failed: rank ",
-                r, " saves step ", step, " but rank ", s.rank, " step ", s.meta.step,
+    TORCH_CHECK(step == s.meta.step, "checkpoint save of step ", s.meta.step, " to '", s.step_dir, "' failed: rank ", r,
+                " saves step ", step, " but rank ", s.rank, " step ", s.meta.step,
                 "; every rank must save the same step");
   }
   return json_string(json_at(statuses[0], "save_id", "rank 0's status"), "save_id");

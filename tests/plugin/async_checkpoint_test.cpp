@@ -4,10 +4,9 @@
 // reported on every rank at the next step boundary, naming the rank and its file, and `latest` stays;
 // a save started while the previous one is still being written waits for it or is refused by name.
 // (Kills at random points of async saves: tests/examples/check_async_save_kills.py.)
-#include "plugin/checkpoint_saver.h"
-
 #include "checkpoint/json.h"
 #include "checkpoint/safetensors.h"
+#include "plugin/checkpoint_saver.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
@@ -132,7 +131,8 @@ TEST(AsyncCheckpoint, AFailedBackgroundWriteIsNamedOnEveryRankAtTheNextStepBound
   std::vector<std::string> reports(2), thrown(2);
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     ZeroRank rank(mesh, s, kZeroSeed);
-    for (CheckpointSaver::OnFailure on_failure : {CheckpointSaver::OnFailure::kWarn, CheckpointSaver::OnFailure::kThrow}) {
+    for (CheckpointSaver::OnFailure on_failure :
+         {CheckpointSaver::OnFailure::kWarn, CheckpointSaver::OnFailure::kThrow}) {
       const bool warn = on_failure == CheckpointSaver::OnFailure::kWarn;
       CheckpointSaver saver(state_of(rank), on_failure);
       CheckpointSaveOptions options;
@@ -225,10 +225,48 @@ TEST(AsyncCheckpoint, ASaveStartedWhileThePreviousIsBeingWrittenIsRefusedByNameO
     EXPECT_EQ(saver.wait().kind, AsyncSaveReport::Kind::kCommitted);
   });
   EXPECT_EQ(refusals[0], refusals[1]);
-  EXPECT_THAT(refusals[0], HasSubstr("checkpoint save of step 2 to '" + dir + "/step-2' refused: the save of step 1 to '" +
-                                     dir + "/step-1' is still being written"));
+  EXPECT_THAT(refusals[0],
+              HasSubstr("checkpoint save of step 2 to '" + dir + "/step-2' refused: the save of step 1 to '" + dir +
+                        "/step-1' is still being written"));
   EXPECT_THAT(refusals[0], HasSubstr("IfBusy::kWait"));
   EXPECT_GT(waited[0], 100.0);
   EXPECT_EQ(read_text(dir + "/latest"), "step-3\n");
+  remove_dir(dir);
+}
+
+// The end of a run that leaves on an error: the saver cannot agree with the other ranks any more, so
+// it does not commit; it waits for its writer and says, on every rank, that the save was abandoned.
+TEST(AsyncCheckpoint, ASaverDestroyedWithASavePendingSaysOnEveryRankThatItWasAbandoned) {
+  const std::string dir = scratch_dir("abandoned");
+  const ZeroScenario s{.world = 2, .steps = 4};
+  ::testing::internal::CaptureStderr();
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    rank.train(0, 1);
+    auto latch = std::make_shared<Latch>();
+    std::thread release;
+    {
+      CheckpointSaver saver(state_of(rank));
+      saver.save(dir, 1);
+      CheckpointSaveOptions held;
+      held.async_save = true;
+      held.before_file_written = [latch](const std::string&) { latch->future.wait(); };
+      rank.train(1, 2);
+      saver.save(dir, 2, {}, held);
+      release = std::thread([latch] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        latch->release();
+      });
+    }  // destroyed with step 2 pending
+    release.join();
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(err, HasSubstr("rank " + std::to_string(r) + ": the checkpoint save of step 2 to '" + dir +
+                               "/step-2' was abandoned before its commit"));
+  }
+  EXPECT_EQ(read_text(dir + "/latest"), "step-1\n");
+  struct stat st{};
+  EXPECT_NE(::stat((dir + "/step-2/manifest.json").c_str(), &st), 0) << "an abandoned save is never complete";
   remove_dir(dir);
 }
