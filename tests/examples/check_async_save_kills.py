@@ -3,8 +3,9 @@
 overlaps step n+1, and its commit comes at a later step boundary):
 
 1. The reference: the uninterrupted run without saves.
-2. Runs that --resume from the same directory, each SIGKILLed at a random moment (a random step's
-   `step <n> loss` line plus a random 0-25 ms): alternately one worker (torchrun stops the other) and
+2. Runs that --resume from the same directory, each SIGKILLed at a random moment (the `step <n> loss`
+   line of a random step 0-4 steps after its resume point, plus a random 0-25 ms: a step takes ~15 ms
+   and each save's background write ~10 ms, so most kills land inside a save): alternately one worker (torchrun stops the other) and
    the whole group. Each resumed run must start at the step `latest` named when it was launched (a
    save cut short is never taken: Note [Async save protocol]) and print exactly the reference's
    losses (the same mesh: bit for bit, compared as printed, 10 significant digits), until a last run
@@ -24,7 +25,7 @@ import threading
 import time
 
 binary = sys.argv[1]
-KILLS = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+KILLS = int(sys.argv[2]) if len(sys.argv) > 2 else 6
 STEPS = 30
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 BASE = [torchrun, "--standalone", "--nproc-per-node=2", "--no-python", binary, "--dp", "2", "--tp", "1",
@@ -36,27 +37,42 @@ def fail(msg):
     sys.exit(f"FAILED: {msg}")
 
 
-def children(pid):
-    """Direct children of `pid` (from /proc: no psutil)."""
+def workers_of(pid):
+    """torchrun `pid`'s workers: its children running the example (from /proc: no psutil)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(p) for p in f.read().split()]
+    except OSError:
+        return []
     out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry))
-            except OSError:
-                pass
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if os.path.basename(binary).encode() in f.read():
+                    out.append(kid)
+        except OSError:
+            pass
     return out
 
 
 def latest_step(ckpt):
+    """The step `latest` names; 0 without a `latest` file."""
     try:
         with open(os.path.join(ckpt, "latest")) as f:
             return int(f.read().strip()[len("step-"):])
     except FileNotFoundError:
         return 0
+
+
+def resume_step(ckpt):
+    """Where --resume must start: `latest`'s step; without `latest` (a kill between the first save's
+    manifest and its pointer) the newest complete step (every save here continues the one before, so
+    it is the live run's head: docs/checkpoints.md, "The live run"); 0 without either."""
+    if os.path.exists(os.path.join(ckpt, "latest")):
+        return latest_step(ckpt)
+    complete = [int(n[len("step-"):]) for n in (os.listdir(ckpt) if os.path.isdir(ckpt) else [])
+                if n.startswith("step-") and os.path.exists(os.path.join(ckpt, n, "manifest.json"))]
+    return max(complete, default=0)
 
 
 def mid_save(ckpt, latest):
@@ -90,11 +106,11 @@ def main():
     args = ["--save-dir", ckpt, "--save-every", "1", "--keep-last", "3", "--async-save", "--resume"]
     kills = mid = started_saves = 0
     while True:
-        first = latest_step(ckpt)
+        first = resume_step(ckpt)
         if first == STEPS:  # a kill raced the end of a run that had committed its last step
             break
         kill = kills < KILLS and first < STEPS - 1
-        target = rng.randrange(first, STEPS - 1) if kill else None
+        target = min(first + rng.randrange(0, 5), STEPS - 2) if kill else None  # 0-4 steps in: a few saves per run
         delay = rng.uniform(0, 0.025)
         whole_group = kills % 2 == 1
         proc = launch(args)
@@ -109,21 +125,25 @@ def main():
                 continue
             step, loss = int(m.group(1)), m.group(2)
             if not seen and step != first:
-                fail(f"a run launched with `latest` at step {first} resumed at step {step}")
+                fail(f"a run launched when `latest` (or the newest complete step) was step {first} resumed at step {step}")
             seen.append(step)
             if loss != reference[step]:
                 fail(f"step {step}: loss {loss} after resuming at {first}, the uninterrupted run's is {reference[step]}")
             if kill and step == target and not killed:
                 time.sleep(delay)
-                try:
-                    if whole_group:
+                # torchrun starts its workers in sessions of their own: the whole group is torchrun's
+                # process group and every worker.
+                workers = workers_of(proc.pid)
+                for pid in (workers if whole_group else [rng.choice(workers)] if workers else []):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                if whole_group:
+                    try:
                         os.killpg(proc.pid, signal.SIGKILL)
-                    else:
-                        workers = children(proc.pid)
-                        if workers:
-                            os.kill(rng.choice(workers), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                    except ProcessLookupError:
+                        pass
                 killed = True
         proc.wait(timeout=120)
         reader.join(timeout=10)
