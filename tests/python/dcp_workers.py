@@ -191,10 +191,12 @@ def ranks_disagree(rank, world_size, field):
 
 def async_save(rank, world_size, directory):
     """Per variant: SAVE_AT steps, then dcp.save and dcp.async_save of the same state (the async one on
-    a Gloo group of its own: its collectives run on DCP's writer thread), CONTINUE more steps while the
+    a Gloo group of its own, since its collectives run on DCP's writer thread, and staged by
+    meshddp.DcpStager), CONTINUE more steps while the
     async write is in flight, its future's result; then each checkpoint resumed into a model and
     optimizer built with other initial values, trained the same CONTINUE steps."""
     side = dist.new_group(backend="gloo")
+    stager = meshddp.DcpStager()  # torch's default stager cannot copy a ShardedTensor
     out = {}
     for variant in VARIANTS:
         ddp, opt = build(world_size, 0, variant)
@@ -202,7 +204,7 @@ def async_save(rank, world_size, directory):
         path = os.path.join(directory, variant)
         dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path + "-sync")
         future = dcp.async_save({"model": ddp.state_dict(), "optim": opt.state_dict()},
-                                checkpoint_id=path + "-async", process_group=side)
+                                checkpoint_id=path + "-async", process_group=side, async_stager=stager)
         full_losses = train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
         future.result()
         full = params_of(ddp)

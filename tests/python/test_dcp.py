@@ -183,7 +183,7 @@ def test_meshddp_consolidate_pointed_at_a_dcp_checkpoint_says_how_to_read_one(me
 
 def test_dcp_async_save_of_ddp_and_optimizer_state_dicts_resumes_as_the_sync_save_does(tmp_path):
     """torch.distributed.checkpoint.async_save with ddp.state_dict() / opt.state_dict() at 2 ranks, on
-    a Gloo group made for it, training on during the write: resumes exactly as dcp.save of the same
+    a Gloo group made for it, staged by meshddp.DcpStager, training on during the write: resumes exactly as dcp.save of the same
     step does, and both equal the uninterrupted run (the same size: bit for bit)."""
     results = multiprocess.run(2, "dcp_workers.async_save", directory=str(tmp_path))
     for rank, r in enumerate(results):
