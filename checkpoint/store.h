@@ -15,7 +15,9 @@
 // the same way, then prunes (keep_last); all ranks agree. Any failure up to `latest` makes every rank
 // throw the same error, before `latest` moves: the previous checkpoint stays untouched and `latest`
 // keeps naming it. A pruning failure after that is a warning (the save is committed). A step
-// directory without manifest.json is incomplete and never loaded.
+// directory without manifest.json is incomplete and never loaded. An async save runs the same three
+// phases, phase 2 (and rank 0's phase 3 writes) on a writer thread, every agreement at step boundaries
+// (Note [Async save protocol] in checkpoint/async_save.h; the phases: checkpoint/save_phases.h).
 // Load: every rank resolves the step directory (`latest`, or the step asked for) and all agree
 // (agree_on_checkpoint); every rank reads the manifest and all compare its save id; then each rank verifies every W-th
 // file in full (size, save id, CRC32C), reads what it needs into temporaries and checks the model against the manifest;
