@@ -98,8 +98,7 @@ at::Tensor torch_state_tensor(const torch::optim::OptimizerParamState& s, const 
 
 }  // namespace
 
-std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
-                            const CheckpointValues& values, const CheckpointSaveOptions& options) {
+TrainingStatePieces training_state_pieces(const TrainingState& state, int64_t step, const CheckpointValues& values) {
   const Parts parts = parts_of(state);
   std::set<std::string> model_keys;
   std::vector<CheckpointTensor> tensors = module_tensors(state, parts, /*for_save=*/true, model_keys);
@@ -127,7 +126,15 @@ std::string save_checkpoint(const TrainingState& state, const std::string& dir, 
     }
     meta.optimizer = {{"kind", kind.kind}, {"step", opt_step}};
   }
-  return save_checkpoint_files(parts.mesh, dir, meta, tensors, options);
+  return {parts.mesh, std::move(meta), std::move(tensors)};
+}
+
+CheckpointMesh checkpoint_mesh_of(const TrainingState& state) { return parts_of(state).mesh; }
+
+std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
+                            const CheckpointValues& values, const CheckpointSaveOptions& options) {
+  const TrainingStatePieces pieces = training_state_pieces(state, step, values);
+  return save_checkpoint_files(pieces.mesh, dir, pieces.meta, pieces.tensors, options);
 }
 
 LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& dir, std::optional<int64_t> step) {

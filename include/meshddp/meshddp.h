@@ -16,6 +16,7 @@
 // Data parallelism, the ZeRO-1 optimizer, its LR schedule, whole-training-state checkpoints.
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
+#include "plugin/checkpoint_saver.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 

@@ -6,6 +6,7 @@
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
+#include "plugin/python/async_checkpoint_bindings.h"
 #include "plugin/python/config_bindings.h"
 #include "plugin/python/python_ddp.h"
 #include "plugin/python/reduction_group_bindings.h"
@@ -118,6 +119,7 @@ PYBIND11_MODULE(_C, m) {
         "the same over several DP dims (gradients averaged over their flattened group): the one dim outside them "
         "with more than one rank ('' if none)");
   meshddp::python::bind_reduction_groups(m);
+  meshddp::python::bind_async_checkpoint(m);
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).

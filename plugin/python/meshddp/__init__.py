@@ -20,6 +20,7 @@ from meshddp._C import (  # noqa: E402  (which ranks share a param: mesh/reducti
     flattened_groups,
     optimizer_instance_groups,
 )
+from meshddp._dcp_stager import DcpStager  # noqa: E402
 from meshddp.ddp import DistributedDataParallel  # noqa: E402
 from meshddp.optimizer import DistributedOptimizer  # noqa: E402
 
@@ -27,6 +28,7 @@ __all__ = [
     "__version__",
     "built_with_cuda",
     "built_with_torch",
+    "DcpStager",
     "DdpConfig",
     "DistributedDataParallel",
     "DistributedOptimizer",

@@ -67,17 +67,62 @@ class DistributedOptimizer:
         """Sets param group `group`'s learning rate (0: the default group, then one per rule)."""
         self._impl.set_group_lr(group, lr)
 
-    def save_checkpoint(self, directory, keep_last=0):
+    def save_checkpoint(self, directory, keep_last=0, async_save=False, if_busy="wait"):
         """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md).
 
         keep_last=K (> 0) then keeps the K newest checkpoints of this run (the one it loaded and those
-        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories."""
+        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories.
+
+        async_save=True returns after a copy of this rank's shards to host memory: a background thread
+        writes them, and the checkpoint is committed (`latest` moved) at a later checkpoint_step_boundary()
+        or wait_checkpoint(), which every rank calls at every step boundary / at the end of training
+        (docs/checkpoints.md, "Asynchronous saves"). Returns {"path", "stall_ms", "waited_ms",
+        "snapshot_ms"}. A save while the previous async one is still being written waits for it
+        (if_busy="wait") or raises (if_busy="refuse"), on every rank."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"meshddp.DistributedOptimizer.save_checkpoint: keep_last must be an int >= 0, got {keep_last!r}")
-        self._impl.save_checkpoint(os.fspath(directory), keep_last)
+        if if_busy not in ("wait", "refuse"):
+            raise ValueError(f"meshddp.DistributedOptimizer.save_checkpoint: if_busy must be 'wait' or 'refuse', got {if_busy!r}")
+        if not async_save:
+            if getattr(self, "_async", None) is not None and self._async.pending:
+                self._report(self._async.wait())  # one save at a time
+            self._impl.save_checkpoint(os.fspath(directory), keep_last)
+            return None
+        if getattr(self, "_async", None) is None:
+            self._async = _C._AsyncCheckpointSave(self._impl)
+        path, stall, waited, snapshot, previous = self._async.start(self._impl, os.fspath(directory), keep_last,
+                                                                    if_busy == "refuse")
+        self._report(previous)
+        return {"path": path, "stall_ms": stall, "waited_ms": waited, "snapshot_ms": snapshot}
+
+    def checkpoint_step_boundary(self):
+        """Call at every step boundary on every rank (a collective while an async save is pending; nothing
+        otherwise): commits the pending async save once every rank's file is written. Returns
+        ("committed", path) once, ("pending", path) before, None without a pending save; raises
+        RuntimeError on every rank, naming each failing rank and its file, when a write failed (the
+        previous checkpoint stays `latest`)."""
+        if getattr(self, "_async", None) is None:
+            return None
+        return self._report(self._async.poll())
+
+    def wait_checkpoint(self):
+        """A collective: waits for the pending async save and commits it (the end of training, or before a
+        load). Returns ("committed", path), or None without one; raises as checkpoint_step_boundary()."""
+        if getattr(self, "_async", None) is None:
+            return None
+        return self._report(self._async.wait())
+
+    @staticmethod
+    def _report(report):
+        kind, _step, path, message, _write_ms = report
+        if kind == "failed":
+            raise RuntimeError(message)
+        return None if kind == "none" else (kind, path)
 
     def load_checkpoint(self, directory):
-        """Loads a checkpoint saved at this or another DP size, then all-gathers params."""
+        """Loads a checkpoint saved at this or another DP size, then all-gathers params (after waiting for
+        a pending async save: wait_checkpoint())."""
+        self.wait_checkpoint()
         self._impl.load_checkpoint(os.fspath(directory))
 
     def state_dict(self):
