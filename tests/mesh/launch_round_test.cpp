@@ -57,7 +57,7 @@ TEST(LaunchRound, RankZeroNamesTheRanksThatNeverJoined) {
     if (rank == 0) error = test::error_of(call);
     if (rank == 1) call();
   });
-  EXPECT_THAT(error, HasSubstr("DeviceMesh: rank 0 waited 300 ms for ranks 2, 3 of 4 to join launch round 1"));
+  EXPECT_THAT(error, HasSubstr("DeviceMesh: rank 0 waited 300 ms for ranks 2,3 of 4 to join launch round 1"));
 }
 
 // A worker killed and restarted by torchrun's agent meets its peers again in the agent's store,
