@@ -26,13 +26,18 @@ using namespace meshddp;
 namespace {
 
 struct Net : torch::nn::Module {
-  Net() : fc(register_module("fc", torch::nn::Linear(4, 3))), head(register_module("head", torch::nn::Linear(3, 1))) {}
+  Net()
+      : fc(register_module("fc", torch::nn::Linear(4, 3))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})))),
+        head(register_module("head", torch::nn::Linear(3, 1))) {}
   torch::Tensor forward(torch::Tensor x) {
     // docs/api.md, "Gradients written into the buffer": a layer of your own.
     x = meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias);  // instead of fc(x): same math
-    return head(torch::tanh(x));
+    return head(torch::tanh(norm(x)));
   }
-  torch::nn::Linear fc, head;
+  torch::nn::Linear fc;
+  torch::nn::LayerNorm norm;  // for docs/optimizer.md's "*norm*" group rule
+  torch::nn::Linear head;
 };
 
 torch::Tensor batch_x() { return torch::linspace(-1, 1, 24).reshape({6, 4}); }
@@ -176,32 +181,34 @@ TEST(DocSnippets, CheckpointsSaveAndLoad) {
     EXPECT_EQ(c.step, step);
     EXPECT_EQ(resume_position, samples_seen);
   });
+  ASSERT_EQ(chdir("/"), 0);
   test::remove_dir(dir);
+}
 
-  // docs/expert_parallel.md and docs/tensor_parallel.md declare experts on a model with MoE blocks:
-  // compiled here (the expert-parallel tests run the same calls on real models).
-  struct MoeModel : torch::nn::Module {
-    torch::nn::ModuleList experts{register_module("experts", torch::nn::ModuleList())};
-  };
+// docs/expert_parallel.md and docs/tensor_parallel.md declare experts on a model with MoE blocks:
+// compiled here (the expert-parallel tests run the same calls on real models).
+struct MoeModel : torch::nn::Module {
+  torch::nn::ModuleList experts{register_module("experts", torch::nn::ModuleList())};
+};
 
-  [[maybe_unused]] void declare_experts_as_the_docs_do(at::Tensor param, int64_t ep) {
-    meshddp::DdpConfig config;
-    std::vector<meshddp::PlanEntry> plan;
-    // docs/expert_parallel.md
-    plan.push_back({"blocks.*.moe.experts", meshddp::ExpertParallel{}});
-    meshddp::declare_expert_param(param);
-    config.expert_parallel_size = ep;  // DdpConfig
-  }
+[[maybe_unused]] void declare_experts_as_the_docs_do(at::Tensor param, int64_t ep) {
+  meshddp::DdpConfig config;
+  std::vector<meshddp::PlanEntry> plan;
+  // docs/expert_parallel.md
+  plan.push_back({"blocks.*.moe.experts", meshddp::ExpertParallel{}});
+  meshddp::declare_expert_param(param);
+  config.expert_parallel_size = ep;  // DdpConfig
+}
 
-  [[maybe_unused]] void declare_experts_by_plan(std::shared_ptr<MoeModel> model, const DeviceMesh& mesh) {
-    // docs/tensor_parallel.md, "Expert parallel"
-    for (auto& p : model->experts->parameters()) meshddp::declare_expert_param(p);
-    // clang-format off: the lines as docs/tensor_parallel.md has them
+[[maybe_unused]] void declare_experts_by_plan(std::shared_ptr<MoeModel> model, const DeviceMesh& mesh) {
+  // docs/tensor_parallel.md, "Expert parallel"
+  for (auto& p : model->experts->parameters()) meshddp::declare_expert_param(p);
+  // clang-format off: the lines as docs/tensor_parallel.md has them
     meshddp::parallelize(*model, mesh, {{"blocks.*.moe.experts.*.fc1", meshddp::ColwiseParallel{}},
                                         {"blocks.*.moe.experts.*.fc2", meshddp::RowwiseParallel{}},
                                         {"blocks.*.moe.experts", meshddp::ExpertParallel{}}});
-    // clang-format on
-    meshddp::DdpConfig config;
-    config.expert_parallel_size = 2;                                    // must divide the DP (x CP) size
-    meshddp::DistributedDataParallel ddp(model, mesh, {"dp"}, config);  // or {"dp", "cp"}
-  }
+  // clang-format on
+  meshddp::DdpConfig config;
+  config.expert_parallel_size = 2;                                    // must divide the DP (x CP) size
+  meshddp::DistributedDataParallel ddp(model, mesh, {"dp"}, config);  // or {"dp", "cp"}
+}

@@ -35,9 +35,9 @@ TEST(ConfigAgreement, ACommHookInvalidOnOneRankFailsEveryRankNamingTheFieldAndEa
   run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
     Mlp model = make_mlp(1, 4, 8, 2);
     DdpConfig config;
-    config.bucket_bytes = mesh.rank() == 1 ? -5 : 1024;
+    config.tp_replica_check_interval = mesh.rank() == 1 ? -5 : 100;  // >= 0
     EXPECT_THAT(error_of([&] { DistributedDataParallel ddp(model.ptr(), mesh["dp"], config); }),
-                HasSubstr("'bucket_bytes' is rank 0: 1024, rank 1: -5"));
+                HasSubstr("'tp_replica_check_interval' is rank 0: 100, rank 1: -5"));
   });
 }
 
