@@ -112,15 +112,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, con
 void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims, const DdpConfig& config,
                              SyncGroups& groups) {
   const int64_t k = config.num_distributed_optimizer_instances;
-  config.validate();  // K >= 1 with the distributed optimizer, before any group is made
-  config.check_combination();
-  // K agrees on every rank before any rank makes the instance groups: a rank with K = 1 would skip
-  // their rendezvous (and a rank with another K ask for other groups), leaving the others to wait
-  // there until the store timeout. init()'s settings check comes too late for that.
+  // Every field (K among them) agrees on every rank before any rank makes the instance groups, or
+  // validates: a rank with K = 1 would skip their rendezvous (and a rank with another K ask for other
+  // groups), and a value invalid on one rank only would fail that rank alone, leaving the others to
+  // wait (Note [Agree first, then validate], mesh/config_fields.h). init()'s check comes too late.
   c10d::ProcessGroup& agreement = groups.world ? *groups.world : *groups.dp;
   ensure_cpu_backend(agreement, "DistributedDataParallel");
-  verify_same_settings_across_ranks(agreement, {{"num_distributed_optimizer_instances", std::to_string(k)}},
-                                    "DistributedDataParallel", "the hierarchical ZeRO-1 settings");
+  verify_same_settings_across_ranks(agreement, field_settings(config, kDdpConfigFields), "DistributedDataParallel",
+                                    "the DdpConfig settings");
+  config.validate();  // K >= 1 with the distributed optimizer, before any group is made
+  config.check_combination();
   if (k == 1) return;
   const std::string name = flattened_dims_name(dp_dims);
   const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);
@@ -245,16 +246,17 @@ void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std
 void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
                      const ExpertGroupMaker& expert_group) {
-  config_.validate();
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
     if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
   }
-  // First, before any collective whose kind depends on them: the settings agree on every rank.
+  // First, before any collective whose kind depends on them: the settings agree on every rank, then
+  // they are validated (Note [Agree first, then validate], mesh/config_fields.h).
   const bool has_experts = has_expert_params(params);
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
+  config_.validate();
   // After the agreement (it compares expert_parallel_size and the DP size): every rank reaches the same
   // verdict, rather than one failing alone while the others wait in the settings check.
   const int64_t ep = config_.expert_parallel_size;

@@ -3,6 +3,7 @@
 // turned into Python RuntimeErrors with the same text. The Python-facing API (DeviceMesh handling,
 // DTensor params, no_sync()) is in meshddp/*.py.
 #include "mesh/collective_progress.h"
+#include "mesh/launch_round.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
@@ -13,6 +14,7 @@
 #include "plugin/tp_dim.h"
 #include "tp/linear_with_grad_in_buffer.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -102,7 +104,15 @@ PYBIND11_MODULE(_C, m) {
                     "meshddp.DistributedDataParallel: stuck_report_after must be ",
                     ">= 0 (0 = off) and timeout > 0 (seconds), got ", report_after_s, " and ", timeout_s);
         auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)); };
-        meshddp::register_collective_progress(group, store, std::move(global_ranks), ms(report_after_s), ms(timeout_s));
+        c10::intrusive_ptr<c10d::Store> records = store;
+        if (meshddp::store_outlives_launch()) {  // Note [Launch rounds]: none of a dead launch's records
+          py::gil_scoped_release no_gil;
+          const int64_t round =
+              meshddp::agree_on_launch_round(*store, "launch", group->getRank(), group->getSize(), ms(timeout_s));
+          records = c10::make_intrusive<c10d::PrefixStore>("round" + std::to_string(round), store);
+        }
+        meshddp::register_collective_progress(group, records, std::move(global_ranks), ms(report_after_s),
+                                              ms(timeout_s));
       },
       py::arg("group"), py::arg("store"), py::arg("global_ranks"), py::arg("report_after_s"), py::arg("timeout_s"),
       "registers a c10d group for meshddp's stuck report and timeout (mesh/collective_progress.h); the store must be "
