@@ -7,7 +7,7 @@
 // done after the ZeRO-1 reduce-scatter).
 //
 // Golden: one process on the whole batch, the head using wte itself (the tied model). Tolerance
-// 2e-6 absolute and relative on the params after 3 SGD steps (fp32; measured differences ~1e-7); the
+// 2e-6 absolute and relative on the params after 3 SGD steps (fp32; 1.2e-7 measured); the
 // two copies of the tied weight must be bit-identical after every step (check_tied_params_identical).
 #include "mesh/pipeline_groups.h"
 #include "optimizer/distributed_optimizer.h"
@@ -104,6 +104,11 @@ std::vector<torch::Tensor> golden(bool ignore) {
 struct RunOptions {
   bool zero1 = false;
   bool per_token = false;  // sum losses, finalize_model_grads(num_tokens)
+  // "bf16_compress": the ZeRO-1 reduce-scatter goes through a bf16 copy and only this rank's shard
+  // is written back (Gloo's in-place all-reduce would otherwise leave the whole bucket summed, which
+  // hides a tied sum done after the reduce-scatter). Then bf16 rounding sets the tolerance.
+  const char* comm_hook = "none";
+  double tol = kTol;
 };
 
 // Runs the pipeline on a dp 2 x pp 2 mesh and checks each stage's params against the golden.
@@ -115,6 +120,7 @@ void run_pipeline(const RunOptions& run) {
     DdpConfig config;
     config.bucket_bytes = 1 << 20;  // one bucket per buffer
     config.use_distributed_optimizer = run.zero1;
+    config.comm_hook = run.comm_hook;
     Stage0 s0{nullptr};
     Stage1 s1{nullptr};
     std::unique_ptr<DdpEngine> ddp;
@@ -186,7 +192,7 @@ void run_pipeline(const RunOptions& run) {
     }
     if (zero1) zero1->finish_param_sync();
     const auto close = [&](const torch::Tensor& got, const torch::Tensor& expected, const char* what) {
-      EXPECT_TRUE(torch::allclose(got, expected, kTol, kTol))
+      EXPECT_TRUE(torch::allclose(got, expected, run.tol, run.tol))
           << what << " on stage " << stage << ", DP rank " << dp_rank << ": max |diff| "
           << (got - expected).abs().max().item<double>();
     };
@@ -207,6 +213,12 @@ void run_pipeline(const RunOptions& run) {
 TEST(PipelineTied, TwoStagesMatchOneProcess) { run_pipeline({}); }
 
 TEST(PipelineTied, TwoStagesMatchOneProcessZero1) { run_pipeline({/*zero1=*/true, false}); }
+
+// ZeRO-1 where each rank holds only its shard after the reduce-scatter (the bf16 hook writes back the
+// shard alone): the tied sum must come before it, since the two stages shard their buffers apart.
+// Tolerance 3e-3: the buckets are summed in bf16 (1.1e-3 measured after 3 steps); the copies stay
+// bit-identical all the same.
+TEST(PipelineTied, TwoStagesMatchOneProcessZero1ShardOnly) { run_pipeline({true, false, "bf16_compress", 3e-3}); }
 
 // Per-token normalisation: each rank's loss is the sum over its valid tokens; finalize_model_grads
 // divides by the global count (the last stage's, summed over DP), which equals one process's mean over
