@@ -68,11 +68,12 @@ def tied_pipeline(rank, world_size):
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         tokens, labels = batch(step)
+        sends = []  # isend: a blocking send would wait for a receive the other stage posts later
         if rank == 0:
             outs = []
             for m in range(MICRO):
                 outs.append(ddp(tokens.chunk(MICRO)[m]))
-                dist.send(outs[-1].detach().contiguous(), 1)
+                sends.append(dist.isend(outs[-1].detach().contiguous(), 1))
             for m in range(MICRO):
                 grad = torch.empty_like(outs[m])
                 dist.recv(grad, 1)
@@ -89,8 +90,10 @@ def tied_pipeline(rank, world_size):
                                        ignore_index=-100, reduction="sum")
                 with ddp.no_sync() if m < MICRO - 1 else torch.enable_grad():
                     loss.backward()
-                dist.send(h.grad, 0)
+                sends.append(dist.isend(h.grad, 0))
             count = int((labels != -100).sum())
+        for work in sends:
+            work.wait()
         total = meshddp.finalize_model_grads([ddp], num_tokens=count, pp_group=dist.group.WORLD)
         assert total == int((labels != -100).sum()), total
         opt.step()
