@@ -107,7 +107,7 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
             tp_dim = _C.tp_dim_of([n for n, _ in stage], [size for _, size in stage], list(dp_dims)) or None
         except RuntimeError as e:
             raise RuntimeError(f"meshddp.{e}; or name the tensor-parallel dim with tp_dim=") from None
-        if tp_dim is None and len(others) == 1:
+        if tp_dim is None and len(others) == 1 and others == [n for n in names if n not in dp_dims]:
             tp_dim = others[0]
     elif tp_dim not in others:
         raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim {dp_dims}: the dims are {names}")
