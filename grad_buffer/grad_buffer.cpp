@@ -235,10 +235,6 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
               " got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
               "backward (or finish_grad_sync() only after the last micro-batch)");
   Slot& s = slots_[index];
-  TORCH_CHECK(!buckets_[layout_.slots[index].bucket].launched, "GradBuffer: parameter ",
-              describe_param_name(params_[index]), " got a gradient after its bucket was launched this step ",
-              "(start_grad_sync() before this backward): the collective already took the bucket's values. Call ",
-              "start_grad_sync() after the chunk's last backward micro-batch (weight-gradient passes included)");
   if (is_last_microbatch_) {
     TORCH_CHECK(!s.ready, "GradBuffer: parameter ", describe_param_name(params_[index]),
                 " reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
@@ -246,6 +242,10 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
                 "micro-batches");
   }
+  TORCH_CHECK(!buckets_[layout_.slots[index].bucket].launched, "GradBuffer: parameter ",
+              describe_param_name(params_[index]), " got a gradient after its bucket was launched this step ",
+              "(start_grad_sync() before this backward): the collective already took the bucket's values. Call ",
+              "start_grad_sync() after the chunk's last backward micro-batch (weight-gradient passes included)");
   // Move the accumulated gradient into its slot unless it is there already (Note [Slots written in
   // place]: written in place, or added into .grad, the slot, by AccumulateGrad; a stale slot's
   // gradient always arrives as a tensor of its own, since the pre-hook released .grad).

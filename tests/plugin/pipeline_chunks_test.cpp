@@ -15,6 +15,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <mutex>
+
 using namespace meshddp;
 using namespace meshddp::test;
 
@@ -26,6 +28,9 @@ constexpr double kLr = 0.2, kTol = 1e-6;
 
 // The model's two halves, from one seed (the golden builds the same).
 std::pair<torch::nn::Sequential, torch::nn::Sequential> make_halves() {
+  // torch's global generator: rank threads seed and draw under one lock, so all build the same values.
+  static std::mutex init_mutex;
+  std::lock_guard<std::mutex> lock(init_mutex);
   torch::manual_seed(kSeed);
   torch::nn::Sequential first(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(), torch::nn::Linear(kHidden, kHidden),
                               torch::nn::Tanh());

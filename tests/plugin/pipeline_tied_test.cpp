@@ -19,6 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <mutex>
+
 using namespace meshddp;
 using namespace meshddp::test;
 
@@ -49,11 +51,16 @@ struct Stage1Impl : torch::nn::Module {
 };
 TORCH_MODULE(Stage1);
 
+// The modules draw their initial values from torch's global generator: rank threads seed and draw
+// under one lock, so that every thread builds the same values.
+std::mutex init_mutex;
 Stage0 make_stage0() {
+  std::lock_guard<std::mutex> lock(init_mutex);
   torch::manual_seed(kSeed);
   return Stage0();
 }
 Stage1 make_stage1() {
+  std::lock_guard<std::mutex> lock(init_mutex);
   torch::manual_seed(kSeed + 1);
   return Stage1();
 }
