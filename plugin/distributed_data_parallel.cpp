@@ -1,6 +1,7 @@
 #include "plugin/distributed_data_parallel.h"
 
 #include "mesh/collectives.h"
+#include "mesh/pipeline_groups.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
 #include "mesh/reduction_groups.h"
@@ -101,7 +102,8 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, LayoutPart part) 
 // or extra dim is named as DDP's.
 c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims) {
   if (dp_dims.size() == 1) return mesh[dp_dims.front()];
-  (void)tp_dim_of(mesh.names(), mesh.sizes(), dp_dims);
+  const StageDims stage = stage_dims(mesh);  // a pipeline dim is neither DP nor TP
+  (void)tp_dim_of(stage.names, stage.sizes, dp_dims);
   return mesh.flattened(dp_dims);
 }
 
@@ -183,9 +185,14 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
                      const std::vector<std::string>& dp_dims, DdpConfig config)
     : dp_group_(dp_group_over(mesh, dp_dims)), config_(config) {
   groups_.dp = dp_group_;
-  groups_.world = mesh.world();
+  // On a pipeline mesh each stage syncs within itself: its world leaves out the pp dim, which is not
+  // TP either; the embedding group sums weights tied across stages (plugin/pipeline.cpp).
+  verify_pipeline_settings(mesh, config_);
+  groups_.world = stage_world(mesh);
+  const StageDims stage = stage_dims(mesh);
+  if (stage.names.size() < mesh.names().size()) groups_.embedding = embedding_group(mesh);
   use_optimizer_instances(mesh, dp_dims, config_, groups_);
-  if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dims); !tp_dim.empty()) {
+  if (const std::string tp_dim = tp_dim_of(stage.names, stage.sizes, dp_dims); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];
     groups_.tp_rank = mesh.coordinate(tp_dim);
     groups_.tp_size = mesh.size(tp_dim);
@@ -339,6 +346,7 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
     if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);
   }
+  sync_tied_params_at_construction();
 }
 
 std::vector<at::Tensor> DdpEngine::parameters() const {

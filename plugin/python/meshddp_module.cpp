@@ -9,6 +9,7 @@
 #include "plugin/ddp_config_fields.h"
 #include "plugin/python/async_checkpoint_bindings.h"
 #include "plugin/python/config_bindings.h"
+#include "plugin/python/pipeline_bindings.h"
 #include "plugin/python/python_ddp.h"
 #include "plugin/python/reduction_group_bindings.h"
 #include "plugin/tp_dim.h"
@@ -130,6 +131,7 @@ PYBIND11_MODULE(_C, m) {
         "with more than one rank ('' if none)");
   meshddp::python::bind_reduction_groups(m);
   meshddp::python::bind_async_checkpoint(m);
+  meshddp::python::bind_pipeline(m);
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).
@@ -173,19 +175,30 @@ PYBIND11_MODULE(_C, m) {
                        c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> world_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> tp_group, int64_t tp_rank,
-                       int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config) {
+                       int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> embedding_group) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
              meshddp::SyncGroups groups{std::move(dp_group), world_group.value_or(nullptr), tp_rank, tp_size,
                                         tp_group.value_or(nullptr)};
+             groups.embedding = embedding_group.value_or(nullptr);  // weights tied across pipeline stages
              py::gil_scoped_release release;  // the checks and broadcast are collectives
              return EngineHolder<PythonDdp>(new PythonDdp(named_tensors(params), named_tensors(buffers), std::move(dts),
                                                           std::move(groups), dp_global_ranks, config));
            }),
            py::arg("params"), py::arg("buffers"), py::arg("dtensors"), py::arg("dp_group"), py::arg("world_group"),
-           py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"))
+           py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"),
+           py::arg("embedding_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
+      // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
+      .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
+      .def("set_requires_gradient_sync", &PythonDdp::set_requires_gradient_sync, py::arg("requires_sync"))
+      .def("requires_gradient_sync", &PythonDdp::requires_gradient_sync)
+      .def("scale_gradients", &PythonDdp::scale_gradients, py::arg("factor"), Release())
+      .def("broadcast_params", &PythonDdp::broadcast_params, Release())
+      .def("check_tied_params_identical", &PythonDdp::check_tied_params_identical, Release())
+      .def("grad_sync_finished", &PythonDdp::grad_sync_finished)
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)

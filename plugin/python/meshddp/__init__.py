@@ -22,6 +22,7 @@ from meshddp._C import (  # noqa: E402  (which ranks share a param: mesh/reducti
 )
 from meshddp._dcp_stager import DcpStager  # noqa: E402
 from meshddp.ddp import DistributedDataParallel  # noqa: E402
+from meshddp.pipeline import declare_tied_across_stages, embedding_groups, finalize_model_grads  # noqa: E402
 from meshddp.optimizer import DistributedOptimizer  # noqa: E402
 
 __all__ = [
@@ -35,8 +36,11 @@ __all__ = [
     "OptimizerConfig",
     "StepResult",
     "cross_instance_groups",
+    "declare_tied_across_stages",
+    "embedding_groups",
     "expert_data_parallel_groups",
     "expert_parallel_groups",
+    "finalize_model_grads",
     "flattened_group_ranks",
     "flattened_groups",
     "linear_with_grad_in_buffer",

@@ -96,16 +96,18 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
                 f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape "
                 f"{tuple(mesh.shape)}; pass dp_dim= one of them (or a tuple of them, in mesh order), or name the "
                 f"mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
-    others = [n for n in names if n not in dp_dims]
+    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/pipeline.md).
+    stage = [(n, size) for n, size in zip(names, mesh.shape) if n != "pp"]
+    others = [n for n, _ in stage if n not in dp_dims]
     if tp_dim is None:
         # The C++ rule (meshddp::tp_dim_of), so both languages pick the same dim: the one dim besides DP
         # with more than one rank. With none, a single other dim (of size 1) is kept, so that DTensors
         # parallelized over it are accepted (a TP size of 1 is no TP to the engine).
         try:
-            tp_dim = _C.tp_dim_of(list(names), list(mesh.shape), list(dp_dims)) or None
+            tp_dim = _C.tp_dim_of([n for n, _ in stage], [size for _, size in stage], list(dp_dims)) or None
         except RuntimeError as e:
             raise RuntimeError(f"meshddp.{e}; or name the tensor-parallel dim with tp_dim=") from None
-        if tp_dim is None and len(others) == 1:
+        if tp_dim is None and len(others) == 1 and others == [n for n in names if n not in dp_dims]:
             tp_dim = others[0]
     elif tp_dim not in others:
         raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim {dp_dims}: the dims are {names}")
@@ -114,7 +116,7 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
         return dp_group, None, None, 0, 1, None
     tp_size = mesh.size(names.index(tp_dim))
     tp_rank = mesh.get_local_rank(tp_dim)
-    if mesh.size() == dist.get_world_size():
+    if mesh.size() == dist.get_world_size() and "pp" not in names:
         world = dist.distributed_c10d._get_default_group()
     else:
         world = mesh[tuple(n for n in names if n in dp_dims or n == tp_dim)]._flatten().get_group()
@@ -185,7 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
     are synced by their local shards; DTensor does TP."""
 
     def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None,
-                 stuck_report_after=30.0, timeout=None):
+                 stuck_report_after=30.0, timeout=None, embedding_group=None):
         """stuck_report_after (seconds; 0 = off): as a C++ mesh's MeshOptions.stuck_report_after, a rank
         that waits this long for one of meshddp's collectives (a bucket reduction, a param all-gather, a
         start-up check) prints to stderr, then each time the wait doubles, a line naming the group, the
@@ -194,7 +196,11 @@ class DistributedDataParallel(torch.nn.Module):
         timeout (a datetime.timedelta or seconds; default: torch's default for the backend): the
         MeshOptions.timeout of these records, after which a wait that polls (NCCL with
         MESHDDP_NCCL_BLOCKING_WAIT=1) fails naming the collective; a Gloo group fails after the timeout
-        it was created with (init_process_group(timeout=))."""
+        it was created with (init_process_group(timeout=)).
+        embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
+        pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
+        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. A "pp" dim of
+        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md)."""
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _error(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -231,7 +237,7 @@ class DistributedDataParallel(torch.nn.Module):
                 params.append((name, p))
         buffers = [(n, b._local_tensor if isinstance(b, DTensor) else b) for n, b in module.named_buffers()]
         self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
-                               dist.get_process_group_ranks(dp_group), config)
+                               dist.get_process_group_ranks(dp_group), config, embedding_group)
         grads = []
         for name, p, _, _ in dtensors:
             grads.append(DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
@@ -267,6 +273,34 @@ class DistributedDataParallel(torch.nn.Module):
     def set_is_last_microbatch(self, is_last):
         """False for micro-batches before the last: backward only accumulates. Default True."""
         self._engine.set_is_last_microbatch(bool(is_last))
+
+    # -- the controls a pipeline schedule drives (docs/pipeline.md) ------------------------------------
+    def start_grad_sync(self):
+        """Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
+        contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
+        sync overlaps the other chunks' backward. finish_grad_sync() (or finalize_model_grads) waits."""
+        self._engine.start_grad_sync()
+
+    def set_requires_gradient_sync(self, requires_sync):
+        """FSDP2's name. False: hold every bucket (backward only accumulates) until set True again;
+        the same switch as set_is_last_microbatch() and no_sync()."""
+        self._engine.set_requires_gradient_sync(bool(requires_sync))
+
+    def scale_gradients(self, factor):
+        """Multiplies the flat gradient buffers by `factor` (not p.grad, which with fp32 main grads or
+        ZeRO-1 is not what the optimizer reads). Between micro-batches, or after finish_grad_sync() and
+        before the optimizer step; a RuntimeError while a bucket collective is in flight."""
+        self._engine.scale_gradients(float(factor))
+
+    def broadcast_params(self):
+        """Every param takes DP rank 0's values over its reduction group (experts over expert-DP), then
+        a weight tied across stages the first stage's copy. Collective; between steps."""
+        self._engine.broadcast_params()
+
+    def check_tied_params_identical(self):
+        """A RuntimeError on both ends of the pipeline, naming the param, when the two copies of a weight
+        tied across stages differ. Collective over the embedding group."""
+        self._engine.check_tied_params_identical()
 
     @contextlib.contextmanager
     def no_sync(self):
