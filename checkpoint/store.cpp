@@ -92,10 +92,23 @@ struct Save {
     }
     return agree(*mesh.world, mine, "checkpoint save: " + what);
   }
-  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage) const {
+  // After the directory was prepared (`written`), a failure removes this save's step directory (rank 0,
+  // once every rank is past its writes), so that no half-written step stays behind.
+  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage, bool written = false) const {
     const std::string errors = errors_of(statuses);
-    TORCH_CHECK(errors.empty(), "checkpoint save of step ", meta.step, " to '", step_dir, "' failed (", stage,
-                "); nothing was committed and `latest` still names the previous checkpoint:", errors);
+    if (errors.empty()) return;
+    std::string removed;
+    if (written && rank == 0) {
+      try {
+        remove_tree(step_dir);
+        fsync_path(dir);
+        removed = "; its step directory was removed";
+      } catch (const std::exception& e) {
+        removed = "; removing its step directory failed too (" + message_of(e) + "): delete it by hand";
+      }
+    }
+    TORCH_CHECK(false, "checkpoint save of step ", meta.step, " to '", step_dir, "' failed (", stage,
+                "); nothing was committed and `latest` still names the previous checkpoint", removed, ":", errors);
   }
 };
 
@@ -226,7 +239,17 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
 // the commit. Then prunes; a pruning failure goes into `status` as "prune_error" (the save stands).
 void commit_manifest(const Save& s, const Json& manifest, const CheckpointSaveOptions& options, Json& status) {
   const std::string text = manifest_text(manifest);
-  parse_manifest(text, s.step_dir + "/" + kManifest);  // what a load will check, checked before the commit
+  try {  // what a load will check, checked before the commit
+    parse_manifest(text, s.step_dir + "/" + kManifest);
+  } catch (const c10::Error& e) {
+    // Nothing was edited: the pieces given to the save do not make a checkpoint (a bug in the caller).
+    std::string what = e.what_without_backtrace();
+    const std::string edited = " (the manifest is damaged or was edited; load another step, or save again)";
+    if (const auto at = what.find(edited); at != std::string::npos) what.erase(at, edited.size());
+    TORCH_CHECK(false, "the tensors the ranks gave this save do not make a loadable checkpoint (e.g. a tensor ",
+                "held by some ranks only that was not saved as theirs, such as an expert tensor not declared ",
+                "one), so it was not committed: ", what);
+  }
   write_file_atomically(s.step_dir + "/" + kManifest, text);
   write_file_atomically(s.dir + "/latest", s.name + "\n");
   if (options.keep_last <= 0) return;
@@ -271,13 +294,13 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
 
   // (2) Every rank writes, fsyncs and verifies its file.
   statuses = s.agree_after("files", [&](Json& status) { write_rank_file(s, save_id, tensors, options, status); });
-  s.fail_if_any(statuses, "writing the files");
+  s.fail_if_any(statuses, "writing the files", /*written=*/true);
 
   // (3) Rank 0 writes the manifest, then moves `latest`, then prunes.
   statuses = s.agree_after("commit", [&](Json& status) {
     if (s.rank == 0) commit_manifest(s, manifest_of(s, save_id, statuses), options, status);
   });
-  s.fail_if_any(statuses, "writing the manifest");
+  s.fail_if_any(statuses, "writing the manifest", /*written=*/true);
   note_live_checkpoint(dir, s.name);
   if (s.rank == 0 && statuses[0].contains("prune_error")) {
     std::fprintf(stderr,
