@@ -128,7 +128,7 @@ TEST(ModuleOwnership, BuffersInsideExpertsKeepTheirOwnExpertsValuesAtConstructio
   run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
     MoeWithBuffers model = make_model(mesh, 2);
     DistributedDataParallel ddp(model.ptr(), mesh, "dp", ep_config(2));
-    expect_own_buffers(*model, mesh, "after construction");
+    expect_own_buffers(model, mesh, "after construction");
     // A buffer changed on expert-DP rank 0 only (as a running statistic would be) reaches its peers.
     {
       torch::NoGradGuard no_grad;
@@ -164,7 +164,7 @@ TEST(ModuleOwnership, BuffersInsideExpertsAreCheckpointedAsExpertTensors) {
         for (auto& e : model->by_index) e->scale.fill_(-3);
       }
       load_checkpoint(TrainingState{&*model, &ddp, nullptr, nullptr}, dir);
-      expect_own_buffers(*model, mesh, "after loading at EP " + std::to_string(ep));
+      expect_own_buffers(model, mesh, "after loading at EP " + std::to_string(ep));
     });
   }
   remove_dir(dir);
@@ -210,7 +210,9 @@ TEST(ModuleOwnership, AFailedCheckpointSaveLeavesNoStepDirectory) {
     const std::string error =
         error_of([&] { save_checkpoint(TrainingState{&*model, &ddp, nullptr, nullptr}, dir, 3, {}, options); });
     EXPECT_THAT(error, testing::HasSubstr("disk full (simulated)")) << "rank " << mesh.rank();
-    if (mesh.rank() == 0) EXPECT_THAT(error, testing::HasSubstr("its step directory was removed"));
+    if (mesh.rank() == 0) {
+      EXPECT_THAT(error, testing::HasSubstr("its step directory was removed"));
+    }
   });
   EXPECT_FALSE(path_exists(dir + "/step-3")) << "a failed save left its step directory behind";
   remove_dir(dir);

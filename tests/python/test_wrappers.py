@@ -76,6 +76,18 @@ def test_torch_ddp_around_meshddp_leaves_meshddp_params_alone(mesh):
     assert outer_model[1].weight.grad is not None
 
 
+def test_torch_ddp_over_a_model_meshddp_wraps_finds_nothing_to_reduce(mesh):
+    m = model()
+    ddp = meshddp.DistributedDataParallel(m, mesh)
+    with pytest.raises(RuntimeError, match=r"DistributedDataParallel is not needed when a module doesn't have any "
+                                           r"parameter that requires a gradient"):
+        TorchDDP(m)
+    del ddp
+    gc.collect()
+    assert not hasattr(m, "_ddp_params_and_buffers_to_ignore"), "the mark outlived the wrapper"
+    TorchDDP(m)  # the model is torch's to wrap once meshddp's wrapper is gone
+
+
 def test_a_torch_optimizer_step_before_finish_grad_sync_is_refused_naming_the_call(mesh):
     ddp = meshddp.DistributedDataParallel(model(), mesh)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)

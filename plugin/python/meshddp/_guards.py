@@ -7,6 +7,8 @@ silent wrong result into a result that is right or an error that names the way o
   finds nothing to reduce and says so at construction); a torch DDP that reduces them anyway (meshddp's
   wrapper deeper inside the module it wraps) is refused at meshddp's forward, naming the param.
 - meshddp around torch's DDP: refused at construction (the C++ engine refuses meshddp around meshddp).
+  torch's DDP over the wrapped module itself, built while meshddp's wrapper lives, finds the same
+  ignore list on the module and nothing left to reduce.
 - A torch optimizer's step() while a gradient sync is pending (finish_grad_sync() forgotten): refused
   before the step, by a global optimizer step pre-hook.
 - ZeRO-1 with overlap_param_gather: a forward through the raw module (evaluation code holding the
@@ -43,6 +45,24 @@ def names_for_torch_ddp(module):
     for n, _ in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
         names += [n, f"module.{n}", f".{n}"]
     return names
+
+
+def mark_wrapped_module(wrapper, module):
+    """torch's DDP built later over the wrapped module itself (a second wrapper over the same model)
+    would reduce its params on top of meshddp: the module gets the ignore list too while the wrapper
+    lives (unless it has one of its own), so that torch's DDP finds nothing left to reduce and says so."""
+    if hasattr(module, "_ddp_params_and_buffers_to_ignore"):
+        return
+    names = [n for n, _ in list(module.named_parameters(remove_duplicate=False)) +
+             list(module.named_buffers(remove_duplicate=False))]
+    module._ddp_params_and_buffers_to_ignore = names
+    weakref.finalize(wrapper, _unmark, weakref.ref(module), names)
+
+
+def _unmark(module_ref, names):
+    module = module_ref()
+    if module is not None and getattr(module, "_ddp_params_and_buffers_to_ignore", None) is names:
+        del module._ddp_params_and_buffers_to_ignore
 
 
 def check_outer_torch_ddp(wrapper):

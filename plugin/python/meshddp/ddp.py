@@ -242,6 +242,7 @@ class DistributedDataParallel(torch.nn.Module):
         # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
         # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
         self._ddp_params_and_buffers_to_ignore = _guards.names_for_torch_ddp(module)
+        _guards.mark_wrapped_module(self, module)
         self._torch_ddp_checked = None
         _guards.watch_optimizer_steps(self)
         if config.use_distributed_optimizer:
