@@ -21,6 +21,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 def _error(what):
@@ -109,7 +110,7 @@ def watch_optimizer_steps(wrapper):
     wrapper._param_ids = frozenset(id(p) for p in wrapper.module.parameters())
     _live_wrappers.add(wrapper)
     if _step_hook is None:
-        _step_hook = torch.optim.optimizer.register_optimizer_step_pre_hook(_before_optimizer_step)
+        _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
 # -- ZeRO-1 overlapped param gathers and the raw module's forward --------------------------------------
