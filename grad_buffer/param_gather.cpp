@@ -104,6 +104,9 @@ ParamGather::~ParamGather() {
 
 void ParamGather::start(bool async) {
   {
+    // The launches' own ops never wait in the fallback (this thread may still have the mode on from
+    // the previous step's start(), and the fallback would take mutex_, held here).
+    const c10::impl::ExcludeDispatchKeyGuard no_wait(kWaitMode);
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(pending_ == 0, "ParamGather: ", pending_, " parameter all-gather(s) of the previous step are still ",
                 "pending; wait_all() before starting new ones");
