@@ -28,10 +28,13 @@ struct Save {
   Save(const CheckpointMesh& m, const std::string& d, const CheckpointMeta& mt);
   // Collective: every rank's status, after each rank sets its own (`work` throwing makes it an error status).
   std::vector<Json> agree_after(const std::string& what, const std::function<void(Json&)>& work) const;
-  // Throws, naming every failing rank, when any status holds an error.
-  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage) const;
-  // The message of a failed save (fail_if_any's): `errors` is errors_of(...).
-  std::string failure(const std::string& stage, const std::string& errors) const;
+  // Throws, naming every failing rank, when any status holds an error. After the directory was prepared
+  // (`written`), rank 0 first removes this save's step directory (every rank is past its writes), so
+  // that no half-written step stays behind.
+  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage, bool written = false) const;
+  // The message of a failed save (fail_if_any's): `errors` is errors_of(...); `removed` what became of
+  // the step directory ("" when it was left).
+  std::string failure(const std::string& stage, const std::string& errors, const std::string& removed = "") const;
 };
 
 // Phase 1, collective: rank 0 creates an empty step directory (never the one `latest` names) and picks

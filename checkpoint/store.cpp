@@ -87,14 +87,25 @@ std::vector<Json> Save::agree_after(const std::string& what, const std::function
   return agree(*mesh.world, mine, "checkpoint save: " + what);
 }
 
-std::string Save::failure(const std::string& stage, const std::string& errors) const {
+std::string Save::failure(const std::string& stage, const std::string& errors, const std::string& removed) const {
   return "checkpoint save of step " + std::to_string(meta.step) + " to '" + step_dir + "' failed (" + stage +
-         "); nothing was committed and `latest` still names the previous checkpoint:" + errors;
+         "); nothing was committed and `latest` still names the previous checkpoint" + removed + ":" + errors;
 }
 
-void Save::fail_if_any(const std::vector<Json>& statuses, const std::string& stage) const {
+void Save::fail_if_any(const std::vector<Json>& statuses, const std::string& stage, bool written) const {
   const std::string errors = errors_of(statuses);
-  TORCH_CHECK(errors.empty(), failure(stage, errors));
+  if (errors.empty()) return;
+  std::string removed;
+  if (written && rank == 0) {
+    try {
+      remove_tree(step_dir);
+      fsync_path(dir);
+      removed = "; its step directory was removed";
+    } catch (const std::exception& e) {
+      removed = "; removing its step directory failed too (" + message_of(e) + "): delete it by hand";
+    }
+  }
+  TORCH_CHECK(false, failure(stage, errors, removed));
 }
 
 namespace {
@@ -240,7 +251,17 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
 // The manifest is checked as a load will check it before it is written.
 void commit_manifest(const Save& s, const Json& manifest, const CheckpointSaveOptions& options, Json& status) {
   const std::string text = manifest_text(manifest);
-  parse_manifest(text, s.step_dir + "/" + kManifest);  // what a load will check, checked before the commit
+  try {  // what a load will check, checked before the commit
+    parse_manifest(text, s.step_dir + "/" + kManifest);
+  } catch (const c10::Error& e) {
+    // Nothing was edited: the pieces given to the save do not make a checkpoint (a bug in the caller).
+    std::string what = e.what_without_backtrace();
+    const std::string edited = " (the manifest is damaged or was edited; load another step, or save again)";
+    if (const auto at = what.find(edited); at != std::string::npos) what.erase(at, edited.size());
+    TORCH_CHECK(false, "the tensors the ranks gave this save do not make a loadable checkpoint (e.g. a tensor ",
+                "held by some ranks only that was not saved as theirs, such as an expert tensor not declared ",
+                "one), so it was not committed: ", what);
+  }
   write_file_atomically(s.step_dir + "/" + kManifest, text);
   write_file_atomically(s.dir + "/latest", s.name + "\n");
   if (options.keep_last <= 0) return;
@@ -290,12 +311,13 @@ std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string&
   // (2) Every rank writes, fsyncs and verifies its file.
   std::vector<Json> statuses =
       s.agree_after("files", [&](Json& status) { save_phases::write_rank_file(s, save_id, tensors, options, status); });
-  s.fail_if_any(statuses, "writing the files");
+  s.fail_if_any(statuses, "writing the files", /*written=*/true);
+
   // (3) Rank 0 writes the manifest, then moves `latest`, then prunes.
   statuses = s.agree_after("commit", [&](Json& status) {
     if (s.rank == 0) save_phases::commit_manifest(s, save_phases::manifest_of(s, save_id, statuses), options, status);
   });
-  s.fail_if_any(statuses, "writing the manifest");
+  s.fail_if_any(statuses, "writing the manifest", /*written=*/true);
   note_live_checkpoint(dir, s.name);
   save_phases::warn_if_pruning_failed(s, statuses[0], options);
   return s.step_dir;

@@ -58,6 +58,17 @@ void verify_expert_names_are_global(c10d::ProcessGroup& dp_group, const std::vec
   }
 }
 
+// Leads the model-mismatch error when expert parallel is on but nothing was declared an expert: the
+// EP ranks' different experts then look like different models.
+std::string no_expert_hint(int64_t ep, bool has_experts) {
+  if (ep == 1 || has_experts) return "";
+  return "DistributedDataParallel: DdpConfig::expert_parallel_size = " + std::to_string(ep) +
+         " but no parameter was declared an expert, so the experts each EP rank holds are checked (and would be "
+         "averaged) over the whole data-parallel group. Declare every expert param before wrapping the model: the "
+         "plan style ExpertParallel (e.g. {\"blocks.*.moe.experts\", meshddp::ExpertParallel{}}) or "
+         "meshddp::declare_expert_param(param); or set expert_parallel_size = 1 if the model has no experts. ";
+}
+
 // Splits `params` into dense and expert ones.
 std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> split_experts(const std::vector<NamedTensor>& params) {
   std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> out;
@@ -258,9 +269,11 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
     if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
   }
+  // Before any collective: a param another live engine reduces is refused (Python ranks all wrap alike).
+  claim_ = ParamClaim(params);
   // First, before any collective whose kind depends on them: the settings agree on every rank, then
   // they are validated (Note [Agree first, then validate], mesh/config_fields.h).
-  const bool has_experts = has_expert_params(params);
+  const bool has_experts = has_expert_params(params) || has_expert_params(buffers);
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
   config_.validate();
@@ -285,8 +298,21 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   std::vector<NamedParam> named;
   for (const auto& p : params) named.push_back({p.name, p.tensor});
   unique_params_ = deduplicate_params(named);
+  std::vector<NamedTensor> expert_named = expert_params;
+  if (has_experts) {
+    const std::vector<bool> expert_buffer = expert_buffer_flags(params, buffers);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (!expert_buffer[i]) continue;
+      declare_expert_param(buffers[i].tensor);  // so that checkpoints save it as an expert tensor
+      expert_buffers_.push_back(buffers[i]);
+      expert_named.push_back(buffers[i]);
+    }
+    buffers.erase(
+        std::remove_if(buffers.begin(), buffers.end(), [](const NamedTensor& b) { return is_expert_param(b.tensor); }),
+        buffers.end());
+  }
   module_buffers_ = std::move(buffers);
-  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_params, groups_.expert_dp->getSize(), ep);
+  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_named, groups_.expert_dp->getSize(), ep);
   if (config_.verify_model_across_ranks) {
     // Compared within each DP group (expert params within each expert-DP group); the verdict is then
     // agreed over the whole mesh, so that a mismatch in one DP group stops every rank here rather than
@@ -298,7 +324,7 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
         verify_same_tensors_across_ranks(*groups_.expert_dp, expert_params, "expert parameter", expert_global_ranks);
       }
     } catch (const c10::Error& e) {
-      mismatch = e.what_without_backtrace();
+      mismatch = no_expert_hint(ep, has_experts) + e.what_without_backtrace();
     }
     int64_t failed_ranks = mismatch.empty() ? 0 : 1;
     if (&agreement_group != dp_group_.get()) {
@@ -308,7 +334,8 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     }
     TORCH_CHECK(mismatch.empty(), mismatch);
     TORCH_CHECK(
-        failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+        failed_ranks == 0, no_expert_hint(ep, has_experts),
+        "DistributedDataParallel: the model differs across the data-parallel ranks of ",
         "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
         "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
@@ -318,14 +345,16 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     if (!get_placement(p.param).is_shard()) tp_replicated_state.push_back({p.name, p.param});
   }
   state.insert(state.end(), module_buffers_.begin(), module_buffers_.end());
+  expert_state.insert(expert_state.end(), expert_buffers_.begin(), expert_buffers_.end());
   tp_replicated_state.insert(tp_replicated_state.end(), module_buffers_.begin(), module_buffers_.end());
+  tp_replicated_state.insert(tp_replicated_state.end(), expert_buffers_.begin(), expert_buffers_.end());
   if (config_.broadcast_from_rank0) {
     // DP first (each TP column takes its DP rank 0's values; experts their expert-DP rank 0's), then TP
     // for what every TP rank holds whole: all replicas of a replicated param then equal one rank's.
     broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
     if (has_experts) {
       broadcast_from_group_rank0(*groups_.expert_dp, expert_state,
-                                 "the initial expert parameters (from expert-data-parallel rank 0)");
+                                 "the initial expert parameters and buffers (from expert-data-parallel rank 0)");
     }
     if (groups_.tp) {
       broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
@@ -363,6 +392,10 @@ void DdpEngine::before_forward() {
   if (config_.broadcast_buffers && !module_buffers_.empty() && buffer_->is_last_microbatch()) {
     broadcast_from_group_rank0(*dp_group_, module_buffers_, "the module buffers (broadcast_buffers, from DP rank 0)");
   }
+  if (config_.broadcast_buffers && !expert_buffers_.empty() && buffer_->is_last_microbatch()) {
+    broadcast_from_group_rank0(*groups_.expert_dp, expert_buffers_,
+                               "the expert module buffers (broadcast_buffers, from expert-data-parallel rank 0)");
+  }
 }
 
 void DdpEngine::maybe_check_tp_replicas() {
@@ -387,9 +420,11 @@ void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor
     targets[p.name] = p.param;
     for (const auto& alias : p.aliases) targets[alias] = p.param;
   }
-  for (const auto& b : module_buffers_) {
-    required.push_back(b.name);
-    targets[b.name] = b.tensor;
+  for (const auto* list : {&module_buffers_, &expert_buffers_}) {
+    for (const auto& b : *list) {
+      required.push_back(b.name);
+      targets[b.name] = b.tensor;
+    }
   }
   // Check everything before changing anything.
   for (const auto& item : state) {

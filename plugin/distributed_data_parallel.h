@@ -17,6 +17,7 @@
 #include "../grad_buffer/grad_buffer.h"
 #include "../mesh/device_mesh.h"
 #include "model_sync.h"
+#include "module_ownership.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
@@ -168,7 +169,7 @@ class DdpEngine {
   // Called by forward before running the module. A forward with grad mode off (evaluation) touches
   // no sync state and runs no collective, so it may run on some ranks only, at any time. A training
   // forward checks the previous step's sync finished, runs the TP-replica check when due, and
-  // broadcasts the module buffers (broadcast_buffers).
+  // broadcasts the module buffers (broadcast_buffers: dense ones over DP, expert ones over expert-DP).
   void before_forward();
   // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
   void after_forward(const at::Tensor& output) const {
@@ -215,8 +216,11 @@ class DdpEngine {
   SyncGroups groups_;
   DdpConfig config_;
   std::unique_ptr<GradBuffer> buffer_;
-  std::vector<NamedParam> unique_params_;  // every param once (aliases listed), frozen ones too
-  std::vector<NamedTensor> module_buffers_;
+  std::vector<NamedParam> unique_params_;    // every param once (aliases listed), frozen ones too
+  std::vector<NamedTensor> module_buffers_;  // dense buffers: broadcast over DP
+  // Buffers inside experts: over expert-DP (Note [Buffers follow the module that owns them]).
+  std::vector<NamedTensor> expert_buffers_;
+  ParamClaim claim_;                       // this engine's params, refused to a second live engine
   std::vector<NamedParam> tp_replicated_;  // trainable params every TP rank holds whole (not sharded)
   int64_t last_replica_check_ = -1;        // syncs_completed() at the last TP-replica check
 };

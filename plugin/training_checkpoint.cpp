@@ -40,7 +40,7 @@ Parts parts_of(const TrainingState& state) {
 }
 
 // One module tensor (param or buffer) as a piece: for a save, this DP rank's even share of the
-// local tensor (TP rank 0 only for tensors not sharded over TP; for an expert param, this
+// local tensor (TP rank 0 only for tensors not sharded over TP; for an expert param or buffer, this
 // expert-DP rank's share: only its expert-DP group holds it); for a load, all of it.
 void add_module_tensor(std::vector<CheckpointTensor>& out, const std::string& key, const at::Tensor& tensor,
                        const Placement& placement, bool is_expert, const Parts& parts, bool for_save) {
@@ -71,7 +71,9 @@ std::vector<CheckpointTensor> module_tensors(const TrainingState& state, const P
   }
   for (const auto& item : state.module->named_buffers(/*recurse=*/true)) {
     model_keys.insert("model/" + item.key());
-    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), false, parts, for_save);
+    // Buffers inside experts were declared expert tensors by DDP (Note [Buffers follow the module that owns them]).
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()),
+                      is_expert_param(item.value()), parts, for_save);
   }
   return out;
 }

@@ -238,6 +238,29 @@ PYBIND11_MODULE(_C, m) {
             if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
           },
           Release())
+      // Whether a gradient sync has begun (a backward of the last micro-batch) and finish_grad_sync()
+      // has not ended it: a torch optimizer's step now would read unsynced gradients (meshddp/_guards.py).
+      .def("sync_pending",
+           [](const PythonDdp& d) {
+             try {
+               d.grad_buffer()->check_no_sync_pending("");
+               return false;
+             } catch (const c10::Error&) {
+               return true;
+             }
+           })
+      // Waits for the pending param all-gathers of the buckets holding `tensors` (a module's own params,
+      // in its forward pre-hook: meshddp/_guards.py).
+      .def(
+          "wait_param_gathers_of",
+          [](PythonDdp& d, const std::vector<at::Tensor>& tensors) {
+            meshddp::ParamGather* gather = d.param_gather();
+            if (gather == nullptr) return;
+            for (const at::Tensor& t : tensors) {
+              if (!gather->wait_if_pending(t)) return;
+            }
+          },
+          Release())
       // ZeRO-1 ownership for DistributedOptimizer.state_dict(): for DP rank `dp_rank` (any, not only
       // this one: the layout is a pure function of the params, the config and the DP size), per
       // segment (param name, first element in the flattened local param, numel, the param's numel).

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C
+from meshddp import _C, _guards
 
 
 def _error(what):
@@ -219,6 +219,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._dp_group, self._world_group, self._tp_rank, self._tp_size = dp_group, world or dp_group, tp_rank, tp_size
 
         _check_wrappable(module)
+        _guards.refuse_torch_ddp_inside(module)
         params, dtensors = [], []
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
             if isinstance(p, DTensor):
@@ -244,12 +245,21 @@ class DistributedDataParallel(torch.nn.Module):
                                             run_check=False, shape=p.shape, stride=p.stride()))
         self._engine.set_dtensor_grads(grads)
         self._find_unused = config.find_unused_parameters
+        # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
+        # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
+        self._ddp_params_and_buffers_to_ignore = _guards.names_for_torch_ddp(module)
+        _guards.mark_wrapped_module(self, module)
+        self._torch_ddp_checked = None
+        _guards.watch_optimizer_steps(self)
+        if config.use_distributed_optimizer:
+            _guards.guard_raw_forward(self, module)
 
     # -- a step -----------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """The module's forward, after checking the previous step's sync has finished (a RuntimeError
         naming the params otherwise). With the distributed optimizer's overlapped param gather, each
         op waits for the all-gather of its own params' bucket."""
+        _guards.check_outer_torch_ddp(self)
         self._engine.check_before_forward()
         scope = self._engine.open_forward_scope()
         try:
