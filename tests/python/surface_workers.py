@@ -162,7 +162,7 @@ class Moe(torch.nn.Module):
     sharded on dim 0 over it: each EP rank runs its experts on all EP ranks' tokens (gathered by an
     autograd all-reduce) and the outputs are summed back to each token's rank the same way."""
 
-    def __init__(self, d=8, h=12, experts=4, ep_mesh=None):
+    def __init__(self, d=8, h=12, experts=4, ep_mesh=None, hf_style=False):
         super().__init__()
         torch.manual_seed(0)
         self.norm = torch.nn.LayerNorm(d)
@@ -171,14 +171,25 @@ class Moe(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(experts, h, d) * 0.3)
         self.head = torch.nn.Linear(d, d)
         self.ep_mesh = ep_mesh
-        if ep_mesh is not None:
+        self.experts = None
+        if hf_style:  # HF-style: one module per expert, under its global index, each EP rank keeping its own
+            n, r = (1, 0) if ep_mesh is None else (ep_mesh.size(), ep_mesh.get_local_rank())
+            mine = range(r * experts // n, (r + 1) * experts // n)
+            self.experts = torch.nn.ModuleDict({str(e): torch.nn.ParameterDict(
+                {"w1": torch.nn.Parameter(self.w1.data[e].clone()), "w2": torch.nn.Parameter(self.w2.data[e].clone())})
+                for e in mine})
+            del self.w1, self.w2
+        elif ep_mesh is not None:
             self.w1 = torch.nn.Parameter(distribute_tensor(self.w1.data, ep_mesh, [Shard(0)]))
             self.w2 = torch.nn.Parameter(distribute_tensor(self.w2.data, ep_mesh, [Shard(0)]))
 
     def forward(self, x):
         z = self.norm(x)
         gates = torch.softmax(self.router(z), -1)
-        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        if self.experts is not None:
+            w1, w2 = (torch.stack([e[k] for e in self.experts.values()]) for k in ("w1", "w2"))
+        else:
+            w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
         n, r = (1, 0) if self.ep_mesh is None else (self.ep_mesh.size(), self.ep_mesh.get_local_rank())
         if n > 1:  # every EP rank's tokens, in EP rank order
             group = self.ep_mesh.get_group()
@@ -193,19 +204,24 @@ class Moe(torch.nn.Module):
 
 
 def local_golden(name, p, golden, ep, e):
-    """The one-process value matching DDP param `name`: its EP chunk for an expert DTensor."""
-    want = golden.detach() if isinstance(golden, torch.Tensor) else golden
+    """The one-process value matching DDP param `name`: its EP chunk for an expert DTensor, and for an
+    HF-style expert 'experts.<i>.w1' the golden w1[i] (`golden` is the one-process model's tensors by name)."""
+    if name.startswith("experts."):
+        _, i, kind = name.split(".")
+        return golden[kind].detach()[int(i)]
+    want = golden[name].detach()
     return want.chunk(ep)[e] if isinstance(p, DTensor) else want
 
 
-def moe(rank, world_size, ep, zero1):
+def moe(rank, world_size, ep, zero1, hf_style=False):
     """A torchtitan-style MoE on world_size ranks (a ("edp", "ep") mesh, experts sharded over "ep",
     DDP over both dims flattened), STEPS AdamW steps (meshddp's ZeRO-1, or torch's on plain DDP, which
     also compares param.main_grad after the first backward), against one process on the global batch."""
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
-    model = Moe(ep_mesh=mesh["ep"])
+    model = Moe(ep_mesh=mesh["ep"], hf_style=hf_style)
     config = meshddp.DdpConfig(use_distributed_optimizer=zero1, expert_parallel_size=ep, bucket_bytes=512)
-    ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config)
+    ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
+                                          expert_params=["experts.*"] if hf_style else ())
     if zero1:
         opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS[:1]))
     else:
@@ -232,10 +248,10 @@ def moe(rank, world_size, ep, zero1):
         if not zero1:
             ddp.finish_grad_sync()  # the ZeRO-1 step() does it itself
         if step == 0 and not zero1:
-            gnamed = dict(golden.named_parameters())
+            ggrads = {n: q.grad for n, q in golden.named_parameters()}
             for name, p in ddp.named_parameters():
                 got = p.main_grad.to_local() if isinstance(p, DTensor) else p.main_grad
-                grad_diffs[name] = (got - local_golden(name, p, gnamed[name].grad, ep, e)).abs().max().item()
+                grad_diffs[name] = (got - local_golden(name, p, ggrads, ep, e)).abs().max().item()
         opt.step()
         gopt.step()
         losses.append((loss.item(), golden_loss.item()))
@@ -245,7 +261,7 @@ def moe(rank, world_size, ep, zero1):
     diffs = {}
     for name, p in ddp.named_parameters():
         diffs[name] = ((p.to_local() if isinstance(p, DTensor) else p.detach()) -
-                       local_golden(name, p, gnamed[name], ep, e)).abs().max().item()
+                       local_golden(name, p, gnamed, ep, e)).abs().max().item()
     return {"diffs": diffs, "grad_diffs": grad_diffs, "engine_names": ddp._engine.param_names(), "losses": losses}
 
 
@@ -275,4 +291,5 @@ def instances(rank, world_size, k):
 def suite(rank, world_size, directory):
     return {"schedules": schedules(rank, world_size, directory), "clip": clip_tp(rank, world_size, 2, 2),
             "moe": moe(rank, world_size, 2, zero1=True), "moe_ddp": moe(rank, world_size, 2, zero1=False),
+            "moe_hf": moe(rank, world_size, 2, zero1=False, hf_style=True),
             "instances": instances(rank, world_size, 2)}

@@ -27,8 +27,8 @@ def suite(tmp_path_factory):
     results = multiprocess.run_once(4, "surface_workers.suite", directory=str(tmp_path_factory.mktemp("dcp")))
     print("measured:", {k: results[0]["schedules"][k]["param_diff"] for k in ("lambda", "cosine", "meshddp")},
           {k: results[0]["clip"][k] for k in ("norm", "golden_norm", "grad_diff", "main_grad_diff", "clipped_norm")},
-          [max(max(r[v]["diffs"].values()) for r in results) for v in ("moe", "moe_ddp")],
-          max(max(r["moe_ddp"]["grad_diffs"].values()) for r in results),
+          [max(max(r[v]["diffs"].values()) for r in results) for v in ("moe", "moe_ddp", "moe_hf")],
+          [max(max(r[v]["grad_diffs"].values()) for r in results) for v in ("moe_ddp", "moe_hf")],
           max(r["instances"]["param_diff"] for r in results),
           results[0]["clip"]["torch_clip_error"])
     return results
@@ -75,6 +75,20 @@ def test_torchtitan_style_dtensor_experts_match_one_process(suite, variant):
         for name, diff in r["grad_diffs"].items():
             assert diff <= 1e-7, f"rank {rank}: the gradient of '{name}' differs from one process by {diff}"
         assert variant == "moe" or len(r["grad_diffs"]) == 7
+        for name, diff in r["diffs"].items():
+            assert diff <= MOE_TOL, f"rank {rank}: '{name}' differs from one process by {diff}"
+
+
+def test_hf_style_experts_declared_by_pattern_match_one_process(suite):
+    # The same MoE with one module per expert ('experts.<e>.w1'), EP rank e keeping experts 2e, 2e+1,
+    # declared with expert_params=["experts.*"]; torch AdamW on plain DDP.
+    for rank, results in enumerate(suite):
+        r = results["moe_hf"]
+        mine = [f"experts.{2 * (rank % 2) + i}.{w}" for i in range(2) for w in ("w1", "w2")]
+        assert sorted(n for n in r["engine_names"] if n.startswith("experts.")) == sorted(mine), r["engine_names"]
+        assert len(r["grad_diffs"]) == 9
+        for name, diff in r["grad_diffs"].items():
+            assert diff <= 1e-7, f"rank {rank}: the gradient of '{name}' differs from one process by {diff}"
         for name, diff in r["diffs"].items():
             assert diff <= MOE_TOL, f"rank {rank}: '{name}' differs from one process by {diff}"
 
