@@ -255,14 +255,20 @@ def moe(rank, world_size, ep, zero1, hf_style=False):
         opt.step()
         gopt.step()
         losses.append((loss.item(), golden_loss.item()))
+    state_dict_error = None
     if zero1:
         opt.finish_param_sync()
+        try:
+            opt.state_dict()
+        except RuntimeError as err:
+            state_dict_error = str(err)
     gnamed = dict(golden.named_parameters())
     diffs = {}
     for name, p in ddp.named_parameters():
         diffs[name] = ((p.to_local() if isinstance(p, DTensor) else p.detach()) -
                        local_golden(name, p, gnamed, ep, e)).abs().max().item()
-    return {"diffs": diffs, "grad_diffs": grad_diffs, "engine_names": ddp._engine.param_names(), "losses": losses}
+    return {"diffs": diffs, "grad_diffs": grad_diffs, "engine_names": ddp._engine.param_names(), "losses": losses,
+            "state_dict_error": state_dict_error}
 
 
 def instances(rank, world_size, k):

@@ -167,6 +167,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         load it with the model's: {"model": ddp.state_dict(), "optim": opt.state_dict()} (an fp32 param is its
         own master). With TP > 1 the keys name the TP rank: reshards over DP, at the same TP size.
         Note [The optimizer state for DCP] in meshddp/_state_dict.py; docs/checkpoints.md."""
+        if self.ddp.config.expert_parallel_size > 1 and any(
+                _C._is_expert_param(getattr(p, "_local_tensor", p)) for p in self.ddp.parameters()):
+            raise RuntimeError(
+                "meshddp.DistributedOptimizer.state_dict: the model has expert params over expert_parallel_size "
+                f"{self.ddp.config.expert_parallel_size}, whose ZeRO-1 shards are laid out over the expert-data-"
+                "parallel group, which this DCP layout (shards over DP) does not describe yet; use "
+                "save_checkpoint() / load_checkpoint() (meshddp's format) for this model")
         self._push_groups()
         return _state_dict.build(self)
 
