@@ -5,7 +5,6 @@ expert params and optimizer instances), each against one process on the global b
 import math
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F

@@ -104,7 +104,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         self._push_groups()
-        return self._impl.step()
+        result = self._impl.step()
+        self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
+        return result
 
     def zero_grad(self, set_to_none=True):
         """Same as ddp.zero_grad_buffer() (the gradients stay views of the buffer, whatever set_to_none)."""
