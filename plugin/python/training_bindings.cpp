@@ -30,16 +30,26 @@ LrScheduleConfig schedule_config_from(const py::kwargs& kwargs) {
   LrScheduleConfig c;
   for (const auto& [key, value] : kwargs) {
     const auto name = py::cast<std::string>(key);
-    if (name == "max_lr") c.max_lr = py::cast<double>(value);
-    else if (name == "min_lr") c.min_lr = py::cast<double>(value);
-    else if (name == "init_lr") c.init_lr = py::cast<double>(value);
-    else if (name == "warmup_steps") c.warmup_steps = py::cast<int64_t>(value);
-    else if (name == "decay_steps") c.decay_steps = py::cast<int64_t>(value);
-    else if (name == "decay_style") c.decay_style = style_from_text<LrDecayStyle>(py::cast<std::string>(value), "decay_style");
-    else if (name == "start_wd") c.start_wd = py::cast<double>(value);
-    else if (name == "end_wd") c.end_wd = py::cast<double>(value);
-    else if (name == "wd_incr_steps") c.wd_incr_steps = py::cast<int64_t>(value);
-    else if (name == "wd_incr_style") c.wd_incr_style = style_from_text<WdIncrStyle>(py::cast<std::string>(value), "wd_incr_style");
+    if (name == "max_lr")
+      c.max_lr = py::cast<double>(value);
+    else if (name == "min_lr")
+      c.min_lr = py::cast<double>(value);
+    else if (name == "init_lr")
+      c.init_lr = py::cast<double>(value);
+    else if (name == "warmup_steps")
+      c.warmup_steps = py::cast<int64_t>(value);
+    else if (name == "decay_steps")
+      c.decay_steps = py::cast<int64_t>(value);
+    else if (name == "decay_style")
+      c.decay_style = style_from_text<LrDecayStyle>(py::cast<std::string>(value), "decay_style");
+    else if (name == "start_wd")
+      c.start_wd = py::cast<double>(value);
+    else if (name == "end_wd")
+      c.end_wd = py::cast<double>(value);
+    else if (name == "wd_incr_steps")
+      c.wd_incr_steps = py::cast<int64_t>(value);
+    else if (name == "wd_incr_style")
+      c.wd_incr_style = style_from_text<WdIncrStyle>(py::cast<std::string>(value), "wd_incr_style");
     else
       throw py::type_error("LrScheduleConfig: unknown field '" + name + "'; the fields are max_lr, min_lr, init_lr, " +
                            "warmup_steps, decay_steps, decay_style, start_wd, end_wd, wd_incr_steps, wd_incr_style");
@@ -82,8 +92,7 @@ void bind_training(py::module_& m) {
       .def("state", &LrScheduler::state)
       .def("load_state", &LrScheduler::load_state, py::arg("state"), py::arg("use_checkpoint_config") = false);
 
-  m.def(
-      "_grad_norm", [](const PythonDdp& ddp) { return grad_norm(ddp.grad_buffer()); }, Release());
+  m.def("_grad_norm", [](const PythonDdp& ddp) { return grad_norm(ddp.grad_buffer()); }, Release());
   m.def(
       "_clip_grad_norm_",
       [](const PythonDdp& ddp, double max_norm, bool error_if_nonfinite) {
@@ -93,8 +102,9 @@ void bind_training(py::module_& m) {
   m.def("_glob_match", [](const std::string& pattern, const std::string& text) { return glob_match(pattern, text); });
   m.def(
       "_verify_same_settings",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::vector<std::pair<std::string, std::string>>& settings,
-         const std::string& who, const std::string& what) {
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+         const std::vector<std::pair<std::string, std::string>>& settings, const std::string& who,
+         const std::string& what) {
         ensure_cpu_backend(*group, who);
         verify_same_settings_across_ranks(*group, settings, who, what);
       },
