@@ -234,8 +234,11 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
 }
 
 DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
-                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config)
-    : dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
+                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
+                     c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group)
+    : dp_group_(data_parallel_group ? std::move(data_parallel_group) : groups.dp),
+      groups_(std::move(groups)),
+      config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
   init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_,
        [this, dp_global_ranks] {

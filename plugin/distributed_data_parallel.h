@@ -88,9 +88,13 @@ class DdpEngine {
   // For callers that hold no torch::nn::Module (the Python package, plugin/python/): the module's
   // parameters (registration order; a tensor under two names is one param) and its buffers, the
   // groups, and DP rank -> global rank for messages (may be empty). Same checks and broadcasts as
-  // above; the settings are agreed over groups.world (or the DP group when it is null).
+  // above; the settings are agreed over groups.world (or the DP group when it is null). With
+  // hierarchical ZeRO-1 (groups.cross_instance set), groups.dp is this rank's optimizer instance and
+  // `data_parallel_group` the whole DP (x CP) group (the model checks and broadcasts run over it, as
+  // with the mesh constructor); null: groups.dp.
   DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
-            const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
+            const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
+            c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
 
   // Blocks until every bucket is reduced (launching those not launched yet, in order). A second call
   // in the same step is a no-op.

@@ -4,6 +4,7 @@
 // DTensor params, no_sync()) is in meshddp/*.py.
 #include "mesh/collective_progress.h"
 #include "mesh/launch_round.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
@@ -12,6 +13,7 @@
 #include "plugin/python/pipeline_bindings.h"
 #include "plugin/python/python_ddp.h"
 #include "plugin/python/reduction_group_bindings.h"
+#include "plugin/python/training_bindings.h"
 #include "plugin/tp_dim.h"
 #include "tp/linear_with_grad_in_buffer.h"
 
@@ -132,6 +134,10 @@ PYBIND11_MODULE(_C, m) {
   meshddp::python::bind_reduction_groups(m);
   meshddp::python::bind_async_checkpoint(m);
   meshddp::python::bind_pipeline(m);
+  meshddp::python::bind_training(m);
+  m.def("_declare_expert_param", &meshddp::declare_expert_param, py::arg("param"),
+        "marks a param's (local) tensor as an expert param (mesh/placement.h), before DDP is built");
+  m.def("_is_expert_param", &meshddp::is_expert_param, py::arg("param"));
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).
@@ -176,20 +182,27 @@ PYBIND11_MODULE(_C, m) {
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> world_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> tp_group, int64_t tp_rank,
                        int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config,
-                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> embedding_group) {
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> embedding_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_dp_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> instance_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_instance_group) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
-             meshddp::SyncGroups groups{std::move(dp_group), world_group.value_or(nullptr), tp_rank, tp_size,
-                                        tp_group.value_or(nullptr)};
+             // Hierarchical ZeRO-1: buckets reduce-scatter over the instance, the DP group stays whole.
+             meshddp::SyncGroups groups{instance_group.value_or(dp_group), world_group.value_or(nullptr), tp_rank,
+                                        tp_size, tp_group.value_or(nullptr), cross_instance_group.value_or(nullptr),
+                                        expert_dp_group.value_or(nullptr)};
              groups.embedding = embedding_group.value_or(nullptr);  // weights tied across pipeline stages
              py::gil_scoped_release release;  // the checks and broadcast are collectives
              return EngineHolder<PythonDdp>(new PythonDdp(named_tensors(params), named_tensors(buffers), std::move(dts),
-                                                          std::move(groups), dp_global_ranks, config));
+                                                          std::move(groups), dp_global_ranks, config,
+                                                          instance_group ? dp_group : c10::intrusive_ptr<c10d::ProcessGroup>()));
            }),
            py::arg("params"), py::arg("buffers"), py::arg("dtensors"), py::arg("dp_group"), py::arg("world_group"),
            py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"),
-           py::arg("embedding_group") = py::none())
+           py::arg("embedding_group") = py::none(), py::arg("expert_dp_group") = py::none(),
+           py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
       // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
       .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
@@ -333,6 +346,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("step"), Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
       .def("set_group_lr", &DistributedOptimizer::set_group_lr, py::arg("group"), py::arg("lr"))
+      .def("set_weight_decay", &DistributedOptimizer::set_weight_decay, py::arg("weight_decay"))
+      .def("group_of", &DistributedOptimizer::group_of, py::arg("param"))
       .def("set_group_weight_decay", &DistributedOptimizer::set_group_weight_decay, py::arg("group"),
            py::arg("weight_decay"))
       .def("lr", &DistributedOptimizer::lr)

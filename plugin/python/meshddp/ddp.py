@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _guards
+from meshddp import _C, _groups, _guards
 
 
 def _error(what):
@@ -187,7 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
     are synced by their local shards; DTensor does TP."""
 
     def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None,
-                 stuck_report_after=30.0, timeout=None, embedding_group=None):
+                 stuck_report_after=30.0, timeout=None, embedding_group=None, expert_params=()):
         """stuck_report_after (seconds; 0 = off): as a C++ mesh's MeshOptions.stuck_report_after, a rank
         that waits this long for one of meshddp's collectives (a bucket reduction, a param all-gather, a
         start-up check) prints to stderr, then each time the wait doubles, a line naming the group, the
@@ -200,7 +200,11 @@ class DistributedDataParallel(torch.nn.Module):
         embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
         pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
         stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. A "pp" dim of
-        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md)."""
+        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
+        (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
+        DTensor params on the expert-parallel sub-mesh are expert params without a pattern
+        (meshddp/_groups.py)."""
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _error(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -209,7 +213,11 @@ class DistributedDataParallel(torch.nn.Module):
             raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
         dp_dims = _dp_dims_of(dp_dim)
         dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dims, process_group, tp_dim)
-        _register_progress([dp_group, world, tp_group], stuck_report_after, timeout)
+        ep = config.expert_parallel_size
+        instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
+        expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
+        _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group],
+                           stuck_report_after, timeout)
         self.module = module
         self.mesh = mesh
         self.dp_dim = dp_dim
@@ -221,8 +229,17 @@ class DistributedDataParallel(torch.nn.Module):
         _check_wrappable(module)
         _guards.refuse_torch_ddp_inside(module)
         params, dtensors = [], []
+        self._engine_names = {}  # module path -> the engine's name, where they differ (EP DTensor shards)
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and _groups.is_expert_dtensor(p, mesh, dp_dims, ep):
+                local = p._local_tensor
+                _C._declare_expert_param(local)
+                self._engine_names[name] = _groups.expert_name(name, p, mesh, dp_dims, ep)
+                if p.requires_grad:
+                    local.requires_grad_(True)
+                    dtensors.append((self._engine_names[name], p, local, -1))  # replicated over TP
+                params.append((self._engine_names[name], local))
+            elif isinstance(p, DTensor):
                 local = p._local_tensor
                 if p.requires_grad:
                     if config.grad_reduce_in_fp32 and p.dtype in (torch.bfloat16, torch.float16):
@@ -235,15 +252,34 @@ class DistributedDataParallel(torch.nn.Module):
                     dtensors.append((name, p, local, _tp_shard_dim(name, p, mesh, tp_dim)))
                 params.append((name, local))
             else:
+                if expert_params and _groups.matches(name, expert_params):
+                    _C._declare_expert_param(p)
                 params.append((name, p))
         buffers = [(n, b._local_tensor if isinstance(b, DTensor) else b) for n, b in module.named_buffers()]
         self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
-                               dist.get_process_group_ranks(dp_group), config, embedding_group)
-        grads = []
+                               dist.get_process_group_ranks(dp_group), config, embedding_group=embedding_group,
+                               expert_dp_group=expert_dp_group, instance_group=instance_group,
+                               cross_instance_group=cross_group)
+        grads = {}
         for name, p, _, _ in dtensors:
-            grads.append(DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
-                                            run_check=False, shape=p.shape, stride=p.stride()))
-        self._engine.set_dtensor_grads(grads)
+            grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
+                                             run_check=False, shape=p.shape, stride=p.stride())
+        self._engine.set_dtensor_grads(list(grads.values()))
+        # param.main_grad, as Megatron and veScale read it: the param's slot in the flat buffer (fp32 with
+        # grad_reduce_in_fp32); for a DTensor param the DTensor over its slot (its .grad).
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                engine_name = self._engine_names.get(name, name)
+                p.main_grad = grads[engine_name] if isinstance(p, DTensor) else self._engine.main_grad(engine_name)
+        # ZeRO-1: one gradient of each flat buffer, whose version counter (shared by every view of the buffer)
+        # tells DistributedOptimizer.step() whether the gradients were written after finish_grad_sync().
+        probes = {}
+        if config.use_distributed_optimizer:
+            for name in self._engine.param_names():
+                g = self._engine.main_grad(name)
+                probes.setdefault(g.untyped_storage().data_ptr(), g)
+        self._version_probes = list(probes.values())
+        self._synced_grad_version = None
         self._find_unused = config.find_unused_parameters
         # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
         # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
@@ -274,11 +310,18 @@ class DistributedDataParallel(torch.nn.Module):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).
         Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
         self._engine.finish_grad_sync()
+        self._synced_grad_version = sum(g._version for g in self._version_probes)
 
     def zero_grad_buffer(self):
         """Zeroes the gradient buffers and points every .grad back at them. Call it (not
         optimizer.zero_grad(), which would set the grads to None) before each step's first backward."""
         self._engine.zero_grad_buffer()
+        self._synced_grad_version = None
+
+    def _grads_written_since_sync(self):
+        """ZeRO-1: whether the gradients were changed in place after this step's finish_grad_sync()."""
+        version = self._synced_grad_version
+        return version is not None and sum(g._version for g in self._version_probes) != version
 
     def set_is_last_microbatch(self, is_last):
         """False for micro-batches before the last: backward only accumulates. Default True."""
@@ -355,7 +398,7 @@ class DistributedDataParallel(torch.nn.Module):
     def main_grad(self, name):
         """The synced gradient of trainable param `name` (module path): a view of its slot in the flat
         buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32)."""
-        return self._engine.main_grad(name)
+        return self._engine.main_grad(self._engine_names.get(name, name))
 
     @property
     def config(self):
