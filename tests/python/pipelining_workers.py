@@ -52,7 +52,7 @@ SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
              "InterleavedZeroBubble": (tpp.ScheduleInterleavedZeroBubble, 2)}
 
 
-def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, break_scale=False):
+def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None):
     """Returns (max |grad - golden grad| of the last step, max |param - golden|) over this rank's params."""
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
@@ -69,9 +69,12 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, break_scale=F
         stages.append(meshddp.pipelining.PipelineStage(ddp, index, num_stages, torch.device("cpu"),
                                                        group=mesh["pp"].get_group()))
         wrapped.append((index, ddp))
-    if break_scale:  # on purpose: torch's own scale_grads (divides p.grad only, after the sync started)
-        for s in stages:
-            s.scale_grads = lambda f, s=s: tpp.PipelineStage.scale_grads(s, f) or s.submod.start_grad_sync()
+    for s in stages if broken else []:  # on purpose, to see the test fail
+        if broken == "no_scale":  # the sync started, the buffers never scaled
+            s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
+        elif broken == "no_hold":  # torch's plain backward: buckets launch during the first micro-batch
+            s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
+                tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))
     # Mean loss per micro-batch with scale_grads=True; a loss pre-divided by the micro-batch count without.
     loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / MICRO)
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=loss_fn, scale_grads=scale_grads)
