@@ -52,8 +52,8 @@ SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
              "InterleavedZeroBubble": (tpp.ScheduleInterleavedZeroBubble, 2)}
 
 
-def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None):
-    """Returns (max |grad - golden grad| of the last step, max |param - golden|) over this rank's params."""
+def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
+    """zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's. Returns (max |grad - golden grad| of the last step, max |param - golden|) over this rank's params."""
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
@@ -65,7 +65,8 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None):
     for k in range(chunks):
         index = pp_rank + k * pp_size  # torch's interleaved placement: rank r holds stages r, r + pp, ...
         module = torch.nn.Sequential(*copy.deepcopy(list(layers[index * per_stage:(index + 1) * per_stage])))
-        ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=meshddp.DdpConfig(bucket_bytes=64))
+        config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
+        ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
         stages.append(meshddp.pipelining.PipelineStage(ddp, index, num_stages, torch.device("cpu"),
                                                        group=mesh["pp"].get_group()))
         wrapped.append((index, ddp))
@@ -79,7 +80,8 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None):
     loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / MICRO)
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for _, ddp in wrapped for p in ddp.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
+    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
+            if zero1 else [torch.optim.SGD(params, lr=LR)])
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     ref, ref_grads = golden(dp_size)
@@ -92,7 +94,8 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None):
         sched.step(*args, target=y if has_last else None)
         meshddp.pipelining.finish_grad_sync(stages)
         grads = [p.grad.clone() for p in params]
-        opt.step()
+        for opt in opts:
+            opt.step()
     grad_diff = param_diff = 0.0
     i = 0
     for index, ddp in wrapped:

@@ -30,3 +30,10 @@ def test_the_docs_torchrun_script_trains_on_4_ranks():
                           os.path.join(root, "tests/docs/snippets/torch_pipelining.py")],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0 and out.stdout.count(" ok") == 4, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
+def test_zero1_matches_one_process(schedule):
+    """Each chunk's optimizer a meshddp.DistributedOptimizer (ZeRO-1 SGD over the chunk's DP group)."""
+    diffs = multiprocess.run(4, "pipelining_workers.pipelined", schedule=schedule, zero1=True)
+    assert max(max(d) for d in diffs) < TOL, diffs
