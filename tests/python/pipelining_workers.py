@@ -32,7 +32,8 @@ def full_model():
 
 def batch(step, dp_size):
     g = torch.Generator().manual_seed(3100 + step)
-    return torch.randn(LOCAL_BATCH * dp_size, WIDTH, generator=g), torch.randn(LOCAL_BATCH * dp_size, WIDTH, generator=g)
+    rows = LOCAL_BATCH * dp_size
+    return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
 
 
 def golden(dp_size):
@@ -53,7 +54,9 @@ SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
 
 
 def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
-    """zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's. Returns (max |grad - golden grad| of the last step, max |param - golden|) over this rank's params."""
+    """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
+    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
+    way to break the stage on purpose ("no_scale", "no_hold")."""
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
