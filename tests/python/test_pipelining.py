@@ -37,3 +37,12 @@ def test_zero1_matches_one_process(schedule):
     """Each chunk's optimizer a meshddp.DistributedOptimizer (ZeRO-1 SGD over the chunk's DP group)."""
     diffs = multiprocess.run(4, "pipelining_workers.pipelined", schedule=schedule, zero1=True)
     assert max(max(d) for d in diffs) < TOL, diffs
+
+
+def test_a_stage_of_a_module_meshddp_does_not_wrap_is_refused():
+    import torch
+
+    import meshddp.pipelining
+
+    with pytest.raises(RuntimeError, match="submodule must be a meshddp.DistributedDataParallel .* got Linear"):
+        meshddp.pipelining.PipelineStage(torch.nn.Linear(2, 2), 0, 2, torch.device("cpu"))

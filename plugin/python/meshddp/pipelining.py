@@ -16,7 +16,11 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
 
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-from meshddp.ddp import DistributedDataParallel, _error
+from meshddp.ddp import DistributedDataParallel
+
+
+def _error(what):
+    return RuntimeError(f"meshddp.pipelining.{what}")
 
 
 class PipelineStage(_TorchPipelineStage):
@@ -26,16 +30,22 @@ class PipelineStage(_TorchPipelineStage):
 
     def __init__(self, submodule, *args, **kwargs):
         if not isinstance(submodule, DistributedDataParallel):
-            raise _error(f"meshddp.pipelining.PipelineStage: submodule must be a meshddp.DistributedDataParallel "
+            raise _error(f"PipelineStage: submodule must be a meshddp.DistributedDataParallel "
                          f"(wrap the stage's module first), got {type(submodule).__name__}; for a module without "
                          f"meshddp use torch.distributed.pipelining.PipelineStage")
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
 
+    def clear_runtime_states(self):
+        """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
+        sync of the previous step still in flight is caught by the DDP's forward check."""
+        super().clear_runtime_states()
+        self._sync_started = False
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         ddp = self.submod
         if self._sync_started:
-            raise _error(f"stage {self.stage_index}: a backward after its chunk's gradient sync was started "
+            raise _error(f"PipelineStage {self.stage_index}: a backward after its chunk's gradient sync was started "
                          f"(REDUCE_GRAD ran before this step's last backward); call "
                          f"meshddp.pipelining.finish_grad_sync(stages) and zero_grad_buffer() between steps")
         ddp.set_requires_gradient_sync(False)
