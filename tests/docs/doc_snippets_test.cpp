@@ -2,8 +2,6 @@
 // model this file does not have, a function that is compiled only). tests/docs/check_doc_snippets.py
 // checks that every code line of each block appears, in order, in the file its `<!-- snippet: ... -->`
 // marker names: a block edited in the docs must be edited here too, and then it compiles.
-#include <meshddp/meshddp.h>  // what the docs' blocks include (an installed consumer's spelling)
-
 #include "grad_buffer/grad_in_place.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
@@ -19,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <meshddp/meshddp.h>  // what the docs' blocks include (an installed consumer's spelling)
 #include <string>
 #include <sys/stat.h>
 #include <unistd.h>
