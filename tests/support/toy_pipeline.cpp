@@ -64,7 +64,6 @@ std::vector<torch::Tensor> golden(bool ignore) {
   return out;
 }
 
-
 void run_pipeline(const RunOptions& run) {
   const auto want = golden(run.per_token);
   run_on_mesh({kDp, 2}, {"dp", "pp"}, [&](DeviceMesh& mesh) {
@@ -102,7 +101,8 @@ void run_pipeline(const RunOptions& run) {
     for (int64_t step = 0; step < kSteps; ++step) {
       ddp->zero_grad_buffer();
       auto [tokens, labels] = make_tokens(step, run.per_token);
-      tokens = shard_rows(tokens, dp_rank, kDp).to(run.device), labels = shard_rows(labels, dp_rank, kDp).to(run.device);
+      tokens = shard_rows(tokens, dp_rank, kDp).to(run.device),
+      labels = shard_rows(labels, dp_rank, kDp).to(run.device);
       std::vector<c10::intrusive_ptr<c10d::Work>> sends;
       if (stage == 0) {
         auto* d = static_cast<DistributedDataParallel<Stage0Impl>*>(ddp.get());
