@@ -33,6 +33,10 @@ def _finish_pending_gathers(impl):
 #   written last wins, and the dicts always show what the next step() uses.
 
 
+# Options of torch's optimizers that meshddp's step() does not have: refused when set (truthy) in a group.
+_TORCH_ONLY_OPTIONS = ("dampening", "nesterov", "amsgrad", "maximize")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
     # lets it through.
@@ -63,6 +67,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i, name in enumerate(names):
             groups[self._impl.group_of(i)]["params"].append((module_path.get(name, name), by_name[name]))
         super().__init__(groups, {"lr": config.lr, "weight_decay": config.weight_decay})
+        # What step() takes from the build, not from param_groups (Note [Param groups are the source of
+        # the LR]): each group's params, and the hyperparameters of OptimizerConfig.
+        self._built_params = [list(group["params"]) for group in self.param_groups]
+        self._built_names = [list(group["param_names"]) for group in self.param_groups]
+        self._config_values = {"betas": (config.beta1, config.beta2), "eps": config.eps, "momentum": config.momentum}
 
     def add_param_group(self, param_group):
         if getattr(self, "_impl", None) is not None and len(self.param_groups) == self._impl.num_groups():
@@ -71,8 +80,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "the rule in OptimizerConfig(groups=[(pattern, lr, weight_decay)]) instead")
         super().add_param_group(param_group)
 
+    def _check_groups(self):
+        """Refuses edits of param_groups that step() would ignore: a group added or removed, a param moved,
+        added or dropped, a torch hyperparameter (betas, eps, momentum, ...) set to another value than
+        OptimizerConfig's. Only "lr" and "weight_decay" are read from param_groups."""
+        built = self._built_params
+        if len(self.param_groups) != len(built):
+            raise RuntimeError(
+                f"meshddp.DistributedOptimizer: param_groups has {len(self.param_groups)} groups, but the optimizer was "
+                f"built with {len(built)} (the default, then one per OptimizerConfig.groups rule) and steps by those: "
+                f"a group added to or removed from param_groups would be ignored. Give the group as a rule: "
+                f"OptimizerConfig(groups=[(pattern, lr, weight_decay)])")
+        for g, (group, params, names) in enumerate(zip(self.param_groups, built, self._built_names)):
+            now = group["params"]
+            if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+                ids = {id(p) for p in now}
+                dropped = [n for n, p in zip(names, params) if id(p) not in ids]
+                what = (f"param '{dropped[0]}' was removed from it" if dropped else
+                        "a param was added to it" if len(now) > len(params) else "its params were reordered")
+                raise RuntimeError(
+                    f"meshddp.DistributedOptimizer: param_groups[{g}]['params'] was changed ({what}), but which group a "
+                    f"param belongs to is fixed when the optimizer is built (OptimizerConfig.groups rules, first match "
+                    f"wins) and step() updates every trainable param by those groups: the change would be ignored. "
+                    f"Give a rule for it in OptimizerConfig(groups=[(pattern, lr, weight_decay)]) (lr 0 keeps a param "
+                    f"as it is), or set requires_grad=False on it before wrapping")
+            for key, value in group.items():
+                expected = self._config_values.get(key, False if key in _TORCH_ONLY_OPTIONS else None)
+                if expected is None:
+                    continue
+                same = (tuple(value) == expected) if key == "betas" and isinstance(value, (tuple, list)) else (
+                    value == expected)
+                if not same:
+                    fix = ("OptimizerConfig(beta1=..., beta2=...)" if key == "betas" else
+                           f"OptimizerConfig({key}=...)" if key in self._config_values else "nothing: it does not do this")
+                    raise RuntimeError(
+                        f"meshddp.DistributedOptimizer: param_groups[{g}]['{key}'] is {value!r}, but step() takes "
+                        f"'{key}' from its OptimizerConfig ({expected!r}), for every group: only 'lr' and 'weight_decay' "
+                        f"are read from param_groups. Set it in {fix} when building the optimizer")
+
     def _push_groups(self):
         """param_groups' lr and weight_decay into the C++ groups (Note [Param groups are the source of the LR])."""
+        self._check_groups()
         for g, group in enumerate(self.param_groups):
             values = {}
             for field in ("lr", "weight_decay"):

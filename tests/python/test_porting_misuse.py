@@ -1,0 +1,114 @@
+"""What a trainer ported from torch or Megatron-core does with meshddp's Python surface that would
+otherwise be ignored without a word: param_groups of the DistributedOptimizer edited the torch way
+(a param moved or dropped, a group appended, betas or momentum set), a torch optimizer over bf16
+params whose gradients are reduced in fp32 (.grad None), torch's clip_grad_norm_ keywords. Each is
+refused naming the param or the key and the way out, with nothing changed. One rank, in this process."""
+
+import pytest
+import torch
+
+import meshddp
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def zero1(mesh, groups=()):
+    m = model()
+    ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=0.1, groups=list(groups)))
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(3, 4)).sum().backward()
+    return m, ddp, opt
+
+
+def snapshot(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def unchanged(m, before):
+    return all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
+def test_a_param_moved_between_param_groups_is_refused_naming_it(mesh):
+    # Before: step() kept updating '0.weight' with group 0's lr 0.1, though the user moved it into a group
+    # whose lr is 0 (and a param dropped from every group kept training).
+    m, ddp, opt = zero1(mesh, [("*.bias", None, 0.0)])
+    before = snapshot(m)
+    opt.param_groups[1]["lr"] = 0.0
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop(0))
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] was changed \(param '0.weight' was "
+                                           r"removed from it\).*OptimizerConfig\(groups="):
+        opt.step()
+    assert unchanged(m, before)
+    opt.param_groups[1]["params"].pop()
+    opt.param_groups[0]["params"].insert(0, m[0].weight)
+    opt.step()  # as built again: fine
+    assert not unchanged(m, before)
+
+
+def test_a_param_group_appended_to_param_groups_is_refused(mesh):
+    m, ddp, opt = zero1(mesh)
+    before = snapshot(m)
+    bias = [p for p in opt.param_groups[0]["params"] if p.dim() == 1]
+    opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"] if p.dim() != 1]
+    opt.param_groups.append({"params": bias, "lr": 0.0, "weight_decay": 0.0})
+    with pytest.raises(RuntimeError, match=r"param_groups has 2 groups, but the optimizer was built with 1"):
+        opt.step()
+    assert unchanged(m, before)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("betas", (0.0, 0.0), r"param_groups\[0\]\['betas'\] is \(0.0, 0.0\).*OptimizerConfig \(\(0.9, 0.999\)\)"),
+    ("eps", 1.0, r"param_groups\[0\]\['eps'\] is 1.0"),
+    ("momentum", 0.9, r"param_groups\[0\]\['momentum'\] is 0.9"),
+    ("nesterov", True, r"param_groups\[0\]\['nesterov'\] is True.*does not do this"),
+])
+def test_a_torch_hyperparameter_set_in_param_groups_is_refused_naming_it(mesh, key, value, message):
+    # Before: ignored; step() used OptimizerConfig's betas, eps and momentum.
+    m, ddp, opt = zero1(mesh)
+    before = snapshot(m)
+    opt.param_groups[0][key] = value
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert unchanged(m, before)
+
+
+def test_torch_hyperparameters_equal_to_the_config_and_scheduler_keys_are_accepted(mesh):
+    m, ddp, opt = zero1(mesh)
+    opt.param_groups[0].update(betas=[0.9, 0.999], eps=1e-8, nesterov=False)
+    torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)  # adds 'initial_lr'
+    opt.step()
+
+
+def test_a_torch_optimizer_over_bf16_params_reduced_in_fp32_is_refused_naming_the_param(mesh):
+    # Before: .grad is None for every param (the gradient is the fp32 main_grad), AdamW skipped them all:
+    # no param changed, no error, at every step.
+    m = model().to(torch.bfloat16)
+    ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(grad_reduce_in_fp32=True))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    ddp.finish_grad_sync()
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) would skip parameter '0.weight': it is torch.bfloat16 "
+                                           r"and its gradient is reduced in fp32.*p.grad = p.main_grad.to\(p.dtype\)"):
+        opt.step()
+    assert unchanged(m, before)
+    for p in m.parameters():
+        p.grad = p.main_grad.to(p.dtype)  # the way out the message gives
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
+def test_clip_grad_norm_takes_torchs_foreach_keyword(mesh):
+    # Before: TypeError: clip_grad_norm_() got an unexpected keyword argument 'foreach'.
+    m = model()
+    ddp = meshddp.DistributedDataParallel(m, mesh)
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(3, 4)).sum().backward()
+    norm = meshddp.grad_norm(ddp)
+    assert meshddp.clip_grad_norm_(ddp, 0.5, foreach=True).item() == pytest.approx(norm, rel=1e-12)
+    assert meshddp.grad_norm(ddp) == pytest.approx(0.5, rel=1e-5)
