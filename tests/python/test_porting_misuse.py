@@ -112,3 +112,40 @@ def test_clip_grad_norm_takes_torchs_foreach_keyword(mesh):
     norm = meshddp.grad_norm(ddp)
     assert meshddp.clip_grad_norm_(ddp, 0.5, foreach=True).item() == pytest.approx(norm, rel=1e-12)
     assert meshddp.grad_norm(ddp) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_dcp_stager_never_overwrites_a_save_its_writer_still_holds(mesh, tmp_path):
+    # Before: the second stage() copied into the host buffers the first save's writer was still writing:
+    # the first checkpoint got the second's values (0.weight off by 1.0), committed by DCP as valid.
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    m, ddp, opt = zero1(mesh)
+    ddp.finish_grad_sync()
+    stager = meshddp.DcpStager()
+    first = stager.stage({"model": ddp.state_dict(), "optim": opt.state_dict()})  # as DCP's writer holds it
+    expected = first["model"]["0.weight"].clone()
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = stager.stage({"model": ddp.state_dict(), "optim": opt.state_dict()})
+    assert torch.equal(first["model"]["0.weight"], expected)
+    assert torch.equal(second["model"]["0.weight"], expected + 1.0)
+    assert any("DcpStager: a checkpoint was staged while the previous one is still held" in str(w.message)
+               for w in caught)
+    del first, second
+    # Saves waited for (future.result()) reuse one set of host buffers, without a warning.
+    side = dist.new_group(backend="gloo")
+    ptrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            sd = {"model": ddp.state_dict(), "optim": opt.state_dict()}
+            dcp.async_save(sd, checkpoint_id=str(tmp_path / f"step-{step}"), process_group=side,
+                           async_stager=stager).result()
+            ptrs.append(stager._buffers["/model/0.weight"].data_ptr())
+    assert not [w for w in caught if "DcpStager" in str(w.message)]
+    assert ptrs[0] == ptrs[1]
