@@ -149,3 +149,34 @@ def test_dcp_stager_never_overwrites_a_save_its_writer_still_holds(mesh, tmp_pat
             ptrs.append(stager._buffers["/model/0.weight"].data_ptr())
     assert not [w for w in caught if "DcpStager" in str(w.message)]
     assert ptrs[0] == ptrs[1]
+
+
+@pytest.mark.parametrize("scale", ["scale_gradients", "finalize_model_grads"])
+def test_zero1_steps_on_gradients_meshddp_scaled_after_finish_grad_sync(mesh, scale):
+    # Before: step() refused, blaming torch's clip_grad_norm_, gradients that meshddp itself had scaled
+    # after finish_grad_sync() (docs/pipeline.md allows it: after finish_grad_sync, before the step).
+    m = model()
+    golden = model()
+    ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1))
+    x = torch.randn(3, 4)
+    ddp.zero_grad_buffer()
+    ddp(x).sum().backward()
+    ddp.finish_grad_sync()
+    if scale == "scale_gradients":
+        ddp.scale_gradients(0.25)
+    else:
+        assert meshddp.finalize_model_grads([ddp], num_tokens=4) == 4
+    golden(x).sum().backward()
+    opt.step()
+    opt.finish_param_sync()
+    for p, g in zip(m.parameters(), golden.parameters()):
+        torch.testing.assert_close(p.detach(), g.detach() - 0.1 * 0.25 * g.grad, rtol=0, atol=1e-7)
+    # A foreign in-place write after meshddp's scaling is still refused.
+    ddp.zero_grad_buffer()
+    ddp(x).sum().backward()
+    ddp.finish_grad_sync()
+    ddp.scale_gradients(0.5)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"the gradients were changed in place after finish_grad_sync\(\)"):
+        opt.step()
