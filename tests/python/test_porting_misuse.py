@@ -197,3 +197,13 @@ def test_a_torch_optimizer_over_a_zero1_wrapper_is_refused_naming_the_param(mesh
                                            r"for the ZeRO-1 distributed optimizer.*meshddp.DistributedOptimizer"):
         opt.step()
     assert unchanged(m, before)
+
+
+def test_lr_scheduler_attached_twice_to_one_optimizer_says_so():
+    # Before: "the optimizer's default lr is 0.0; give it the schedule's max_lr" (the first attach had set
+    # the warm-up's LR 0 as the default), pointing at the optimizer's construction.
+    opt = torch.optim.SGD(model().parameters(), lr=1e-2)
+    sched = meshddp.LrScheduler(meshddp.LrScheduleConfig(max_lr=1e-2, warmup_steps=2, decay_steps=6))
+    sched.attach(opt)
+    with pytest.raises(ValueError, match=r"this SGD is already attached to this scheduler"):
+        sched.attach(opt)

@@ -34,6 +34,9 @@ class LrScheduler:
         self._targets = []
 
     def attach(self, optimizer):
+        if any(target is optimizer for target, _, _ in self._targets):
+            raise ValueError(f"meshddp.LrScheduler.attach: this {type(optimizer).__name__} is already attached to this "
+                             f"scheduler (its LR follows the schedule since); attach each optimizer once")
         base_lr = optimizer.defaults.get("lr")
         if not isinstance(base_lr, (int, float)) or not base_lr > 0:
             raise ValueError(f"meshddp.LrScheduler.attach: the optimizer's default lr is {base_lr!r}; give it the "
