@@ -207,3 +207,20 @@ def test_lr_scheduler_attached_twice_to_one_optimizer_says_so():
     sched.attach(opt)
     with pytest.raises(ValueError, match=r"this SGD is already attached to this scheduler"):
         sched.attach(opt)
+
+
+def test_grad_scaler_over_zero1_skips_an_inf_on_every_rank_together():
+    # Before: GradScaler checked each rank's .grad (under ZeRO-1 only its own shard is reduced): rank 1
+    # found the inf and skipped the step, rank 0 did not and waited in the step's collective: a hang.
+    import multiprocess
+
+    results = multiprocess.run(2, "porting_workers.grad_scaler_with_zero1")
+    for scales, params, golden in results:
+        assert scales == [2.0, 2.0]  # halved once, on both ranks
+        for p, g in zip(params[1], golden):
+            torch.testing.assert_close(p, g, rtol=0, atol=1e-3)  # bf16-compressed gradients (measured 3.7e-4)
+    for a, b in zip(results[0][1][0], results[1][1][0]):
+        assert torch.equal(a, b)  # step 0 skipped alike
+    first = model()
+    for p, p0 in zip(results[0][1][0], first.parameters()):
+        assert torch.equal(p, p0.detach())  # skipped: unchanged

@@ -41,6 +41,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
     # lets it through.
     _finishes_grad_sync = True
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=) instead of checking the gradients for infs
+    # itself: each rank's .grad holds the reduced gradient of its own ZeRO-1 shard only, so the ranks'
+    # checks could disagree and one rank skip the step (a collective) while the others take it: a hang.
+    _step_supports_amp_scaling = True
 
     def __init__(self, ddp, config=None):
         if not isinstance(ddp, DistributedDataParallel):
@@ -138,11 +142,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group["lr"] = self._impl.group_lr(g)
             group["weight_decay"] = self._impl.group_weight_decay(g)
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
         check, clipping, the sharded update and the param all-gather, with each param group's "lr"
         and "weight_decay" as param_groups holds them now. Returns a StepResult (skipped, grad_norm,
-        clipped, report)."""
+        clipped, report). grad_scaler: passed by torch.amp.GradScaler.step(opt) (fp16 loss scaling):
+        the gradients are divided by its scale, and whether they held an inf or NaN is the step's own
+        check of the reduced gradients, the same on every rank (StepResult.skipped), which the
+        scaler's update() then reads."""
+        if grad_scaler is not None:
+            return self._step_with_grad_scaler(grad_scaler)
         if closure is not None:
             raise RuntimeError("meshddp.DistributedOptimizer.step: a closure is not supported; run forward and "
                                "backward before step()")
@@ -158,6 +167,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._push_groups()
         result = self._impl.step()
         self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
+        return result
+
+    def _step_with_grad_scaler(self, grad_scaler):
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "meshddp.DistributedOptimizer.step: GradScaler.unscale_(optimizer) was called before "
+                "GradScaler.step(optimizer); it unscales .grad only on this rank's view (fp32 main grads of bf16/fp16 "
+                "params are not .grad) and checks for infs on it. Leave unscaling to step() (call scaler.step(opt) "
+                "directly); to clip, set OptimizerConfig(clip_grad_norm=max_norm), which clips the unscaled gradient")
+        self.ddp.finish_grad_sync()
+        self.ddp.scale_gradients(1.0 / grad_scaler.get_scale())  # the synced shards too: elementwise
+        result = self.step()
+        found_inf = torch.full((), 1.0 if result.skipped else 0.0, dtype=torch.float32, device=grad_scaler._scale.device)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
         return result
 
     def zero_grad(self, set_to_none=True):
