@@ -16,7 +16,12 @@ saves the copy:
 
 The copies are reused from one save to the next while the tensors keep their shapes and dtypes (one
 host copy of this rank's state: its model params and buffers plus its shards of the optimizer
-state); so a save must have finished (future.result()) before the next one is staged."""
+state). A save staged while the previous one is still being written (future.result() not called:
+DCP's writer still holds the previous copy) gets new host buffers, with a warning, so that the
+previous save is never overwritten under its writer (a second copy's memory until it finishes)."""
+
+import warnings
+import weakref
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -29,6 +34,7 @@ class DcpStager:
 
     def __init__(self):
         self._buffers = {}  # key path -> host tensor, reused while shape and dtype stay
+        self._handed_out = []  # weak refs to the views of the buffers the last stage() returned
 
     @property
     def should_synchronize_after_execute(self):
@@ -41,7 +47,9 @@ class DcpStager:
             self._buffers[path] = buf
         with torch.no_grad():
             buf.copy_(t.detach())
-        return buf
+        view = buf.view(buf.shape)  # a new object per save: alive while that save's writer holds it
+        self._handed_out.append(weakref.ref(view))
+        return view
 
     def _stage(self, path, value):
         if isinstance(value, ShardedTensor):
@@ -57,6 +65,13 @@ class DcpStager:
 
     def stage(self, state_dict):
         """A copy of `state_dict` in host memory (ShardedTensors as ShardedTensors of copied shards)."""
+        if any(ref() is not None for ref in self._handed_out):
+            warnings.warn("meshddp.DcpStager: a checkpoint was staged while the previous one is still held by its "
+                          "writer (dcp.async_save's future.result() not called yet); it is copied into new host "
+                          "buffers (a second copy of this rank's state) so that the previous save is not overwritten "
+                          "while it is written. Call future.result() before the next save to keep one copy")
+            self._buffers = {}
+        self._handed_out = []
         return self._stage("", state_dict)
 
     def synchronize_staging(self):

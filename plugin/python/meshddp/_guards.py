@@ -10,7 +10,12 @@ silent wrong result into a result that is right or an error that names the way o
   torch's DDP over the wrapped module itself, built while meshddp's wrapper lives, finds the same
   ignore list on the module and nothing left to reduce.
 - A torch optimizer's step() while a gradient sync is pending (finish_grad_sync() forgotten): refused
-  before the step, by a global optimizer step pre-hook.
+  before the step, by a global optimizer step pre-hook. So is a torch optimizer's step() over a bf16
+  or fp16 param whose gradient is reduced in fp32 (grad_reduce_in_fp32): its .grad is None (the
+  gradient is param.main_grad), so the optimizer would skip the param without a word; and a torch
+  optimizer's step() over the params of a wrapper built for the ZeRO-1 distributed optimizer
+  (use_distributed_optimizer), whose ranks each hold the reduced gradient of their shard only: the
+  ranks' params would diverge.
 - ZeRO-1 with overlap_param_gather: a forward through the raw module (evaluation code holding the
   model, not the wrapper) waits, module by module, for the all-gathers of that module's own params
   (forward pre-hooks, as Megatron-core's DDP does), on any thread.
@@ -97,7 +102,32 @@ def _before_optimizer_step(optimizer, args, kwargs):
         return
     for ddp in list(_live_wrappers):
         engine = getattr(ddp, "_engine", None)
-        if engine is None or not engine.sync_pending():
+        if engine is None:
+            continue
+        if ddp._zero1_param_ids:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in ddp._zero1_param_ids:
+                        name = next(n for n, q in ddp.module.named_parameters() if q is p)
+                        raise _error(
+                            f"{type(optimizer).__name__}.step() on parameter '{name}', whose gradient buffer is sharded "
+                            f"for the ZeRO-1 distributed optimizer (DdpConfig use_distributed_optimizer=True): each DP "
+                            f"rank holds the reduced gradient of its own shard only, so a torch optimizer would step "
+                            f"every rank on a different gradient and the ranks' params would diverge. Use "
+                            f"meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(...)), or build the wrapper with "
+                            f"use_distributed_optimizer=False for a torch optimizer")
+        fp32_main_grads = ddp._fp32_main_grad_params
+        for group in optimizer.param_groups if fp32_main_grads else ():
+            for p in group["params"]:
+                name = fp32_main_grads.get(id(p))
+                if name is not None and p.grad is None:
+                    raise _error(
+                        f"{type(optimizer).__name__}.step() would skip parameter '{name}': it is {p.dtype} and its "
+                        f"gradient is reduced in fp32 (DdpConfig grad_reduce_in_fp32), so its .grad is None and the "
+                        f"gradient is in param.main_grad ({p.main_grad.dtype}), which torch optimizers do not read. "
+                        f"Use meshddp.DistributedOptimizer (fp32 master weights; use_distributed_optimizer=True), or "
+                        f"grad_reduce_in_fp32=False, or set p.grad = p.main_grad.to(p.dtype) yourself before step()")
+        if not engine.sync_pending():
             continue
         ids = ddp._param_ids
         if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
@@ -112,6 +142,13 @@ def watch_optimizer_steps(wrapper):
     """Registers the wrapper with the (one, global) torch optimizer step pre-hook."""
     global _step_hook
     wrapper._param_ids = frozenset(id(p) for p in wrapper.module.parameters())
+    wrapper._zero1_param_ids = frozenset(
+        id(p) for p in wrapper.module.parameters() if p.requires_grad) if wrapper.config.use_distributed_optimizer else ()
+    # Trainable plain params whose main_grad (fp32) is not their .grad (bf16/fp16 with grad_reduce_in_fp32).
+    wrapper._fp32_main_grad_params = {
+        id(p): name for name, p in wrapper.module.named_parameters()
+        if p.requires_grad and not isinstance(p, DTensor) and getattr(p, "main_grad", None) is not None
+        and p.main_grad.dtype != p.dtype}
     _live_wrappers.add(wrapper)
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)

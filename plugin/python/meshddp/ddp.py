@@ -310,6 +310,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).
         Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
         self._engine.finish_grad_sync()
+        self._record_synced_grads()
+
+    def _record_synced_grads(self):
+        """ZeRO-1: the gradients are synced as they are now (DistributedOptimizer.step() refuses later writes
+        by others, e.g. torch's clip_grad_norm_)."""
         self._synced_grad_version = sum(g._version for g in self._version_probes)
 
     def zero_grad_buffer(self):
@@ -344,6 +349,8 @@ class DistributedDataParallel(torch.nn.Module):
         ZeRO-1 is not what the optimizer reads). Between micro-batches, or after finish_grad_sync() and
         before the optimizer step; a RuntimeError while a bucket collective is in flight."""
         self._engine.scale_gradients(float(factor))
+        if self._synced_grad_version is not None:  # meshddp's own scaling of the synced buffers, not a foreign write
+            self._record_synced_grads()
 
     def broadcast_params(self):
         """Every param takes DP rank 0's values over its reduction group (experts over expert-DP), then

@@ -33,10 +33,18 @@ def _finish_pending_gathers(impl):
 #   written last wins, and the dicts always show what the next step() uses.
 
 
+# Options of torch's optimizers that meshddp's step() does not have: refused when set (truthy) in a group.
+_TORCH_ONLY_OPTIONS = ("dampening", "nesterov", "amsgrad", "maximize")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
     # lets it through.
     _finishes_grad_sync = True
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=) instead of checking the gradients for infs
+    # itself: each rank's .grad holds the reduced gradient of its own ZeRO-1 shard only, so the ranks'
+    # checks could disagree and one rank skip the step (a collective) while the others take it: a hang.
+    _step_supports_amp_scaling = True
 
     def __init__(self, ddp, config=None):
         if not isinstance(ddp, DistributedDataParallel):
@@ -63,6 +71,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i, name in enumerate(names):
             groups[self._impl.group_of(i)]["params"].append((module_path.get(name, name), by_name[name]))
         super().__init__(groups, {"lr": config.lr, "weight_decay": config.weight_decay})
+        # What step() takes from the build, not from param_groups (Note [Param groups are the source of
+        # the LR]): each group's params, and the hyperparameters of OptimizerConfig.
+        self._built_params = [list(group["params"]) for group in self.param_groups]
+        self._built_names = [list(group["param_names"]) for group in self.param_groups]
+        self._config_values = {"betas": (config.beta1, config.beta2), "eps": config.eps, "momentum": config.momentum}
 
     def add_param_group(self, param_group):
         if getattr(self, "_impl", None) is not None and len(self.param_groups) == self._impl.num_groups():
@@ -71,8 +84,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "the rule in OptimizerConfig(groups=[(pattern, lr, weight_decay)]) instead")
         super().add_param_group(param_group)
 
+    def _check_groups(self):
+        """Refuses edits of param_groups that step() would ignore: a group added or removed, a param moved,
+        added or dropped, a torch hyperparameter (betas, eps, momentum, ...) set to another value than
+        OptimizerConfig's. Only "lr" and "weight_decay" are read from param_groups."""
+        built = self._built_params
+        if len(self.param_groups) != len(built):
+            raise RuntimeError(
+                f"meshddp.DistributedOptimizer: param_groups has {len(self.param_groups)} groups, but the optimizer was "
+                f"built with {len(built)} (the default, then one per OptimizerConfig.groups rule) and steps by those: "
+                f"a group added to or removed from param_groups would be ignored. Give the group as a rule: "
+                f"OptimizerConfig(groups=[(pattern, lr, weight_decay)])")
+        for g, (group, params, names) in enumerate(zip(self.param_groups, built, self._built_names)):
+            now = group["params"]
+            if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+                ids = {id(p) for p in now}
+                dropped = [n for n, p in zip(names, params) if id(p) not in ids]
+                what = (f"param '{dropped[0]}' was removed from it" if dropped else
+                        "a param was added to it" if len(now) > len(params) else "its params were reordered")
+                raise RuntimeError(
+                    f"meshddp.DistributedOptimizer: param_groups[{g}]['params'] was changed ({what}), but which group a "
+                    f"param belongs to is fixed when the optimizer is built (OptimizerConfig.groups rules, first match "
+                    f"wins) and step() updates every trainable param by those groups: the change would be ignored. "
+                    f"Give a rule for it in OptimizerConfig(groups=[(pattern, lr, weight_decay)]) (lr 0 keeps a param "
+                    f"as it is), or set requires_grad=False on it before wrapping")
+            for key, value in group.items():
+                expected = self._config_values.get(key, False if key in _TORCH_ONLY_OPTIONS else None)
+                if expected is None:
+                    continue
+                same = (tuple(value) == expected) if key == "betas" and isinstance(value, (tuple, list)) else (
+                    value == expected)
+                if not same:
+                    fix = ("OptimizerConfig(beta1=..., beta2=...)" if key == "betas" else
+                           f"OptimizerConfig({key}=...)" if key in self._config_values else "nothing: it does not do this")
+                    raise RuntimeError(
+                        f"meshddp.DistributedOptimizer: param_groups[{g}]['{key}'] is {value!r}, but step() takes "
+                        f"'{key}' from its OptimizerConfig ({expected!r}), for every group: only 'lr' and 'weight_decay' "
+                        f"are read from param_groups. Set it in {fix} when building the optimizer")
+
     def _push_groups(self):
         """param_groups' lr and weight_decay into the C++ groups (Note [Param groups are the source of the LR])."""
+        self._check_groups()
         for g, group in enumerate(self.param_groups):
             values = {}
             for field in ("lr", "weight_decay"):
@@ -90,11 +142,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group["lr"] = self._impl.group_lr(g)
             group["weight_decay"] = self._impl.group_weight_decay(g)
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
         check, clipping, the sharded update and the param all-gather, with each param group's "lr"
         and "weight_decay" as param_groups holds them now. Returns a StepResult (skipped, grad_norm,
-        clipped, report)."""
+        clipped, report). grad_scaler: passed by torch.amp.GradScaler.step(opt) (fp16 loss scaling):
+        the gradients are divided by its scale, and whether they held an inf or NaN is the step's own
+        check of the reduced gradients, the same on every rank (StepResult.skipped), which the
+        scaler's update() then reads."""
+        if grad_scaler is not None:
+            return self._step_with_grad_scaler(grad_scaler)
         if closure is not None:
             raise RuntimeError("meshddp.DistributedOptimizer.step: a closure is not supported; run forward and "
                                "backward before step()")
@@ -110,6 +167,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._push_groups()
         result = self._impl.step()
         self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
+        return result
+
+    def _step_with_grad_scaler(self, grad_scaler):
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "meshddp.DistributedOptimizer.step: GradScaler.unscale_(optimizer) was called before "
+                "GradScaler.step(optimizer); it unscales .grad only on this rank's view (fp32 main grads of bf16/fp16 "
+                "params are not .grad) and checks for infs on it. Leave unscaling to step() (call scaler.step(opt) "
+                "directly); to clip, set OptimizerConfig(clip_grad_norm=max_norm), which clips the unscaled gradient")
+        self.ddp.finish_grad_sync()
+        self.ddp.scale_gradients(1.0 / grad_scaler.get_scale())  # the synced shards too: elementwise
+        result = self.step()
+        found_inf = torch.full((), 1.0 if result.skipped else 0.0, dtype=torch.float32, device=grad_scaler._scale.device)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
         return result
 
     def zero_grad(self, set_to_none=True):

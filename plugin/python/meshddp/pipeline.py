@@ -13,7 +13,10 @@ def finalize_model_grads(chunks, num_tokens=None, pp_group=None):
     buffers are then divided by the global count (summed over the DP group; with pp_group, the count
     of its last rank, the stage that computes the loss). Returns that count (-1 without num_tokens)."""
     engines = [c._engine for c in chunks]
-    return _C.finalize_model_grads(engines, None if num_tokens is None else int(num_tokens), pp_group)
+    count = _C.finalize_model_grads(engines, None if num_tokens is None else int(num_tokens), pp_group)
+    for c in chunks:
+        c._record_synced_grads()  # synced (and scaled) by meshddp: what DistributedOptimizer.step() may read
+    return count
 
 
 def declare_tied_across_stages(param):

@@ -34,6 +34,9 @@ class LrScheduler:
         self._targets = []
 
     def attach(self, optimizer):
+        if any(target is optimizer for target, _, _ in self._targets):
+            raise ValueError(f"meshddp.LrScheduler.attach: this {type(optimizer).__name__} is already attached to this "
+                             f"scheduler (its LR follows the schedule since); attach each optimizer once")
         base_lr = optimizer.defaults.get("lr")
         if not isinstance(base_lr, (int, float)) or not base_lr > 0:
             raise ValueError(f"meshddp.LrScheduler.attach: the optimizer's default lr is {base_lr!r}; give it the "
@@ -117,13 +120,14 @@ def grad_norm(ddp):
     return _C._grad_norm(ddp._engine)
 
 
-def clip_grad_norm_(ddp, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm_(ddp, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_ for a model wrapped in meshddp's plain DDP (DP x TP, DTensor
     params of torch TP and plain params together): grad_norm(ddp), then every gradient (its slot in
     the flat buffer: .grad and .main_grad) scaled by min(max_norm / (norm + 1e-6), 1), torch's rule.
     Returns the norm before clipping, as a 0-dim float64 tensor. A collective over the mesh; after
     backward (it finishes the gradient sync), before the optimizer. Under ZeRO-1 it refuses: use
-    OptimizerConfig(clip_grad_norm=...)."""
+    OptimizerConfig(clip_grad_norm=...). foreach (torch's choice of kernels) is accepted and has no
+    effect: the norm and the scaling run over the flat buffers."""
     if float(norm_type) != 2.0:
         raise ValueError(f"meshddp.clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type!r}")
     _plain_ddp(ddp, "clip_grad_norm_")
