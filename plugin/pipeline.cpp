@@ -136,6 +136,29 @@ void DdpEngine::check_tied_params_identical() const {
   }
 }
 
+namespace {
+
+// Per-token normalisation must be chosen by every DP rank or by none: a rank that passes num_tokens
+// all-reduces the count, one that does not goes on to the optimizer step, and their next collectives
+// would pair wrongly (a hang, or two different tensors combined). One small all-reduce of the choice,
+// every step, also without num_tokens; on a disagreement every rank fails naming each rank's choice.
+void agree_on_num_tokens(c10d::ProcessGroup& dp_group, bool given) {
+  at::Tensor count = at::full({1}, given ? 1 : 0, at::kLong);
+  all_reduce_sum_now(dp_group, count, "whether num_tokens was given (finalize_model_grads)");
+  const int64_t ranks_given = count.item<int64_t>();
+  if (ranks_given == 0 || ranks_given == dp_group.getSize()) return;
+  const auto choices = all_gather_strings(dp_group, given ? "num_tokens" : "none",
+                                          "each rank's num_tokens choice (finalize_model_grads)");
+  std::string each;
+  for (size_t r = 0; r < choices.size(); ++r)
+    each += (r ? ", " : "") + std::string("DP rank ") + std::to_string(r) + ": " + choices[r];
+  TORCH_CHECK(false, "finalize_model_grads: ", ranks_given, " of ", dp_group.getSize(),
+              " data-parallel ranks passed num_tokens (", each, "). Per-token normalisation must be chosen on every ",
+              "rank alike: pass num_tokens on every rank (0 where a rank holds no valid token), or on none");
+}
+
+}  // namespace
+
 int64_t finalize_model_grads(const std::vector<DdpEngine*>& chunks, const FinalizeOptions& options) {
   TORCH_CHECK(!chunks.empty(), "finalize_model_grads: no chunks given; pass every DistributedDataParallel this ",
               "rank holds (one per model chunk, in chunk order)");
@@ -151,6 +174,7 @@ int64_t finalize_model_grads(const std::vector<DdpEngine*>& chunks, const Finali
                 "would leave its gradient sync unfinished and the other ranks waiting for it)");
   }
   for (DdpEngine* chunk : chunks) chunk->finish_grad_sync();
+  agree_on_num_tokens(chunks.front()->dp_group(), options.num_tokens.has_value());
   if (!options.num_tokens) return -1;
   TORCH_CHECK(*options.num_tokens >= 0, "finalize_model_grads: num_tokens = ", *options.num_tokens,
               " is negative; give this rank's count of valid (loss-bearing) tokens this step");

@@ -9,6 +9,7 @@
 // relative (fp32 sums split across 2 ranks and 3 micro-batches differ by a few ulps: 3.7e-8 measured).
 #include "mesh/collective_progress.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/pipeline.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"
@@ -250,5 +251,22 @@ TEST(PipelineControls, ScaleGradientsReachesFp32MainGrads) {
       EXPECT_TRUE(torch::equal(got, before[i] * 0.25)) << p.name << " was not scaled";
       ++i;
     }
+  });
+}
+
+// Per-token normalisation chosen on one DP rank only: every rank fails in finalize_model_grads naming
+// each rank's choice, instead of one rank all-reducing a token count the other never sends.
+TEST(PipelineControls, NumTokensGivenOnSomeRanksOnlyFailsOnEveryRank) {
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kSeed, kIn, kHidden, kOut);
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", small_buckets());
+    ddp.zero_grad_buffer();
+    auto [x, y] = make_batch(kSeed, 0, kBatch, kIn, kOut);
+    torch::mse_loss(ddp.forward(shard_rows(x, mesh.rank(), 2)), shard_rows(y, mesh.rank(), 2)).backward();
+    FinalizeOptions options;
+    if (mesh.rank() == 0) options.num_tokens = 6;
+    EXPECT_THAT(error_of([&] { finalize_model_grads({&ddp}, options); }),
+                ::testing::AllOf(::testing::HasSubstr("1 of 2 data-parallel ranks passed num_tokens"),
+                                 ::testing::HasSubstr("DP rank 0: num_tokens, DP rank 1: none")));
   });
 }

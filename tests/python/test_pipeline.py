@@ -41,6 +41,9 @@ def test_controls_hold_start_finish_and_scale(mesh):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="2 chunk\\(s\\) were given"):
         meshddp.finalize_model_grads([ddp, ddp])  # a chunk of V = 1 given as two
+    with pytest.raises(ValueError, match="2.7 is not a whole number of tokens"):
+        meshddp.finalize_model_grads([ddp], num_tokens=2.7)  # never truncated to 2
+    assert meshddp.finalize_model_grads([ddp], num_tokens=torch.tensor(6)) == 6  # torchtitan's tensor count
 
 
 def test_embedding_groups_pair_first_and_last_stage():

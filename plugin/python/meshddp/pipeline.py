@@ -13,10 +13,22 @@ def finalize_model_grads(chunks, num_tokens=None, pp_group=None):
     buffers are then divided by the global count (summed over the DP group; with pp_group, the count
     of its last rank, the stage that computes the loss). Returns that count (-1 without num_tokens)."""
     engines = [c._engine for c in chunks]
-    count = _C.finalize_model_grads(engines, None if num_tokens is None else int(num_tokens), pp_group)
+    count = _C.finalize_model_grads(engines, _token_count(num_tokens), pp_group)
     for c in chunks:
         c._record_synced_grads()  # synced (and scaled) by meshddp: what DistributedOptimizer.step() may read
     return count
+
+
+def _token_count(num_tokens):
+    """num_tokens as an int (a Python number or a one-element tensor, as torchtitan counts it); a count
+    that is not a whole number is refused rather than truncated."""
+    if num_tokens is None:
+        return None
+    value = num_tokens.item() if hasattr(num_tokens, "item") else num_tokens
+    if isinstance(value, bool) or float(value) != int(value):
+        raise ValueError(f"finalize_model_grads: num_tokens = {num_tokens!r} is not a whole number of tokens; pass "
+                         "this rank's count of valid (loss-bearing) tokens, e.g. (labels != ignore_index).sum()")
+    return int(value)
 
 
 def declare_tied_across_stages(param):
