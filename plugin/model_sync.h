@@ -26,8 +26,9 @@ struct NamedTensor {
 void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& tensors,
                                       const std::string& what, const std::vector<int64_t>& global_ranks = {});
 
-// Overwrites every tensor with group rank 0's values: one broadcast per dtype and device (tensors
-// flattened into one buffer), not one per tensor. `what` names them in errors.
+// Overwrites every tensor with group rank 0's values: large tensors broadcast in place, small ones
+// packed into chunks of one dtype and device, so no rank holds a second copy of them all (Note
+// [Broadcast without staging copies], model_sync.cpp). `what` names them in errors.
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
                                 const std::string& what);
 
