@@ -65,16 +65,13 @@ void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::v
 }
 
 // Note [Broadcast without staging copies]
-// A tensor of at least kBroadcastInPlaceBytes is broadcast in place (one collective, no copy); smaller
-// ones of one (dtype, device) are packed into chunks of at most kBroadcastChunkBytes, one collective per
+// A tensor of at least chunking.in_place_bytes is broadcast in place (one collective, no copy); smaller
+// ones of one (dtype, device) are packed into chunks of at most chunking.chunk_bytes, one collective per
 // chunk. Rank 0 packs its values; the others receive into an empty chunk and copy out, so no rank ever
 // holds a copy of all the tensors (peak: one chunk) and rank 0 copies nothing back. The split depends on
 // sizes and dtypes only, which every rank agrees on, so every rank launches the same collectives.
-constexpr int64_t kBroadcastInPlaceBytes = int64_t{4} << 20;
-constexpr int64_t kBroadcastChunkBytes = int64_t{32} << 20;
-
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
-                                const std::string& what) {
+                                const std::string& what, const BroadcastChunking& chunking) {
   if (skip_collective(group) || tensors.empty()) return;
   c10::NoGradGuard no_grad;
   const bool root = group.getRank() == 0;
@@ -94,7 +91,7 @@ void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<Nam
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> small;
   for (const auto& t : tensors) {
     const at::Tensor tensor = t.tensor.detach();
-    if (static_cast<int64_t>(tensor.nbytes()) < kBroadcastInPlaceBytes) {
+    if (static_cast<int64_t>(tensor.nbytes()) < chunking.in_place_bytes) {
       small[{static_cast<int>(tensor.scalar_type()), tensor.device().str()}].push_back(tensor);
     } else if (tensor.is_contiguous()) {
       in_place.push_back(broadcast_from(group, tensor, 0, what));
@@ -109,7 +106,7 @@ void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<Nam
       int64_t numel = members[first].numel();
       for (; end < members.size(); ++end) {
         const auto next = static_cast<int64_t>(members[end].nbytes());
-        if (bytes + next > kBroadcastChunkBytes) break;
+        if (bytes + next > chunking.chunk_bytes) break;
         bytes += next;
         numel += members[end].numel();
       }
