@@ -20,8 +20,7 @@ at::Tensor lazy_zeros(int64_t numel, const at::TensorOptions& options) {
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (data == MAP_FAILED) return at::zeros({numel}, options);
-  return at::from_blob(
-      data, {numel}, [bytes](void* p) { munmap(p, bytes); }, options);
+  return at::from_blob(data, {numel}, [bytes](void* p) { munmap(p, bytes); }, options);
 }
 
 }  // namespace meshddp
