@@ -1,5 +1,6 @@
 #include "grad_buffer/grad_buffer.h"
 
+#include "grad_buffer/lazy_zeros.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
 #include "mesh/switches.h"
@@ -122,7 +123,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size});
 
   for (const auto& spec : layout_.buffers) {
-    buffers_.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
+    buffers_.push_back(lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamSlot& slot = layout_.slots[i];

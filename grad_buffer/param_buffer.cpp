@@ -1,6 +1,7 @@
 #include "grad_buffer/param_buffer.h"
 
 #include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/lazy_zeros.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -11,7 +12,8 @@ namespace {
 std::vector<at::Tensor> allocate(const BucketLayout& layout) {
   std::vector<at::Tensor> buffers;
   for (const auto& spec : layout.buffers) {
-    buffers.push_back(at::zeros({spec.numel}, at::TensorOptions().dtype(spec.key.param_dtype).device(spec.key.device)));
+    // Lazily zeroed (the padding stays zero); each param's copy below touches only its own slot.
+    buffers.push_back(lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.param_dtype).device(spec.key.device)));
   }
   return buffers;
 }

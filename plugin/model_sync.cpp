@@ -64,26 +64,67 @@ void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::v
   }
 }
 
+// Note [Broadcast without staging copies]
+// A tensor of at least chunking.in_place_bytes is broadcast in place (one collective, no copy); smaller
+// ones of one (dtype, device) are packed into chunks of at most chunking.chunk_bytes, one collective per
+// chunk. Rank 0 packs its values; the others receive into an empty chunk and copy out, so no rank ever
+// holds a copy of all the tensors (peak: one chunk) and rank 0 copies nothing back. The split depends on
+// sizes and dtypes only, which every rank agrees on, so every rank launches the same collectives.
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
-                                const std::string& what) {
+                                const std::string& what, const BroadcastChunking& chunking) {
   if (skip_collective(group) || tensors.empty()) return;
   c10::NoGradGuard no_grad;
-  // Group by (dtype, device) so each group is one flat broadcast.
-  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
-  for (const auto& t : tensors) {
-    groups[{static_cast<int>(t.tensor.scalar_type()), t.tensor.device().str()}].push_back(t.tensor);
-  }
-  for (auto& [key, members] : groups) {
-    std::vector<at::Tensor> flat;
-    for (const auto& m : members) flat.push_back(m.detach().reshape({-1}));
-    at::Tensor packed = at::cat(flat);
-    wait_collective(broadcast_from(group, packed, 0, what), group, what);
+  const bool root = group.getRank() == 0;
+  // Broadcasts `sent` and waits; then, on the receiving ranks, copies its values out to `targets`
+  // (packed one after the other).
+  auto broadcast_and_unpack = [&](const at::Tensor& sent, const std::vector<at::Tensor>& targets) {
+    wait_collective(broadcast_from(group, sent, 0, what), group, what);
+    if (root) return;
     int64_t offset = 0;
-    for (auto& m : members) {
-      m.detach().copy_(packed.narrow(0, offset, m.numel()).view(m.sizes()));
+    for (const auto& m : targets) {
+      m.copy_(sent.narrow(0, offset, m.numel()).view(m.sizes()));
       offset += m.numel();
     }
+  };
+  std::vector<Work> in_place;  // launched together, waited at the end
+  // Small tensors, grouped by (dtype, device) so that each chunk is one flat broadcast.
+  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> small;
+  for (const auto& t : tensors) {
+    const at::Tensor tensor = t.tensor.detach();
+    if (static_cast<int64_t>(tensor.nbytes()) < chunking.in_place_bytes) {
+      small[{static_cast<int>(tensor.scalar_type()), tensor.device().str()}].push_back(tensor);
+    } else if (tensor.is_contiguous()) {
+      in_place.push_back(broadcast_from(group, tensor, 0, what));
+    } else {
+      broadcast_and_unpack(tensor.contiguous().view({-1}), {tensor});
+    }
   }
+  for (auto& [key, members] : small) {
+    for (size_t first = 0; first < members.size();) {
+      size_t end = first + 1;
+      int64_t bytes = static_cast<int64_t>(members[first].nbytes());
+      int64_t numel = members[first].numel();
+      for (; end < members.size(); ++end) {
+        const auto next = static_cast<int64_t>(members[end].nbytes());
+        if (bytes + next > chunking.chunk_bytes) break;
+        bytes += next;
+        numel += members[end].numel();
+      }
+      const std::vector<at::Tensor> chunk(members.begin() + static_cast<std::ptrdiff_t>(first),
+                                          members.begin() + static_cast<std::ptrdiff_t>(end));
+      at::Tensor packed;
+      if (root) {
+        std::vector<at::Tensor> flat;
+        for (const auto& m : chunk) flat.push_back(m.reshape({-1}));
+        packed = at::cat(flat);
+      } else {
+        packed = at::empty({numel}, chunk.front().options());
+      }
+      broadcast_and_unpack(packed, chunk);
+      first = end;
+    }
+  }
+  for (const Work& work : in_place) wait_collective(work, group, what);
 }
 
 namespace {

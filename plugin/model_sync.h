@@ -26,10 +26,18 @@ struct NamedTensor {
 void verify_same_tensors_across_ranks(c10d::ProcessGroup& dp_group, const std::vector<NamedTensor>& tensors,
                                       const std::string& what, const std::vector<int64_t>& global_ranks = {});
 
-// Overwrites every tensor with group rank 0's values: one broadcast per dtype and device (tensors
-// flattened into one buffer), not one per tensor. `what` names them in errors.
+// How broadcast_from_group_rank0 splits its tensors (Note [Broadcast without staging copies],
+// model_sync.cpp); tests make them small.
+struct BroadcastChunking {
+  int64_t in_place_bytes = int64_t{4} << 20;  // a tensor this large or larger is broadcast in place
+  int64_t chunk_bytes = int64_t{32} << 20;    // smaller ones are packed into chunks of at most this
+};
+
+// Overwrites every tensor with group rank 0's values: large tensors broadcast in place, small ones
+// packed into chunks of one dtype and device, so no rank holds a second copy of them all. `what`
+// names them in errors.
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
-                                const std::string& what);
+                                const std::string& what, const BroadcastChunking& chunking = {});
 
 // Bit-exact checksum (sum of each element's bits as an integer) of every tensor, compared across
 // `tp_group`; every rank throws the same error naming the first tensor whose TP replicas differ,
