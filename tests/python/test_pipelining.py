@@ -16,7 +16,8 @@ TOL = 3e-7
 
 
 @pytest.mark.parametrize("scale_grads", [True, False])
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                                      "ZBVZeroBubble", "DualPipeV"])
 def test_schedule_matches_one_process(schedule, scale_grads):
     diffs = multiprocess.run(4, "pipelining_workers.pipelined", schedule=schedule, scale_grads=scale_grads)
     assert max(max(d) for d in diffs) < TOL, diffs
