@@ -50,64 +50,108 @@ def golden(dp_size):
 
 SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
              "Interleaved1F1B": (tpp.ScheduleInterleaved1F1B, 2),
-             "InterleavedZeroBubble": (tpp.ScheduleInterleavedZeroBubble, 2)}
+             "InterleavedZeroBubble": (tpp.ScheduleInterleavedZeroBubble, 2),
+             "ZBVZeroBubble": (tpp.ScheduleZBVZeroBubble, 2), "DualPipeV": (tpp.ScheduleDualPipeV, 2)}
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 pp - 1 - r
 
 
-def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
-    """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
-    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
-    way to break the stage on purpose ("no_scale", "no_hold")."""
-    dp_size, pp_size = 2, 2
-    mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
-    cls, chunks = SCHEDULES[schedule]
+def build(mesh, schedule, zero1=False, torch_ddp=False):
+    """This rank's stages of the MLP for `schedule` (a list, one per chunk) and their (stage index,
+    wrapper) pairs: meshddp DDPs in meshddp stages, or with torch_ddp torch's DDP in torch's stage."""
+    pp_size, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    _, chunks = SCHEDULES[schedule]
     num_stages = pp_size * chunks
     per_stage = LAYERS // num_stages
     layers = full_model()
     stages, wrapped = [], []
     for k in range(chunks):
-        index = pp_rank + k * pp_size  # torch's interleaved placement: rank r holds stages r, r + pp, ...
+        # torch's interleaved placement: rank r holds stages r, r + pp, ...; V-shaped: r and 2 pp - 1 - r.
+        index = (pp_rank if k == 0 else 2 * pp_size - 1 - pp_rank) if schedule in V_SHAPED else pp_rank + k * pp_size
         module = torch.nn.Sequential(*copy.deepcopy(list(layers[index * per_stage:(index + 1) * per_stage])))
-        config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
-        ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
-        stages.append(meshddp.pipelining.PipelineStage(ddp, index, num_stages, torch.device("cpu"),
-                                                       group=mesh["pp"].get_group()))
+        if torch_ddp:
+            ddp = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+            stage_cls = tpp.PipelineStage
+        else:
+            config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
+            ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
+            stage_cls = meshddp.pipelining.PipelineStage
+        stages.append(stage_cls(ddp, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
         wrapped.append((index, ddp))
-    for s in stages if broken else []:  # on purpose, to see the test fail
-        if broken == "no_scale":  # the sync started, the buffers never scaled
-            s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
-        elif broken == "no_hold":  # torch's plain backward: buckets launch during the first micro-batch
-            s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
-                tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))
+    return stages, wrapped
+
+
+def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=MICRO):
+    """STEPS SGD steps of `stages` on this DP rank's share of the global batches; returns the last step's
+    gradients (clones, after the sync) and the params, in (stage index, parameter) order."""
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    cls, chunks = SCHEDULES[schedule]
+    meshddp_stages = isinstance(stages[0], meshddp.pipelining.PipelineStage)
     # Mean loss per micro-batch with scale_grads=True; a loss pre-divided by the micro-batch count without.
-    loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / MICRO)
-    sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=loss_fn, scale_grads=scale_grads)
+    loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / micro)
+    sched = cls(stages if chunks > 1 else stages[0], micro, loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for _, ddp in wrapped for p in ddp.parameters()]
     opts = ([meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
             if zero1 else [torch.optim.SGD(params, lr=LR)])
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
-    ref, ref_grads = golden(dp_size)
     for step in range(STEPS):
         for _, ddp in wrapped:
-            ddp.zero_grad_buffer()
+            if meshddp_stages:
+                ddp.zero_grad_buffer()
+            else:
+                ddp.zero_grad(set_to_none=True)
         x, y = batch(step, dp_size)
         x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
         args = (x,) if has_first else ()
         sched.step(*args, target=y if has_last else None)
-        meshddp.pipelining.finish_grad_sync(stages)
+        if meshddp_stages:
+            meshddp.pipelining.finish_grad_sync(stages)
         grads = [p.grad.clone() for p in params]
         for opt in opts:
             opt.step()
+    return grads, [p.detach().clone() for p in params]
+
+
+def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
+    """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
+    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
+    way to break the stage on purpose ("no_scale", "no_hold", "self_p2p": torch's warm-up sends to this
+    rank itself kept)."""
+    dp_size, pp_size = 2, 2
+    mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    stages, wrapped = build(mesh, schedule, zero1=zero1)
+    for s in stages if broken else []:  # on purpose, to see the test fail
+        if broken == "no_scale":  # the sync started, the buffers never scaled
+            s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
+        elif broken == "self_p2p":
+            s._get_init_p2p_neighbors_ops = lambda s=s: tpp.PipelineStage._get_init_p2p_neighbors_ops(s)
+        elif broken == "no_hold":  # torch's plain backward: buckets launch during the first micro-batch
+            s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
+                tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))
+    grads, params = train(mesh, stages, wrapped, schedule, scale_grads=scale_grads, zero1=zero1)
+    ref, ref_grads = golden(dp_size)
+    per_stage = LAYERS // (pp_size * SCHEDULES[schedule][1])
     grad_diff = param_diff = 0.0
     i = 0
-    for index, ddp in wrapped:
+    for index, _ in wrapped:
         for block_index in range(index * per_stage, (index + 1) * per_stage):
             for name in ("weight", "bias"):
                 p_ref = getattr(ref[block_index].fc, name)
                 g_ref = ref_grads[2 * block_index + (name == "bias")]
                 grad_diff = max(grad_diff, (grads[i] - g_ref).abs().max().item())
-                param_diff = max(param_diff, (params[i].detach() - p_ref.detach()).abs().max().item())
+                param_diff = max(param_diff, (params[i] - p_ref.detach()).abs().max().item())
                 i += 1
     return grad_diff, param_diff
 
+
+def versus_torch_ddp(rank, world_size, schedule="1F1B", broken=None):
+    """(max |grad - torch's|, max |param - torch's|): the same pipeline trained twice on this rank, once
+    with meshddp stages, once with torch's DDP in torch's PipelineStage (the second golden).
+    broken="no_scale": meshddp's buffers never divided by the micro-batch count."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    theirs = train(mesh, *build(mesh, schedule, torch_ddp=True), schedule)
+    stages, wrapped = build(mesh, schedule)
+    for s in stages if broken == "no_scale" else []:
+        s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
+    ours = train(mesh, stages, wrapped, schedule)
+    return tuple(max((a - b).abs().max().item() for a, b in zip(o, t)) for o, t in zip(ours, theirs))

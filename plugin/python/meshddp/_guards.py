@@ -131,11 +131,15 @@ def _before_optimizer_step(optimizer, args, kwargs):
             continue
         ids = ddp._param_ids
         if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+            names = [n for n, _ in ddp.named_parameters()]
+            which = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise _error(
-                f"{type(optimizer).__name__}.step() was called while this step's gradient sync is still running: "
+                f"{type(optimizer).__name__}.step() was called while this step's gradient sync is still running "
+                f"(the DistributedDataParallel of {which}): "
                 f"finish_grad_sync() was not called after the last backward, so the optimizer would step on "
                 f"gradients that are not averaged over the data-parallel ranks (each rank its own). Call "
-                f"ddp.finish_grad_sync() after the last backward and before optimizer.step()")
+                f"ddp.finish_grad_sync() after the last backward and before optimizer.step() (under "
+                f"torch.distributed.pipelining: meshddp.pipelining.finish_grad_sync(stages), every stage of the rank)")
 
 
 def watch_optimizer_steps(wrapper):

@@ -11,9 +11,23 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   scale_grads (called by the schedules without that action right after the last backward): the flat
   buffers are scaled (scale_gradients) and the chunk's sync is started (start_grad_sync), overlapping
   the other chunks' backward; both at most once per step.
+- _prepare_backward_infra (the schedule's first step): the micro-batch count must be the same on
+  every DP rank of the chunk (an all-gather over its DP group), else every rank raises naming them.
+- _get_init_p2p_neighbors_ops (the schedule's first step): torch's warm-up send/recv to the neighbour
+  stages, without those to this rank itself. V-shaped schedules (ScheduleZBVZeroBubble,
+  ScheduleDualPipeV) put stages pp-1 and pp on one rank, and Gloo has no connection from a rank to
+  itself (pytorch/gloo#344): torch's own stage fails there with "Pair is not connected". Activations
+  between two stages of one rank never use these ops (torch passes them locally).
 - finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
-  optimizer step."""
+  optimizer step.
 
+grad_reduction="sum" is for a loss already normalised over the whole batch mesh (torchtitan's
+per-token loss: the sum over a micro-batch's valid tokens divided by the global count of valid
+tokens, with the schedule's scale_grads=False): the DP reduction is then a sum, as torchtitan's
+FSDP with its gradient divide factor set to 1."""
+
+import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from meshddp.ddp import DistributedDataParallel
@@ -26,15 +40,41 @@ def _error(what):
 class PipelineStage(_TorchPipelineStage):
     """torch.distributed.pipelining.PipelineStage (same arguments) whose `submodule` is a
     meshddp.DistributedDataParallel. Per step: zero each chunk's buffer (submod.zero_grad_buffer()),
-    schedule.step(...), meshddp.pipelining.finish_grad_sync(stages), optimizer.step()."""
+    schedule.step(...), meshddp.pipelining.finish_grad_sync(stages), optimizer.step().
+    grad_reduction: "mean" (default: the buffers averaged over the chunk's DP group, as every meshddp
+    DDP) or "sum" (a loss already divided by the global token count; see the module's docstring)."""
 
-    def __init__(self, submodule, *args, **kwargs):
+    def __init__(self, submodule, *args, grad_reduction="mean", **kwargs):
         if not isinstance(submodule, DistributedDataParallel):
             raise _error(f"PipelineStage: submodule must be a meshddp.DistributedDataParallel "
                          f"(wrap the stage's module first), got {type(submodule).__name__}; for a module without "
                          f"meshddp use torch.distributed.pipelining.PipelineStage")
+        if grad_reduction not in ("mean", "sum"):
+            raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
+        # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
+        self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
+
+    def _get_init_p2p_neighbors_ops(self):
+        """torch's, less the ops whose peer is this rank (see the module's docstring)."""
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def _prepare_backward_infra(self, num_microbatches):
+        """torch's (once, at the schedule's first step), then the micro-batch count agreed over the chunk's
+        DP group: a rank scaling by another count would silently train on other gradients."""
+        super()._prepare_backward_infra(num_microbatches)
+        group = self.submod._dp_group
+        mine = torch.tensor([int(num_microbatches)], dtype=torch.int64, device=self.device)
+        counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, mine, group=group)
+        counts = [int(c.item()) for c in counts]
+        if len(set(counts)) > 1:
+            ranks = dist.get_process_group_ranks(group)
+            per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
+            raise _error(f"PipelineStage {self.stage_index}: the schedule's micro-batch count (n_microbatches) "
+                         f"differs across the stage's DP ranks ({per_rank}); every DP rank must split its batch "
+                         f"into the same number of micro-batches (the gradients are scaled and reduced per step)")
 
     def clear_runtime_states(self):
         """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
@@ -58,11 +98,13 @@ class PipelineStage(_TorchPipelineStage):
 
     def scale_grads(self, grad_scale_factor):
         """Divides the chunk's flat gradient buffers by `grad_scale_factor` (the micro-batch count with
-        the schedule's scale_grads=True, else 1), then starts the chunk's sync (once per step)."""
+        the schedule's scale_grads=True, else 1; with grad_reduction="sum" also multiplies them by the DP
+        size), then starts the chunk's sync (once per step)."""
         if self._sync_started:
             return  # the schedule's REDUCE_GRAD already scaled and started this chunk
-        if grad_scale_factor != 1:
-            self.submod.scale_gradients(1.0 / grad_scale_factor)
+        factor = self._dp_factor / grad_scale_factor
+        if factor != 1:
+            self.submod.scale_gradients(factor)
         self.submod.start_grad_sync()
         self._sync_started = True
 

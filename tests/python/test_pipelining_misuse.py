@@ -1,0 +1,37 @@
+"""meshddp.pipelining.PipelineStage misused (pipelining_misuse_workers.py, dp 2 x pp 2 on 4 Gloo
+processes): each a named RuntimeError on the ranks concerned, never a hang. And the V-shaped schedules
+(ScheduleZBVZeroBubble, ScheduleDualPipeV) on one Gloo rank: torch's own stage fails in its warm-up
+send/recv to the stage on its own rank (Gloo has no pair from a rank to itself, pytorch/gloo#344),
+meshddp's stage leaves those sends out and matches one process."""
+
+import pytest
+
+import multiprocess
+
+
+def test_a_micro_batch_count_that_differs_across_dp_ranks_is_named_on_every_rank():
+    messages = multiprocess.run(4, "pipelining_misuse_workers.microbatches_differ")
+    assert all(m is not None and "micro-batch count (n_microbatches) differs across the stage's DP ranks" in m
+               for m in messages), messages
+    assert "rank 0: 4, rank 2: 2" in messages[0] and "rank 1: 4, rank 3: 2" in messages[1], messages
+
+
+@pytest.mark.parametrize("schedule,finished", [("1F1B", 0), ("Interleaved1F1B", 1)])
+def test_an_optimizer_step_before_every_chunk_finished_its_sync_is_refused(schedule, finished):
+    """1F1B: no finish_grad_sync at all; Interleaved1F1B: only the rank's first chunk finished; the
+    message names the unfinished chunk's params (a DistributedDataParallel of the second chunk)."""
+    messages = multiprocess.run(4, "pipelining_misuse_workers.step_before_finish", schedule=schedule,
+                                finished=finished)
+    for rank, m in enumerate(messages):
+        assert m is not None and "SGD.step() was called while this step's gradient sync is still running" in m, m
+        assert "meshddp.pipelining.finish_grad_sync(stages)" in m and "'0.fc.weight'" in m, m
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_shaped_schedules_on_gloo_fail_in_torchs_stage_and_run_in_meshddps(schedule):
+    theirs = multiprocess.run(1, "pipelining_misuse_workers.v_shaped_on_one_rank", schedule=schedule,
+                              meshddp_stage=False)
+    assert theirs[0] is not None and "Pair is not connected" in theirs[0], theirs
+    ours = multiprocess.run(1, "pipelining_misuse_workers.v_shaped_on_one_rank", schedule=schedule,
+                            meshddp_stage=True)
+    assert ours == [None], ours
