@@ -15,10 +15,11 @@
 // summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
 // tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "examples/02_dp_x_tp_gpt/gpt_flags.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
+#include "examples/02_dp_x_tp_gpt/pipeline_train.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
-#include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
 
@@ -31,146 +32,13 @@
 #include <string>
 #include <thread>
 
-namespace {
-
-struct Flags {
-  int64_t dp = 1, cp = 1, tp = 1;
-  int64_t ep = 1;  // expert-parallel size (--ep); the number of experts and top-k are in `model`
-  bool sequence_parallel = false, distributed_optimizer = false;
-  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
-  int64_t optimizer_instances = 1;
-  int64_t global_batch = 16;
-  uint64_t seed = 0;
-  std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
-  gpt::Config model;
-  examples::CheckpointFlags checkpoints;
-};
-
-std::string usage_line() {
-  return std::string(
-             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--optimizer adamw|sgd] "
-             "[--global-batch N] "
-             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
-             "N]] ") +
-         examples::run_flags_usage() + examples::checkpoint_usage();
-}
-
-[[noreturn]] void usage(const char* prog, const std::string& error) {
-  examples::exit_with_usage(prog, error, usage_line());
-}
-
-// Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
-void validate(const Flags& f) {
-  using examples::FlagError;
-  const auto& m = f.model;
-  const auto n = [](int64_t v) { return std::to_string(v); };
-  if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
-  if (m.heads % f.tp != 0)
-    throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
-  if (m.vocab % f.tp != 0)
-    throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % f.dp != 0)
-    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
-  if (m.seq_len % f.cp != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
-                    " (each CP rank holds a slice of every sequence)");
-  }
-  if (f.sequence_parallel && m.seq_len % (f.cp * f.tp) != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
-                    (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
-  }
-  if (m.experts == 0 && f.ep > 1)
-    throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
-  if (m.experts > 0) {
-    if (m.top_k > m.experts) throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
-    if (m.experts % f.ep != 0)
-      throw FlagError("--experts " + n(m.experts) + " must divide by --ep " + n(f.ep) + " (each EP rank holds E / ep)");
-    if ((f.dp * f.cp) % f.ep != 0) {
-      throw FlagError("--ep " + n(f.ep) + " must divide --dp " + n(f.dp) + (f.cp > 1 ? " x --cp " + n(f.cp) : "") +
-                      " (expert-parallel groups are carved out of the data-parallel ranks)");
-    }
-    if (f.sequence_parallel && f.tp > 1) {
-      throw FlagError(
-          "--sequence-parallel with --experts is not supported: the MoE layer routes whole tokens, which "
-          "sequence parallelism splits over TP; drop one of them (--experts works with --tp without it)");
-    }
-  }
-  examples::validate_run_flags(f.run);
-}
-
-Flags parse(int argc, char** argv) {
-  Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
-    if (arg == "--sequence-parallel") {
-      f.sequence_parallel = true;
-      continue;
-    }
-    if (arg == "--distributed-optimizer") {
-      f.distributed_optimizer = true;
-      continue;
-    }
-    if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
-    if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
-    const std::string v = argv[++i];
-    using examples::parse_int_flag;
-    try {
-      if (arg == "--dp")
-        f.dp = parse_int_flag(arg, v, 1);
-      else if (arg == "--tp")
-        f.tp = parse_int_flag(arg, v, 1);
-      else if (arg == "--cp")
-        f.cp = parse_int_flag(arg, v, 1);
-      else if (arg == "--optimizer-instances")
-        f.optimizer_instances = parse_int_flag(arg, v, 1);
-      else if (arg == "--ep")
-        f.ep = parse_int_flag(arg, v, 1);
-      else if (arg == "--experts")
-        f.model.experts = parse_int_flag(arg, v, 0);
-      else if (arg == "--top-k")
-        f.model.top_k = parse_int_flag(arg, v, 1);
-      else if (arg == "--global-batch")
-        f.global_batch = parse_int_flag(arg, v, 1);
-      else if (arg == "--seed")
-        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
-      else if (arg == "--optimizer") {
-        if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
-        f.optimizer = v;
-      } else if (arg == "--layers")
-        f.model.layers = parse_int_flag(arg, v, 1);
-      else if (arg == "--dim")
-        f.model.dim = parse_int_flag(arg, v, 1);
-      else if (arg == "--heads")
-        f.model.heads = parse_int_flag(arg, v, 1);
-      else if (arg == "--seq-len")
-        f.model.seq_len = parse_int_flag(arg, v, 1);
-      else if (arg == "--vocab")
-        f.model.vocab = parse_int_flag(arg, v, 1);
-      else if (!examples::parse_run_flag(arg, v, f.run))
-        usage(argv[0], "unknown flag " + arg);
-    } catch (const examples::FlagError& e) {
-      usage(argv[0], e.what());
-    }
-  }
-  try {
-    validate(f);
-  } catch (const examples::FlagError& e) {
-    usage(argv[0], e.what());
-  }
-  return f;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  const Flags f = parse(argc, argv);
+  const gpt::Flags f = gpt::parse(argc, argv);
   try {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
     at::set_num_threads(static_cast<int>(
         std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
+    if (f.pipeline) return gpt::train_pipeline(f, argc, argv);  // --pp / --vpp / --microbatches
     // A "cp" dim only with --cp > 1, so that DP x TP runs keep their 2-D mesh.
     meshddp::DeviceMesh mesh =
         f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"}, examples::mesh_options(f.run))
@@ -240,7 +108,8 @@ int main(int argc, char** argv) {
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
     }
-    examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
+    examples::ExampleCheckpoints checkpoints(f.checkpoints,
+                                             meshddp::TrainingState{model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
     checkpoints.track(schedule);
     const int64_t first_step = checkpoints.resume();
@@ -261,9 +130,19 @@ int main(int argc, char** argv) {
       };
       auto logits = ddp.forward(mine(ids));
       // The mean over this rank's tokens: slices are equal, so the DP x CP gradient mean is the
-      // gradient of the whole batch's mean.
-      auto loss =
-          meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mesh["tp"].get());
+      // gradient of the whole batch's mean. --loss per-token: this rank's sum over valid tokens over
+      // the global batch's count, times DP x CP (which DDP's mean divides by again).
+      torch::Tensor loss;
+      if (f.per_token_loss) {
+        const auto valid = gpt::valid_mask(f.model, f.seed, step, f.global_batch);
+        const double scale = static_cast<double>(f.dp * f.cp) / valid.sum().item<double>();
+        loss = gpt::loss_sum(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mine(valid).reshape({-1}),
+                             mesh["tp"].get()) *
+               scale;
+      } else {
+        loss = meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}),
+                                          mesh["tp"].get());
+      }
       inject.before_backward(step, mesh.rank());
       loss.backward();
       inject.after_backward();

@@ -26,6 +26,7 @@
 #include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
+#include <variant>
 
 namespace examples {
 
@@ -74,8 +75,9 @@ inline const char* checkpoint_usage() {
 
 class ExampleCheckpoints {
  public:
-  ExampleCheckpoints(CheckpointFlags flags, meshddp::TrainingState state, int64_t rank, uint64_t seed,
-                     int64_t global_batch)
+  // `state`: a meshddp::TrainingState, or a PipelineTrainingState (a pipeline rank's chunks).
+  ExampleCheckpoints(CheckpointFlags flags, std::variant<meshddp::TrainingState, meshddp::PipelineTrainingState> state,
+                     int64_t rank, uint64_t seed, int64_t global_batch)
       : f_(std::move(flags)),
         state_(state),
         rank_(rank),
@@ -95,7 +97,8 @@ class ExampleCheckpoints {
     const auto start = std::chrono::steady_clock::now();
     std::optional<meshddp::LoadedCheckpoint> found;
     try {
-      found = meshddp::resume_checkpoint(state_, f_.save_dir, f_.resume_step);
+      found =
+          std::visit([&](const auto& s) { return meshddp::resume_checkpoint(s, f_.save_dir, f_.resume_step); }, state_);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, f_.resume_step ? "--resume-step " + std::to_string(*f_.resume_step) : std::string("--resume"),
                   ": ", e.what_without_backtrace(),
@@ -158,7 +161,8 @@ class ExampleCheckpoints {
     }
     meshddp::CheckpointSaveOptions options;
     options.keep_last = f_.keep_last;
-    const std::string path = meshddp::save_checkpoint(state_, f_.save_dir, done, values, options);
+    const std::string path = std::visit(
+        [&](const auto& s) { return meshddp::save_checkpoint(s, f_.save_dir, done, values, options); }, state_);
     if (rank_ == 0) {
       int64_t bytes = 0;
       for (const auto& entry : std::filesystem::directory_iterator(path)) {
@@ -188,7 +192,7 @@ class ExampleCheckpoints {
   }
   inline static const std::string kSchedulePrefix = "lr_schedule/";
   CheckpointFlags f_;
-  meshddp::TrainingState state_;
+  std::variant<meshddp::TrainingState, meshddp::PipelineTrainingState> state_;
   meshddp::LrScheduler* schedule_ = nullptr;
   int64_t rank_;
   int64_t seed_, global_batch_;
