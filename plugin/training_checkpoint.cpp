@@ -48,6 +48,7 @@ Parts parts_of(const Chunks& chunks) {
             : g.world    ? g.world
                          : g.dp,
             g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
+  if (chunks.world) p.mesh.pp_size = chunks.world->getSize() / (p.mesh.dp_size * p.mesh.tp_size);
   p.dp_rank = g.data_parallel_rank();
   p.dp_size = g.data_parallel_size();
   p.tp_rank = g.tp_rank;

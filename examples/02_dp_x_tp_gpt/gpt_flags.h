@@ -191,5 +191,4 @@ inline Flags parse(int argc, char** argv) {
   return f;
 }
 
-
 }  // namespace gpt

@@ -42,8 +42,8 @@ struct GptChunkImpl : torch::nn::Module {
     if (is_last) {
       ln_f = register_module("ln_f", whole.ln_f);
       // The tie: the same tensor in one chunk, else a copy (same initial values) for the last stage.
-      lm_head = register_module("lm_head", meshddp::tp::Linear(is_first ? whole.wte->weight
-                                                                        : whole.wte->weight.detach().clone()));
+      lm_head = register_module("lm_head",
+                                meshddp::tp::Linear(is_first ? whole.wte->weight : whole.wte->weight.detach().clone()));
     }
   }
   // Context parallel as GptImpl::set_context_parallel (positions are global; attention gathers keys).

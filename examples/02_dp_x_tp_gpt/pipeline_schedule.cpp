@@ -16,8 +16,8 @@
 namespace gpt {
 
 std::vector<Action> schedule_actions(int64_t pp, int64_t vpp, int64_t rank, int64_t microbatches) {
-  TORCH_CHECK(pp >= 1 && vpp >= 1 && microbatches >= 1 && rank >= 0 && rank < pp, "schedule_actions: pp ", pp,
-              ", vpp ", vpp, ", rank ", rank, ", microbatches ", microbatches, " out of range");
+  TORCH_CHECK(pp >= 1 && vpp >= 1 && microbatches >= 1 && rank >= 0 && rank < pp, "schedule_actions: pp ", pp, ", vpp ",
+              vpp, ", rank ", rank, ", microbatches ", microbatches, " out of range");
   std::vector<Action> out;
   if (vpp == 1) {  // 1F1B
     const int64_t warmup = std::min(pp - rank - 1, microbatches);
@@ -47,7 +47,8 @@ std::vector<Action> schedule_actions(int64_t pp, int64_t vpp, int64_t rank, int6
     out.push_back({Pass::kForward, chunk_of(f, true), microbatch_of(f)});
     out.push_back({Pass::kBackward, chunk_of(k, false), microbatch_of(k)});
   }
-  for (int64_t k = total - warmup; k < total; ++k) out.push_back({Pass::kBackward, chunk_of(k, false), microbatch_of(k)});
+  for (int64_t k = total - warmup; k < total; ++k)
+    out.push_back({Pass::kBackward, chunk_of(k, false), microbatch_of(k)});
   return out;
 }
 

@@ -25,9 +25,7 @@ struct Action {
   Pass pass;
   int64_t chunk;       // this rank's chunk (0..vpp-1): model chunk chunk * pp + pp_rank
   int64_t microbatch;  // 0..microbatches-1
-  bool operator==(const Action& o) const {
-    return pass == o.pass && chunk == o.chunk && microbatch == o.microbatch;
-  }
+  bool operator==(const Action& o) const { return pass == o.pass && chunk == o.chunk && microbatch == o.microbatch; }
 };
 
 // Pipeline rank `rank` of `pp`'s actions for one step, `vpp` chunks per rank, `microbatches` each.
@@ -78,7 +76,7 @@ class PipelineSchedule {
   int64_t pp_, rank_, vpp_, microbatches_;
   std::vector<int64_t> hidden_shape_;
   std::vector<Action> actions_;
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends_;  // pending, with a description
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends_;      // pending, with a description
   std::map<std::pair<int64_t, int64_t>, std::pair<at::Tensor, at::Tensor>> live_;  // (chunk, mb) -> (input, output)
 };
 

@@ -117,8 +117,7 @@ void check_tied_copies(const std::vector<Chunk>& chunks, int64_t pp, c10d::Proce
 }  // namespace
 
 int train_pipeline(const Flags& f, int argc, char** argv) {
-  meshddp::DeviceMesh mesh =
-      meshddp::DeviceMesh::from_env(mesh_sizes(f), mesh_names(f), examples::mesh_options(f.run));
+  meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env(mesh_sizes(f), mesh_names(f), examples::mesh_options(f.run));
   examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
   TORCH_CHECK(f.vpp == 1 || f.pp > 1, "--vpp ", f.vpp, " needs --pp > 1 (interleaving chunks of one rank)");
   meshddp::DeviceMesh stage = stage_mesh(mesh);

@@ -36,10 +36,8 @@ def run(nproc, args, save_dir=None):
 
 
 def final_params(save_dir):
-    step_dir = os.path.join(save_dir, f"step-{STEPS}")
-    out = os.path.join(save_dir, "consolidated.safetensors")
-    consolidate_checkpoint.consolidate(step_dir, out)
-    return consolidate_checkpoint.load_safetensors(out)
+    """The model's params after the last step, whole (name -> tensor), from the run's checkpoint."""
+    return consolidate_checkpoint.consolidate(save_dir, STEPS)
 
 
 def check_params(name, reference, params):
