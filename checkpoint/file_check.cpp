@@ -6,8 +6,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <tuple>
 
 namespace meshddp {
 
@@ -119,7 +121,10 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
     return who + " holds " + std::to_string(h.tensors.size()) + " tensors but the manifest lists " +
            std::to_string(pieces.size()) + " pieces in it (from another save?)";
   }
-  std::sort(pieces.begin(), pieces.end(), [](const Expected& a, const Expected& b) { return a.begin < b.begin; });
+  // By (begin, end): an empty piece (a tensor smaller than the group that splits it) starts where the
+  // next one does, and must come first.
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Expected& a, const Expected& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (const Expected& e : pieces) ranges.push_back({e.begin, e.end});
   const WrittenFile actual = checksum_file(path, ranges);

@@ -2,6 +2,7 @@
 
 #include "checkpoint/file_check.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/save_phases.h"
 #include "mesh/collectives.h"
 
 #include <ATen/ATen.h>
@@ -21,7 +22,22 @@ constexpr const char* kManifest = "manifest.json";
 
 std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
 
-// Every rank's status (a JSON object; "error" set on failure), on every rank.
+Json status_ok() { return Json::object(); }
+Json status_error(const std::string& e) { return Json{{"error", e}}; }
+
+std::string new_save_id() {
+  std::random_device device;
+  std::mt19937_64 gen((static_cast<uint64_t>(device()) << 32) ^ device() ^
+                      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()));
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
+}  // namespace
+
+namespace save_phases {
+
 // (Written lossy: an error message holding invalid UTF-8 must still arrive, or the other ranks hang.)
 std::vector<Json> agree(c10d::ProcessGroup& world, const Json& mine, const std::string& what) {
   std::vector<Json> all;
@@ -31,7 +47,6 @@ std::vector<Json> agree(c10d::ProcessGroup& world, const Json& mine, const std::
   return all;
 }
 
-// "" when no rank failed; else one line per distinct error, naming the ranks.
 std::string errors_of(const std::vector<Json>& statuses) {
   std::vector<std::pair<std::string, std::vector<size_t>>> errors;
   for (size_t r = 0; r < statuses.size(); ++r) {
@@ -53,51 +68,47 @@ std::string errors_of(const std::vector<Json>& statuses) {
   return out.str();
 }
 
-Json status_ok() { return Json::object(); }
-Json status_error(const std::string& e) { return Json{{"error", e}}; }
+Save::Save(const CheckpointMesh& m, const std::string& d, const CheckpointMeta& mt)
+    : mesh(m),
+      dir(d),
+      meta(mt),
+      rank(m.world->getRank()),
+      world_size(m.world->getSize()),
+      name(step_name(mt.step)),
+      step_dir(d + "/" + name) {}
 
-std::string new_save_id() {
-  std::random_device device;
-  std::mt19937_64 gen((static_cast<uint64_t>(device()) << 32) ^ device() ^
-                      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()));
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(gen()));
-  return buf;
+std::vector<Json> Save::agree_after(const std::string& what, const std::function<void(Json&)>& work) const {
+  Json mine = status_ok();
+  try {
+    work(mine);
+  } catch (const std::exception& e) {
+    mine = status_error(message_of(e));
+  }
+  return agree(*mesh.world, mine, "checkpoint save: " + what);
 }
 
-// One collective save (save_checkpoint_files), for its phases: Note [Checkpoint layout and commit protocol].
-struct Save {
-  const CheckpointMesh& mesh;
-  const std::string& dir;
-  const CheckpointMeta& meta;
-  int64_t rank, world_size;
-  std::string name, step_dir;  // step-<N>, <dir>/step-<N>
+std::string Save::failure(const std::string& stage, const std::string& errors, const std::string& removed) const {
+  return "checkpoint save of step " + std::to_string(meta.step) + " to '" + step_dir + "' failed (" + stage +
+         "); nothing was committed and `latest` still names the previous checkpoint" + removed + ":" + errors;
+}
 
-  Save(const CheckpointMesh& m, const std::string& d, const CheckpointMeta& mt)
-      : mesh(m),
-        dir(d),
-        meta(mt),
-        rank(m.world->getRank()),
-        world_size(m.world->getSize()),
-        name(step_name(mt.step)),
-        step_dir(d + "/" + name) {}
-
-  // Every rank's status, after each rank sets its own (`work` throwing makes it an error status).
-  std::vector<Json> agree_after(const std::string& what, const std::function<void(Json&)>& work) const {
-    Json mine = status_ok();
+void Save::fail_if_any(const std::vector<Json>& statuses, const std::string& stage, bool written) const {
+  const std::string errors = errors_of(statuses);
+  if (errors.empty()) return;
+  std::string removed;
+  if (written && rank == 0) {
     try {
-      work(mine);
+      remove_tree(step_dir);
+      fsync_path(dir);
+      removed = "; its step directory was removed";
     } catch (const std::exception& e) {
-      mine = status_error(message_of(e));
+      removed = "; removing its step directory failed too (" + message_of(e) + "): delete it by hand";
     }
-    return agree(*mesh.world, mine, "checkpoint save: " + what);
   }
-  void fail_if_any(const std::vector<Json>& statuses, const std::string& stage) const {
-    const std::string errors = errors_of(statuses);
-    TORCH_CHECK(errors.empty(), "checkpoint save of step ", meta.step, " to '", step_dir, "' failed (", stage,
-                "); nothing was committed and `latest` still names the previous checkpoint:", errors);
-  }
-};
+  TORCH_CHECK(false, failure(stage, errors, removed));
+}
+
+namespace {
 
 // Phase 1, on rank 0: creates an empty step directory (never the one `latest` names) and picks the save id.
 std::string prepare_step_directory(const Save& s) {
@@ -125,8 +136,23 @@ std::string prepare_step_directory(const Save& s) {
   return new_save_id();
 }
 
-// Phase 2, on every rank: writes, fsyncs and verifies its file; its status lists the file (size,
-// CRC32C) and each piece with its checksum, for the manifest.
+}  // namespace
+
+std::string prepare(const Save& s) {
+  const std::vector<Json> statuses = s.agree_after("prepare", [&](Json& status) {
+    status["step"] = s.meta.step;
+    if (s.rank == 0) status["save_id"] = prepare_step_directory(s);
+  });
+  s.fail_if_any(statuses, "preparing the directory");
+  for (int64_t r = 0; r < s.world_size; ++r) {
+    const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
+    TORCH_CHECK(step == s.meta.step, "checkpoint save of step ", s.meta.step, " to '", s.step_dir, "' failed: rank ", r,
+                " saves step ", step, " but rank ", s.rank, " step ", s.meta.step,
+                "; every rank must save the same step");
+  }
+  return json_string(json_at(statuses[0], "save_id", "rank 0's status"), "save_id");
+}
+
 void write_rank_file(const Save& s, const std::string& save_id, const std::vector<CheckpointTensor>& tensors,
                      const CheckpointSaveOptions& options, Json& status) {
   const std::string file = checkpoint_file_name(s.rank);
@@ -154,6 +180,7 @@ void write_rank_file(const Save& s, const std::string& save_id, const std::vecto
     metadata["values"] = json_text(values_to_json(s.meta.values));
     metadata["optimizer"] = json_text(s.meta.optimizer);
   }
+  if (options.before_file_written) options.before_file_written(s.step_dir + "/" + file);
   const WrittenFile written = write_safetensors_file(s.step_dir + "/" + file, named, metadata);
   for (size_t i = 0; i < tensors.size(); ++i) {  // ties each piece's bytes to its place (checkpoint/manifest.h)
     const CheckpointTensor& t = tensors[i];
@@ -178,8 +205,7 @@ void write_rank_file(const Save& s, const std::string& save_id, const std::vecto
   status["pieces"] = std::move(pieces);
 }
 
-// Phase 3, on rank 0: the manifest of the files every rank wrote (`statuses`, from phase 2), each
-// tensor's pieces gathered from every rank (which must agree on its dtype, shape and placement).
+// Each tensor's pieces are gathered from every rank (which must agree on its dtype, shape and placement).
 Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Json>& statuses) {
   Json m;
   m["format"] = kCheckpointFormat;
@@ -223,11 +249,20 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
   return m;
 }
 
-// Phase 3, on rank 0: writes the manifest (checked as a load will check it), then moves `latest`:
-// the commit. Then prunes; a pruning failure goes into `status` as "prune_error" (the save stands).
+// The manifest is checked as a load will check it before it is written.
 void commit_manifest(const Save& s, const Json& manifest, const CheckpointSaveOptions& options, Json& status) {
   const std::string text = manifest_text(manifest);
-  parse_manifest(text, s.step_dir + "/" + kManifest);  // what a load will check, checked before the commit
+  try {  // what a load will check, checked before the commit
+    parse_manifest(text, s.step_dir + "/" + kManifest);
+  } catch (const c10::Error& e) {
+    // Nothing was edited: the pieces given to the save do not make a checkpoint (a bug in the caller).
+    std::string what = e.what_without_backtrace();
+    const std::string edited = " (the manifest is damaged or was edited; load another step, or save again)";
+    if (const auto at = what.find(edited); at != std::string::npos) what.erase(at, edited.size());
+    TORCH_CHECK(false, "the tensors the ranks gave this save do not make a loadable checkpoint (e.g. a tensor ",
+                "held by some ranks only that was not saved as theirs, such as an expert tensor not declared ",
+                "one), so it was not committed: ", what);
+  }
   write_file_atomically(s.step_dir + "/" + kManifest, text);
   write_file_atomically(s.dir + "/latest", s.name + "\n");
   if (options.keep_last <= 0) return;
@@ -238,7 +273,21 @@ void commit_manifest(const Save& s, const Json& manifest, const CheckpointSaveOp
   }
 }
 
-}  // namespace
+void warn_if_pruning_failed(const Save& s, const Json& rank0_status, const CheckpointSaveOptions& options) {
+  if (s.rank != 0 || !rank0_status.contains("prune_error")) return;
+  std::fprintf(stderr,
+               "meshddp: warning: checkpoint '%s' is saved and committed (`latest` names it), but pruning the older "
+               "checkpoints (keep_last %lld) failed: %s. They stay on disk; the next save with keep_last prunes "
+               "again\n",
+               s.step_dir.c_str(), static_cast<long long>(options.keep_last),
+               json_string(rank0_status["prune_error"], "prune_error").c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace save_phases
+
+using save_phases::agree;
+using save_phases::errors_of;
 
 TpSlice tp_slice_of(const Placement& p) {
   if (!p.is_shard() || p.tp_size == 1) return {};
@@ -254,41 +303,24 @@ std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& p
 std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
                                   const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options) {
   TORCH_CHECK(mesh.world, "checkpoint save: no world group");
-  const Save s(mesh, dir, meta);
-
+  TORCH_CHECK(!options.async_save, "checkpoint save: options.async_save needs an AsyncCheckpointSave ",
+              "(checkpoint/async_save.h) or a CheckpointSaver (plugin/checkpoint_saver.h), which own the writer ",
+              "thread; save_checkpoint_files saves synchronously");
+  const save_phases::Save s(mesh, dir, meta);
   // (1) Rank 0 prepares the directory and picks the save id; every rank checks it saves the same step.
-  std::vector<Json> statuses = s.agree_after("prepare", [&](Json& status) {
-    status["step"] = meta.step;
-    if (s.rank == 0) status["save_id"] = prepare_step_directory(s);
-  });
-  s.fail_if_any(statuses, "preparing the directory");
-  for (int64_t r = 0; r < s.world_size; ++r) {
-    const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
-    TORCH_CHECK(step == meta.step, "checkpoint save of step ", meta.step, " to '", s.step_dir, "' failed: rank ", r,
-                " saves step ", step, " but rank ", s.rank, " step ", meta.step,
-                "; every rank must save the same step");
-  }
-  const std::string save_id = json_string(json_at(statuses[0], "save_id", "rank 0's status"), "save_id");
-
+  const std::string save_id = save_phases::prepare(s);
   // (2) Every rank writes, fsyncs and verifies its file.
-  statuses = s.agree_after("files", [&](Json& status) { write_rank_file(s, save_id, tensors, options, status); });
-  s.fail_if_any(statuses, "writing the files");
+  std::vector<Json> statuses =
+      s.agree_after("files", [&](Json& status) { save_phases::write_rank_file(s, save_id, tensors, options, status); });
+  s.fail_if_any(statuses, "writing the files", /*written=*/true);
 
   // (3) Rank 0 writes the manifest, then moves `latest`, then prunes.
   statuses = s.agree_after("commit", [&](Json& status) {
-    if (s.rank == 0) commit_manifest(s, manifest_of(s, save_id, statuses), options, status);
+    if (s.rank == 0) save_phases::commit_manifest(s, save_phases::manifest_of(s, save_id, statuses), options, status);
   });
-  s.fail_if_any(statuses, "writing the manifest");
+  s.fail_if_any(statuses, "writing the manifest", /*written=*/true);
   note_live_checkpoint(dir, s.name);
-  if (s.rank == 0 && statuses[0].contains("prune_error")) {
-    std::fprintf(stderr,
-                 "meshddp: warning: checkpoint '%s' is saved and committed (`latest` names it), but pruning the older "
-                 "checkpoints (keep_last %lld) failed: %s. They stay on disk; the next save with keep_last prunes "
-                 "again\n",
-                 s.step_dir.c_str(), static_cast<long long>(options.keep_last),
-                 json_string(statuses[0]["prune_error"], "prune_error").c_str());
-    std::fflush(stderr);
-  }
+  save_phases::warn_if_pruning_failed(s, statuses[0], options);
   return s.step_dir;
 }
 

@@ -15,7 +15,9 @@
 // the same way, then prunes (keep_last); all ranks agree. Any failure up to `latest` makes every rank
 // throw the same error, before `latest` moves: the previous checkpoint stays untouched and `latest`
 // keeps naming it. A pruning failure after that is a warning (the save is committed). A step
-// directory without manifest.json is incomplete and never loaded.
+// directory without manifest.json is incomplete and never loaded. An async save runs the same three
+// phases, phase 2 (and rank 0's phase 3 writes) on a writer thread, every agreement at step boundaries
+// (Note [Async save protocol] in checkpoint/async_save.h; the phases: checkpoint/save_phases.h).
 // Load: every rank resolves the step directory (`latest`, or the step asked for) and all agree
 // (agree_on_checkpoint); every rank reads the manifest and all compare its save id; then each rank verifies every W-th
 // file in full (size, save id, CRC32C), reads what it needs into temporaries and checks the model against the manifest;
@@ -65,6 +67,16 @@ struct CheckpointSaveOptions {
   int64_t keep_last = 0;  // > 0: after a save, keep the newest K checkpoints of the live run (this one,
                           // the one it continues, ...: Note [The live run]) and delete every other
                           // step directory; 0 = keep everything
+  // true: the save returns after a snapshot of the tensors to host memory, a background thread writes
+  // them, and the commit follows at a later step boundary (checkpoint/async_save.h; only through
+  // AsyncCheckpointSave or plugin/checkpoint_saver.h's CheckpointSaver). false: the call returns committed.
+  bool async_save = false;
+  // An async save started while the previous one is still being written: kWait waits for the previous
+  // one (and commits it) first, kRefuse throws on every rank naming the step still being written.
+  enum class IfBusy { kWait, kRefuse };
+  IfBusy if_busy = IfBusy::kWait;
+  // Tests: called on each rank before its file is written (on the writer thread of an async save).
+  std::function<void(const std::string& path)> before_file_written;
   // Tests: called on each rank after its file is written and verified; throwing from it is a crash
   // between files (the save fails everywhere and nothing is committed).
   std::function<void(const std::string& path)> after_file_written;

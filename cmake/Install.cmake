@@ -47,11 +47,9 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/third_party/gloo/include/"
 install(DIRECTORY "${MESHDDP_JSON_INCLUDE_DIR}/nlohmann" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/third_party/json)
 install(EXPORT meshddpTargets NAMESPACE meshddp:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/meshddp)
 
-# The installed meshddp::torch is given its interface by the config, from what this build used.
-set(MESHDDP_TORCH_LINK_LIBRARIES "")
-if(NOT MESHDDP_WITH_CUDA)
-  set(MESHDDP_TORCH_LINK_LIBRARIES "${MESHDDP_TORCH_DIR}/lib/libtorch_cpu.so;${MESHDDP_TORCH_DIR}/lib/libc10.so")
-endif()
+# The installed meshddp::torch is given its interface by the config, from the consumer's own torch
+# (found through its CMAKE_PREFIX_PATH): the package records the torch version and the compile
+# definitions this build used, no path of this machine, so the prefix can move to another one.
 set(MESHDDP_INSTALL_INCLUDEDIR "${CMAKE_INSTALL_INCLUDEDIR}")  # relative or absolute (PATH_VARS handles both)
 configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/meshddpConfig.cmake.in"
                               "${PROJECT_BINARY_DIR}/meshddpConfig.cmake"

@@ -46,7 +46,7 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     const ParamSpec& p = params[i];
     TORCH_CHECK(!p.name.empty(), "assign_buckets: parameter #", i, " has an empty name");
     TORCH_CHECK(p.numel >= 0, "assign_buckets: parameter '", p.name, "' has numel ", p.numel);
-    const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial, p.expert};
+    const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial, p.expert, p.tied};
     int64_t buffer = 0;
     while (buffer < static_cast<int64_t>(layout.buffers.size()) && !(layout.buffers[buffer].key == key)) ++buffer;
     if (buffer == static_cast<int64_t>(layout.buffers.size())) {
@@ -60,7 +60,9 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     open[buffer]->params.push_back(i);
     cursor[buffer] = offset + p.numel;
     const int64_t bytes = (cursor[buffer] - open[buffer]->begin) * static_cast<int64_t>(c10::elementSize(p.grad_dtype));
-    if (bytes >= static_cast<int64_t>(config.bucket_bytes)) close_bucket(buffer);
+    // Params tied across stages stay in one bucket: the two stages' tied buckets are summed over the
+    // embedding group, so they must match whatever bucket_bytes each stage's chunk uses.
+    if (bytes >= static_cast<int64_t>(config.bucket_bytes) && !key.tied) close_bucket(buffer);
   }
   for (int64_t buffer = 0; buffer < static_cast<int64_t>(layout.buffers.size()); ++buffer) {
     if (open[buffer]) close_bucket(buffer);

@@ -50,6 +50,7 @@ struct ParamSpec {
   c10::Device device{c10::DeviceType::CPU};
   bool tp_partial = false;  // gradient is a partial sum over TP: kept in buffers of its own
   bool expert = false;      // an expert (MoE) param: reduced over the expert-data-parallel group, in buffers of its own
+  bool tied = false;        // tied across pipeline stages: summed over the embedding group first, in buffers of its own
 };
 
 struct LayoutConfig {
@@ -65,6 +66,7 @@ struct BufferKey {
   c10::Device device;
   bool tp_partial = false;
   bool expert = false;  // reduced over the expert-data-parallel group (ParamSpec::expert)
+  bool tied = false;    // tied across pipeline stages (ParamSpec::tied)
   bool operator==(const BufferKey&) const = default;
 };
 

@@ -30,6 +30,7 @@ BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& grou
   // are whole and final after their all-reduce over the world; expert buckets are sharded over the
   // whole expert-DP group (no instances: Note [Hierarchical ZeRO-1]).
   if (!key.tp_partial && !key.expert) r.cross_group = groups.cross_instance;
+  if (key.tied) r.tied_group = groups.embedding;  // Note [Tied across stages] (tied_params.cpp)
   return r;
 }
 

@@ -33,6 +33,10 @@ struct SyncGroups {
   // which expert params (mesh/placement.h: declare_expert_param) are reduced. Null: no expert params
   // allowed (the DP group itself when expert_parallel_size is 1).
   c10::intrusive_ptr<c10d::ProcessGroup> expert_dp = {};
+  // Pipeline parallel: the embedding group (mesh/pipeline_groups.h: the first and last stage of this
+  // rank's pipeline), over which params tied across stages (declare_tied_across_stages) are summed
+  // before their DP reduction. Null: no tied params allowed.
+  c10::intrusive_ptr<c10d::ProcessGroup> embedding = {};
 
   int64_t dp_rank() const { return dp->getRank(); }
   int64_t dp_size() const { return dp->getSize(); }
@@ -67,6 +71,9 @@ struct BucketReduction {
   // buckets): after the reduce-scatter within the instance and the comm hook's write-back, this rank's
   // shard is all-reduced over it.
   c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
+  // Params tied across pipeline stages (BufferKey::tied): the pre-divided bucket is first summed over
+  // this group (SyncGroups::embedding), then reduced over DP as a dense bucket. Null otherwise.
+  c10::intrusive_ptr<c10d::ProcessGroup> tied_group;
 };
 
 // How a bucket of a buffer with `key` is reduced over `groups`. Pure: reads the groups' ranks and sizes.
@@ -75,5 +82,9 @@ BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& grou
 // Throws naming `p` when it is declared an expert (mesh/placement.h: declare_expert_param) but
 // `groups` has no expert-data-parallel group, or when its gradient is partial over TP.
 void check_expert_param(const NamedParam& p, const Placement& placement, const SyncGroups& groups);
+
+// Throws naming `p` (declared tied across stages, mesh/pipeline_groups.h) when `groups` has no
+// embedding group, or when it is also an expert param or its gradient is partial over TP.
+void check_tied_param(const NamedParam& p, const Placement& placement, const SyncGroups& groups);
 
 }  // namespace meshddp

@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_buffer.h"
 
 #include "mesh/collectives.h"
+#include "mesh/pipeline_groups.h"
 #include "mesh/switches.h"
 
 #include <ATen/ops/from_blob.h>
@@ -109,9 +110,11 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     const bool partial = placement.is_partial_grad();
     const bool expert = is_expert_param(p.param);
     if (expert) check_expert_param(p, placement, groups_);
+    const bool tied = is_tied_across_stages(p.param);
+    if (tied) check_tied_param(p, placement, groups_);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
-                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial,
-                              expert});
+                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial, expert,
+                              tied});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
   const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
@@ -168,7 +171,7 @@ GradBuffer::~GradBuffer() {
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
-    for (auto* work : {&b.work, &b.cross_work}) {
+    for (auto* work : {&b.tied_work, &b.work, &b.cross_work}) {
       if (!*work) continue;
       try {
         (*work)->wait();
@@ -239,6 +242,10 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
                 "zero_grad_buffer() between steps, or use no_sync() / set_is_last_microbatch(false) to accumulate ",
                 "micro-batches");
   }
+  TORCH_CHECK(!buckets_[layout_.slots[index].bucket].launched, "GradBuffer: parameter ",
+              describe_param_name(params_[index]), " got a gradient after its bucket was launched this step ",
+              "(start_grad_sync() before this backward): the collective already took the bucket's values. Call ",
+              "start_grad_sync() after the chunk's last backward micro-batch (weight-gradient passes included)");
   // Move the accumulated gradient into its slot unless it is there already (Note [Slots written in
   // place]: written in place, or added into .grad, the slot, by AccumulateGrad; a stale slot's
   // gradient always arrives as a tensor of its own, since the pre-hook released .grad).
@@ -317,18 +324,26 @@ void GradBuffer::launch_bucket(int64_t b) {
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
-  CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b), {}};
-  if (counts_nonfinite()) {
-    // The local values (the collective replaces them), or what the hook sends instead (its cast).
-    // The counts are members, on the current stream, which the collective's stream waits for at
-    // launch (Note [Stream lifetimes of collective temporaries], comm_hook.h).
-    count_nonfinite(b, data);
-    hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
-  }
+  // The local values (the collective replaces them), or what the hook sends instead (its cast:
+  // launch_reduction). The counts are members, on the current stream, which the collective's stream
+  // waits for at launch (Note [Stream lifetimes of collective temporaries], comm_hook.h).
+  if (counts_nonfinite()) count_nonfinite(b, data);
   const BucketReduction& r = bucket.reduction;
   // Pre-divided by the whole DP (x CP) size, every kind of bucket, also where its group has one rank
   // and no collective runs (an expert-DP group of one at EP = DP: Note [Expert gradient scale]).
   if (r.divisor > 1) data.div_(static_cast<double>(r.divisor));
+  bucket.launched = true;
+  state_ = StepState::kReducing;
+  if (r.tied_group) return launch_tied_sum(b, data);  // its DP reduction follows in the wait
+  launch_reduction(b);
+}
+
+void GradBuffer::launch_reduction(int64_t b) {
+  Bucket& bucket = buckets_[b];
+  const BucketReduction& r = bucket.reduction;
+  at::Tensor data = bucket_data(b);
+  CommHookBucket hooked{b, data, data, false, nullptr, bucket_description(b), {}};
+  if (counts_nonfinite()) hooked.count_sent = [this, b](const at::Tensor& sent) { count_nonfinite(b, sent); };
   if (r.tp_partial) {
     // Partial over TP: one all-reduce over the whole mesh sums over TP and, pre-divided, averages
     // over DP. The whole bucket is then valid (the optimizer reads its shard of it).
@@ -347,8 +362,6 @@ void GradBuffer::launch_bucket(int64_t b) {
     bucket.work = std::move(launched.work);
     bucket.finish = std::move(launched.finish);
   }
-  bucket.launched = true;
-  state_ = StepState::kReducing;
 }
 
 // Note [Hierarchical ZeRO-1]
@@ -367,6 +380,7 @@ void GradBuffer::launch_bucket(int64_t b) {
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
+    if (bucket.tied_work) finish_tied_sum(static_cast<int64_t>(b));  // then launches its DP reduction
     if (bucket.work) {
       auto work = std::move(bucket.work);
       bucket.work.reset();
@@ -451,7 +465,7 @@ void GradBuffer::zero_grad_buffer() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t in_flight = 0;
-    for (const auto& b : buckets_) in_flight += b.work ? 1 : 0;
+    for (const auto& b : buckets_) in_flight += (b.work || b.tied_work) ? 1 : 0;
     TORCH_CHECK(in_flight == 0, "GradBuffer: zero_grad_buffer() called while ", in_flight,
                 " bucket collective(s) of this step are in flight; call finish_grad_sync() first (zeroing a buffer ",
                 "under a running collective corrupts the next step's gradients)");
@@ -469,6 +483,7 @@ void GradBuffer::reset_step_state() {
     bucket.launched = false;
     bucket.work = {};
     bucket.cross_work = {};
+    bucket.tied_work = {};
     bucket.finish = {};
     bucket.nonfinite.piece_counts = bucket.nonfinite.total = at::Tensor();
   }

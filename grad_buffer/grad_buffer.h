@@ -138,6 +138,19 @@ class GradBuffer {
   // Launches every bucket not launched yet, in order, then waits for all. Afterwards each slot holds
   // the DP mean. Call once per step, after the last backward; calling it again is a no-op.
   void finish_grad_sync();
+  // Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
+  // contributes its slot as it is), without waiting: a pipeline schedule starts a chunk's sync after
+  // its last backward micro-batch, whatever set_is_last_microbatch() says. A gradient that arrives
+  // afterwards in this step is an error naming the param. No-op once the step's sync finished.
+  void start_grad_sync();
+  // Multiplies every flat gradient buffer by `factor` (not param.grad(): with fp32 main grads or
+  // ZeRO-1 that is not where the optimizer reads). Between micro-batches, or after
+  // finish_grad_sync() and before the optimizer step; throws while a bucket collective is in flight.
+  void scale_gradients(double factor);
+  // Whether this step's sync has finished (finish_grad_sync() ran since zero_grad_buffer()), and
+  // whether it has begun (a bucket launched or a param reported ready).
+  bool grad_sync_finished() const;
+  bool grad_sync_started() const;
 
   // Zeroes the buffers and resets bucket state for the next step. Throws if bucket collectives are
   // in flight (finish_grad_sync() first): zeroing under a running collective corrupts it. Slots whose
@@ -237,6 +250,7 @@ class GradBuffer {
     c10::intrusive_ptr<c10d::Work> work;
     std::function<void()> finish;               // the comm hook's write-back, run after `work`
     c10::intrusive_ptr<c10d::Work> cross_work;  // hierarchical ZeRO-1: the all-reduce over reduction.cross_group
+    c10::intrusive_ptr<c10d::Work> tied_work;   // tied across stages: the sum over reduction.tied_group
   };
 
   // Called before autograd accumulates into param `index` during a backward with create_graph=true
@@ -257,8 +271,13 @@ class GradBuffer {
   void remove_hooks();
   void launch_ready_buckets_in_order();  // mutex held
   void launch_bucket(int64_t b);         // mutex held
-  void wait_launched_buckets();          // mutex held
-  void reset_step_state();               // mutex held
+  void launch_reduction(int64_t b);      // mutex held: bucket b's collective over its group (comm hook)
+  // tied_params.cpp, mutex held: a bucket of params tied across pipeline stages is first summed over
+  // the embedding group (launched by launch_bucket), then, once that is done, reduced over DP.
+  void launch_tied_sum(int64_t b, const at::Tensor& data);
+  void finish_tied_sum(int64_t b);
+  void wait_launched_buckets();  // mutex held
+  void reset_step_state();       // mutex held
   void point_grads_at_buffer();
   void zero_stale_slots_of_bucket(int64_t b);  // mutex held
   void zero_slots_for_next_step();             // mutex held; zero_grad_buffer()'s fill

@@ -7,6 +7,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
+#include <utility>
 
 namespace meshddp {
 namespace {
@@ -16,10 +18,45 @@ constexpr c10::DispatchKey kWaitMode = c10::DispatchKey::TESTING_ONLY_GenericMod
 // The ParamGathers whose ForwardScope is open on this thread (innermost last).
 thread_local std::vector<ParamGather*> active_gathers;
 
+// Note [Raw-module forward after an overlapped step]
+// Evaluation code often holds the module, not the DDP wrapper, and calls its forward right after
+// the optimizer's step() launched the param all-gathers. So start(async) also turns the wait mode on
+// for the thread that launched them (the training thread): until they are done, any op on that
+// thread that reads a pending bucket's params waits for it, inside a wrapper's forward or not. The
+// gathers are listed per thread with the id they had when launched, and looked up in `live_gathers`
+// before use: a ParamGather destroyed (on any thread) is dropped from the list, never dereferenced.
+// Another thread reading the params must call wait_all() (finish_param_sync()) first.
+std::mutex live_mutex;
+std::map<const ParamGather*, uint64_t>& live_gathers() {
+  static std::map<const ParamGather*, uint64_t> map;
+  return map;
+}
+uint64_t next_gather_id = 1;  // under live_mutex
+thread_local std::vector<std::pair<ParamGather*, uint64_t>> launched_gathers;
+
+// The gathers this thread launched that are still alive (dead ones dropped from the list).
+std::vector<ParamGather*> launched_on_this_thread() {
+  std::vector<ParamGather*> out;
+  if (launched_gathers.empty()) return out;
+  std::lock_guard<std::mutex> lock(live_mutex);
+  auto& live = live_gathers();
+  auto kept = launched_gathers.begin();
+  for (auto& entry : launched_gathers) {
+    const auto it = live.find(entry.first);
+    if (it == live.end() || it->second != entry.second) continue;
+    out.push_back(entry.first);
+    *kept++ = entry;
+  }
+  launched_gathers.erase(kept, launched_gathers.end());
+  return out;
+}
+
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   bool any_pending = false;
-  for (ParamGather* gather : active_gathers) {
+  std::vector<ParamGather*> gathers = launched_on_this_thread();
+  gathers.insert(gathers.end(), active_gathers.begin(), active_gathers.end());
+  for (ParamGather* gather : gathers) {
     for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
       const c10::IValue& arg = (*stack)[i];
       if (arg.isTensor()) {
@@ -30,7 +67,10 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     }
     any_pending = any_pending || gather->pending() > 0;
   }
-  if (!any_pending) c10::impl::tls_set_dispatch_key_included(kWaitMode, false);
+  if (!any_pending) {
+    launched_gathers.clear();  // every one is done: nothing to wait for until the next start()
+    c10::impl::tls_set_dispatch_key_included(kWaitMode, false);
+  }
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kWaitMode), stack);
 }
 
@@ -42,9 +82,15 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
 
 ParamGather::ParamGather(std::vector<Bucket> buckets) : buckets_(std::move(buckets)), works_(buckets_.size()) {
   for (const Bucket& b : buckets_) TORCH_INTERNAL_ASSERT(b.group, "ParamGather: no group for ", b.what);
+  std::lock_guard<std::mutex> lock(live_mutex);
+  live_gathers()[this] = next_gather_id++;
 }
 
 ParamGather::~ParamGather() {
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    live_gathers().erase(this);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& w : works_) {
     if (!w) continue;
@@ -58,6 +104,9 @@ ParamGather::~ParamGather() {
 
 void ParamGather::start(bool async) {
   {
+    // The launches' own ops never wait in the fallback (this thread may still have the mode on from
+    // the previous step's start(), and the fallback would take mutex_, held here).
+    const c10::impl::ExcludeDispatchKeyGuard no_wait(kWaitMode);
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(pending_ == 0, "ParamGather: ", pending_, " parameter all-gather(s) of the previous step are still ",
                 "pending; wait_all() before starting new ones");
@@ -67,7 +116,18 @@ void ParamGather::start(bool async) {
       ++pending_;
     }
   }
-  if (!async) wait_all();
+  if (!async) {
+    wait_all();
+    return;
+  }
+  // Note [Raw-module forward after an overlapped step]: after the launches (the all-gathers' own ops
+  // must not wait for each other).
+  if (pending() == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    launched_gathers.emplace_back(this, live_gathers().at(this));
+  }
+  c10::impl::tls_set_dispatch_key_included(kWaitMode, true);
 }
 
 void ParamGather::wait_bucket(size_t b) {

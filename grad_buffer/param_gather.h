@@ -13,7 +13,10 @@
 // holds the last-registered parameters). Once nothing is pending the mode switches itself off; it
 // costs nothing when no gather is pending. The mode key is c10's TESTING_ONLY_GenericMode, the only
 // generic TLS mode key free for C++ use (Python dispatch modes use the Python key).
-// Outside DistributedDataParallel::forward (evaluation, checkpoints), call wait_all() first.
+// The thread that launched the gathers (start(async), in the optimizer's step) waits the same way
+// outside DistributedDataParallel::forward too, e.g. in a forward through the raw module (Note
+// [Raw-module forward after an overlapped step], param_gather.cpp). Other threads (a checkpoint
+// writer, an evaluation thread) call wait_all() first.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,7 +40,8 @@ class ParamGather {
   explicit ParamGather(std::vector<Bucket> buckets);
   ~ParamGather();
 
-  // Launches every bucket's all-gather (forward order). async=false waits for all of them here.
+  // Launches every bucket's all-gather (forward order). async=false waits for all of them here;
+  // async=true leaves them in flight, and ops on this thread that read a pending bucket wait for it.
   // Throws if a previous gather is still pending (call wait_all() first).
   void start(bool async);
   // Blocks until every pending gather is done.

@@ -209,6 +209,18 @@ void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusiv
   record->next = (record->next + 1) % record->ring.size();
 }
 
+std::vector<std::string> recent_collective_labels(const c10d::ProcessGroup& group) {
+  auto record = Board::get().find(group);
+  std::vector<std::string> out;
+  if (!record) return out;
+  std::lock_guard<std::mutex> lock(record->ring_mutex);
+  for (size_t i = 0; i < record->ring.size(); ++i) {
+    const Launch& entry = record->ring[(record->next + i) % record->ring.size()];
+    if (entry.number > 0) out.push_back("#" + std::to_string(entry.number) + " " + entry.label);
+  }
+  return out;
+}
+
 std::optional<std::chrono::steady_clock::time_point> collective_launch_time(
     const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work) {
   auto record = Board::get().find(group);

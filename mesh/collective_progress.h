@@ -64,6 +64,11 @@ void register_collective_progress(const c10::intrusive_ptr<c10d::ProcessGroup>& 
 void note_collective_launch(const c10d::ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
                             const std::string& label = "");
 
+// The labels of the last (up to 64) collectives launched on `group`, oldest first, each numbered by
+// its launch ("#12 all-reduce of gradient bucket 0 of 2 (...)"); empty when the group has no record.
+// For tests and reports: which collectives a step ran, and when.
+std::vector<std::string> recent_collective_labels(const c10d::ProcessGroup& group);
+
 // The report threshold of `group`'s record; nullopt when the group has none (or it is 0 = off).
 std::optional<std::chrono::milliseconds> collective_report_after(const c10d::ProcessGroup& group);
 

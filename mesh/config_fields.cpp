@@ -30,7 +30,16 @@ void verify_same_settings_across_ranks(c10d::ProcessGroup& group, const std::vec
   if (group.getSize() == 1) return;
   std::string mine;
   for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
-  const auto all = all_gather_strings(group, mine, what + " check");
+  std::vector<std::string> all;
+  try {
+    all = all_gather_strings(group, mine, what + " check");
+  } catch (const c10::Error& e) {
+    // A peer that is gone before the check: most often one that failed on its own first (a config
+    // invalid on that rank alone, refused where it was made, as Python's configs are).
+    TORCH_CHECK(false, who, ": ", what, " check over ", describe_group(group), " failed: ", e.what_without_backtrace(),
+                ". A rank that stopped before reaching this check (e.g. one whose config was refused where it was "
+                "made) leaves its peers here: the job's first error, from that rank, names the cause");
+  }
   if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
   auto parse = [](const std::string& text) {
     std::map<std::string, std::string> out;

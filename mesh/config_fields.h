@@ -116,6 +116,13 @@ std::vector<Setting> field_settings(const Config& config, const Fields& fields) 
   return out;
 }
 
+// Note [Agree first, then validate]
+// A config is compared across ranks before it is validated. A value that is invalid on one rank only
+// (comm_hook = "bogus" on rank 1) would otherwise fail that rank alone, and its peers would meet the
+// hole it left at their next collective ("Connection reset by peer", a timeout). Compared first, it
+// is a difference, which every rank reports the same way: the field, each rank and its value. A
+// value invalid on every rank then fails every rank's validate() alike.
+
 // Compares every rank's settings with group rank 0's; on a difference every rank throws the same
 // error naming the first differing setting and each rank's value (`who`: e.g. "DistributedDataParallel").
 // A collective over `group`.

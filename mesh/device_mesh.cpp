@@ -2,6 +2,7 @@
 
 #include "mesh/collective_progress.h"
 #include "mesh/collectives.h"
+#include "mesh/launch_round.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
 #include "mesh/switches.h"
@@ -127,8 +128,7 @@ DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::str
   validate_mesh(sizes, names, world_size, rank);
   TORCH_CHECK(port > 0 && port < 65536, "DeviceMesh::from_env: MASTER_PORT=", port, " is not a TCP port");
   // torchrun's agent already serves a store at MASTER_PORT when it says so; rank 0 must not bind again.
-  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
-  const bool use_agent_store = agent_store != nullptr && std::string_view(agent_store) == "True";
+  const bool use_agent_store = store_outlives_launch();
 
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(port);
@@ -165,6 +165,12 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
                                   std::vector<int64_t> sizes, std::vector<std::string> names, MeshOptions options) {
   TORCH_CHECK(store, "DeviceMesh::from_store: the store is null");
   validate_mesh(sizes, names, world_size, rank);
+  // Under torchrun's agent store, every key of this launch lives under its launch round.
+  if (store_outlives_launch()) {
+    const int64_t round =
+        agree_on_launch_round(*store, options.store_prefix + "/launch", rank, world_size, options.timeout);
+    options.store_prefix += "/round" + std::to_string(round);
+  }
   agree_on_mesh_shape(*store, options.store_prefix, rank, world_size, describe_mesh_shape(sizes, names));
   const bool on_gpu = options.device_type == c10::DeviceType::CUDA;
   const c10::Device device = on_gpu ? cuda_device_of_rank(options.device_index, rank) : c10::Device(c10::kCPU);

@@ -1,5 +1,7 @@
 #include "mesh/process_group_factory.h"
 
+#include "mesh/launch_round.h"
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -106,7 +108,12 @@ void ensure_cpu_backend(c10d::ProcessGroup& group, const std::string& what) {
     }
     // The prefix is the same on every member (torch names a group identically on all of its ranks)
     // and differs from the keys of the group's own backends.
-    auto side_store = c10::make_intrusive<c10d::PrefixStore>("meshddp_cpu_side/" + group.getGroupName(), store);
+    std::string side_prefix = "meshddp_cpu_side/" + group.getGroupName();
+    if (store_outlives_launch()) {  // Note [Launch rounds]: not the side group of a dead launch
+      side_prefix += "/round" + std::to_string(agree_on_launch_round(*store, side_prefix + "/launch", group.getRank(),
+                                                                     group.getSize(), timeout));
+    }
+    auto side_store = c10::make_intrusive<c10d::PrefixStore>(side_prefix, store);
     existing_gloo = make_gloo(side_store, group.getRank(), group.getSize(), timeout);
   }
   // A Gloo backend that served only CUDA tensors ("cuda:gloo") takes CPU tensors as well.

@@ -56,15 +56,16 @@ void DistributedOptimizerConfig::validate() const {
 
 DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedOptimizerConfig config)
     : buffer_(buffer), config_(std::move(config)) {
-  config_.validate();
   TORCH_CHECK(buffer_->config().use_distributed_optimizer,
               "DistributedOptimizer: the gradient buffer was built without use_distributed_optimizer; set it in the "
               "DdpConfig so buckets are padded and reduce-scattered and params live in the param buffer");
-  param_buffer_ = buffer_->param_buffer();
-  TORCH_INTERNAL_ASSERT(param_buffer_ != nullptr);
-  // Every field, over the whole mesh (TP replicas of a param must take the same update too).
+  // Every field, over the whole mesh (TP replicas of a param must take the same update too), then
+  // validated (Note [Agree first, then validate], mesh/config_fields.h).
   verify_same_settings_across_ranks(buffer_->groups().stats_group(), field_settings(config_, kOptimizerConfigFields),
                                     "DistributedOptimizer", "the DistributedOptimizerConfig settings");
+  config_.validate();
+  param_buffer_ = buffer_->param_buffer();
+  TORCH_INTERNAL_ASSERT(param_buffer_ != nullptr);
   // Each bucket sharded over its own group: DP for dense buckets (this rank's instance with K optimizer
   // instances: 1/(D/K)), expert-DP for expert ones.
   std::vector<ShardOwner> owners;

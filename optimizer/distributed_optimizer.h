@@ -119,6 +119,8 @@ class DistributedOptimizer {
   const DistributedOptimizerConfig& config() const { return config_; }
   // Learning rate of param `index` (after group rules), e.g. for checks.
   double lr_of(int64_t index) const { return groups_[group_of_[index]].lr; }
+  // The param group of param `index` (GradBuffer order): 0 the default, then one per ParamGroupRule.
+  int64_t group_of(int64_t index) const { return group_of_.at(static_cast<size_t>(index)); }
 
   // Learning rate and weight decay, e.g. from an LrScheduler (optimizer/lr_scheduler.h); they apply
   // from the next step(). Param groups are 0 (the default) then one per ParamGroupRule, in order.

@@ -26,7 +26,9 @@ inline constexpr auto kDdpConfigFields =
                     field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
                     field("broadcast_buffers", &DdpConfig::broadcast_buffers),
                     field("tp_replica_check_interval", &DdpConfig::tp_replica_check_interval, kNonNegative),
-                    field("expert_parallel_size", &DdpConfig::expert_parallel_size, FieldRange{1.0, false}));
+                    field("expert_parallel_size", &DdpConfig::expert_parallel_size, FieldRange{1.0, false}),
+                    field("virtual_pipeline_size", &DdpConfig::virtual_pipeline_size, FieldRange{1.0, false}),
+                    field("virtual_pipeline_chunk", &DdpConfig::virtual_pipeline_chunk, kNonNegative));
 
 // DdpConfig counts its GradBufferConfig base as one initializer.
 static_assert(std::tuple_size_v<decltype(kDdpConfigFields)> ==

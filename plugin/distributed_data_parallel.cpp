@@ -1,6 +1,7 @@
 #include "plugin/distributed_data_parallel.h"
 
 #include "mesh/collectives.h"
+#include "mesh/pipeline_groups.h"
 #include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
 #include "mesh/reduction_groups.h"
@@ -57,6 +58,17 @@ void verify_expert_names_are_global(c10d::ProcessGroup& dp_group, const std::vec
   }
 }
 
+// Leads the model-mismatch error when expert parallel is on but nothing was declared an expert: the
+// EP ranks' different experts then look like different models.
+std::string no_expert_hint(int64_t ep, bool has_experts) {
+  if (ep == 1 || has_experts) return "";
+  return "DistributedDataParallel: DdpConfig::expert_parallel_size = " + std::to_string(ep) +
+         " but no parameter was declared an expert, so the experts each EP rank holds are checked (and would be "
+         "averaged) over the whole data-parallel group. Declare every expert param before wrapping the model: the "
+         "plan style ExpertParallel (e.g. {\"blocks.*.moe.experts\", meshddp::ExpertParallel{}}) or "
+         "meshddp::declare_expert_param(param); or set expert_parallel_size = 1 if the model has no experts. ";
+}
+
 // Splits `params` into dense and expert ones.
 std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> split_experts(const std::vector<NamedTensor>& params) {
   std::pair<std::vector<NamedTensor>, std::vector<NamedTensor>> out;
@@ -101,7 +113,8 @@ std::vector<Setting> layout_settings(const GradBuffer& buffer, LayoutPart part) 
 // or extra dim is named as DDP's.
 c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims) {
   if (dp_dims.size() == 1) return mesh[dp_dims.front()];
-  (void)tp_dim_of(mesh.names(), mesh.sizes(), dp_dims);
+  const StageDims stage = stage_dims(mesh);  // a pipeline dim is neither DP nor TP
+  (void)tp_dim_of(stage.names, stage.sizes, dp_dims);
   return mesh.flattened(dp_dims);
 }
 
@@ -112,15 +125,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, con
 void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims, const DdpConfig& config,
                              SyncGroups& groups) {
   const int64_t k = config.num_distributed_optimizer_instances;
-  config.validate();  // K >= 1 with the distributed optimizer, before any group is made
-  config.check_combination();
-  // K agrees on every rank before any rank makes the instance groups: a rank with K = 1 would skip
-  // their rendezvous (and a rank with another K ask for other groups), leaving the others to wait
-  // there until the store timeout. init()'s settings check comes too late for that.
+  // Every field (K among them) agrees on every rank before any rank makes the instance groups, or
+  // validates: a rank with K = 1 would skip their rendezvous (and a rank with another K ask for other
+  // groups), and a value invalid on one rank only would fail that rank alone, leaving the others to
+  // wait (Note [Agree first, then validate], mesh/config_fields.h). init()'s check comes too late.
   c10d::ProcessGroup& agreement = groups.world ? *groups.world : *groups.dp;
   ensure_cpu_backend(agreement, "DistributedDataParallel");
-  verify_same_settings_across_ranks(agreement, {{"num_distributed_optimizer_instances", std::to_string(k)}},
-                                    "DistributedDataParallel", "the hierarchical ZeRO-1 settings");
+  verify_same_settings_across_ranks(agreement, field_settings(config, kDdpConfigFields), "DistributedDataParallel",
+                                    "the DdpConfig settings");
+  config.validate();  // K >= 1 with the distributed optimizer, before any group is made
+  config.check_combination();
   if (k == 1) return;
   const std::string name = flattened_dims_name(dp_dims);
   const RankGroups dp_groups = flattened_groups(mesh.sizes(), mesh.names(), dp_dims);
@@ -182,9 +196,14 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
                      const std::vector<std::string>& dp_dims, DdpConfig config)
     : dp_group_(dp_group_over(mesh, dp_dims)), config_(config) {
   groups_.dp = dp_group_;
-  groups_.world = mesh.world();
+  // On a pipeline mesh each stage syncs within itself: its world leaves out the pp dim, which is not
+  // TP either; the embedding group sums weights tied across stages (plugin/pipeline.cpp).
+  verify_pipeline_settings(mesh, config_);
+  groups_.world = stage_world(mesh);
+  const StageDims stage = stage_dims(mesh);
+  if (stage.names.size() < mesh.names().size()) groups_.embedding = embedding_group(mesh);
   use_optimizer_instances(mesh, dp_dims, config_, groups_);
-  if (const std::string tp_dim = tp_dim_of(mesh.names(), mesh.sizes(), dp_dims); !tp_dim.empty()) {
+  if (const std::string tp_dim = tp_dim_of(stage.names, stage.sizes, dp_dims); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];
     groups_.tp_rank = mesh.coordinate(tp_dim);
     groups_.tp_size = mesh.size(tp_dim);
@@ -215,8 +234,11 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, c10::intrusive_p
 }
 
 DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
-                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config)
-    : dp_group_(groups.dp), groups_(std::move(groups)), config_(config) {
+                     const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
+                     c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group)
+    : dp_group_(data_parallel_group ? std::move(data_parallel_group) : groups.dp),
+      groups_(std::move(groups)),
+      config_(config) {
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
   init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_,
        [this, dp_global_ranks] {
@@ -245,16 +267,19 @@ void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std
 void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
                      const ExpertGroupMaker& expert_group) {
-  config_.validate();
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
     if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
   }
-  // First, before any collective whose kind depends on them: the settings agree on every rank.
-  const bool has_experts = has_expert_params(params);
+  // Before any collective: a param another live engine reduces is refused (Python ranks all wrap alike).
+  claim_ = ParamClaim(params);
+  // First, before any collective whose kind depends on them: the settings agree on every rank, then
+  // they are validated (Note [Agree first, then validate], mesh/config_fields.h).
+  const bool has_experts = has_expert_params(params) || has_expert_params(buffers);
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
+  config_.validate();
   // After the agreement (it compares expert_parallel_size and the DP size): every rank reaches the same
   // verdict, rather than one failing alone while the others wait in the settings check.
   const int64_t ep = config_.expert_parallel_size;
@@ -276,8 +301,21 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   std::vector<NamedParam> named;
   for (const auto& p : params) named.push_back({p.name, p.tensor});
   unique_params_ = deduplicate_params(named);
+  std::vector<NamedTensor> expert_named = expert_params;
+  if (has_experts) {
+    const std::vector<bool> expert_buffer = expert_buffer_flags(params, buffers);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (!expert_buffer[i]) continue;
+      declare_expert_param(buffers[i].tensor);  // so that checkpoints save it as an expert tensor
+      expert_buffers_.push_back(buffers[i]);
+      expert_named.push_back(buffers[i]);
+    }
+    buffers.erase(
+        std::remove_if(buffers.begin(), buffers.end(), [](const NamedTensor& b) { return is_expert_param(b.tensor); }),
+        buffers.end());
+  }
   module_buffers_ = std::move(buffers);
-  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_params, groups_.expert_dp->getSize(), ep);
+  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_named, groups_.expert_dp->getSize(), ep);
   if (config_.verify_model_across_ranks) {
     // Compared within each DP group (expert params within each expert-DP group); the verdict is then
     // agreed over the whole mesh, so that a mismatch in one DP group stops every rank here rather than
@@ -289,7 +327,7 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
         verify_same_tensors_across_ranks(*groups_.expert_dp, expert_params, "expert parameter", expert_global_ranks);
       }
     } catch (const c10::Error& e) {
-      mismatch = e.what_without_backtrace();
+      mismatch = no_expert_hint(ep, has_experts) + e.what_without_backtrace();
     }
     int64_t failed_ranks = mismatch.empty() ? 0 : 1;
     if (&agreement_group != dp_group_.get()) {
@@ -299,7 +337,8 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     }
     TORCH_CHECK(mismatch.empty(), mismatch);
     TORCH_CHECK(
-        failed_ranks == 0, "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+        failed_ranks == 0, no_expert_hint(ep, has_experts),
+        "DistributedDataParallel: the model differs across the data-parallel ranks of ",
         "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
         "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
   }
@@ -309,14 +348,16 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     if (!get_placement(p.param).is_shard()) tp_replicated_state.push_back({p.name, p.param});
   }
   state.insert(state.end(), module_buffers_.begin(), module_buffers_.end());
+  expert_state.insert(expert_state.end(), expert_buffers_.begin(), expert_buffers_.end());
   tp_replicated_state.insert(tp_replicated_state.end(), module_buffers_.begin(), module_buffers_.end());
+  tp_replicated_state.insert(tp_replicated_state.end(), expert_buffers_.begin(), expert_buffers_.end());
   if (config_.broadcast_from_rank0) {
     // DP first (each TP column takes its DP rank 0's values; experts their expert-DP rank 0's), then TP
     // for what every TP rank holds whole: all replicas of a replicated param then equal one rank's.
     broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
     if (has_experts) {
       broadcast_from_group_rank0(*groups_.expert_dp, expert_state,
-                                 "the initial expert parameters (from expert-data-parallel rank 0)");
+                                 "the initial expert parameters and buffers (from expert-data-parallel rank 0)");
     }
     if (groups_.tp) {
       broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
@@ -337,6 +378,7 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
     if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);
   }
+  sync_tied_params_at_construction();
 }
 
 std::vector<at::Tensor> DdpEngine::parameters() const {
@@ -352,6 +394,10 @@ void DdpEngine::before_forward() {
   maybe_check_tp_replicas();
   if (config_.broadcast_buffers && !module_buffers_.empty() && buffer_->is_last_microbatch()) {
     broadcast_from_group_rank0(*dp_group_, module_buffers_, "the module buffers (broadcast_buffers, from DP rank 0)");
+  }
+  if (config_.broadcast_buffers && !expert_buffers_.empty() && buffer_->is_last_microbatch()) {
+    broadcast_from_group_rank0(*groups_.expert_dp, expert_buffers_,
+                               "the expert module buffers (broadcast_buffers, from expert-data-parallel rank 0)");
   }
 }
 
@@ -377,9 +423,11 @@ void DdpEngine::load_state_dict(const torch::OrderedDict<std::string, at::Tensor
     targets[p.name] = p.param;
     for (const auto& alias : p.aliases) targets[alias] = p.param;
   }
-  for (const auto& b : module_buffers_) {
-    required.push_back(b.name);
-    targets[b.name] = b.tensor;
+  for (const auto* list : {&module_buffers_, &expert_buffers_}) {
+    for (const auto& b : *list) {
+      required.push_back(b.name);
+      targets[b.name] = b.tensor;
+    }
   }
   // Check everything before changing anything.
   for (const auto& item : state) {

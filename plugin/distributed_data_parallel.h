@@ -17,6 +17,7 @@
 #include "../grad_buffer/grad_buffer.h"
 #include "../mesh/device_mesh.h"
 #include "model_sync.h"
+#include "module_ownership.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
@@ -55,6 +56,12 @@ struct DdpConfig : GradBufferConfig {
                                             // group (DP size / EP ranks holding the same experts), dense ones over DP.
                                             // >= 1, must divide the DP (x CP) size; > 1 needs a DeviceMesh. 1 = the
                                             // expert-DP group is the DP group
+  // Pipeline parallel (docs/pipeline.md): V, the model chunks each rank holds (Megatron's
+  // virtual_pipeline_model_parallel_size), and which of them this DDP wraps (0..V-1). On a mesh with
+  // a "pp" dim, every rank's pp size and V are compared at the construction of its chunk 0, and a
+  // weight tied across stages is exchanged by the first stage's chunk 0 and the last stage's chunk V-1
+  int64_t virtual_pipeline_size = 1;
+  int64_t virtual_pipeline_chunk = 0;
 
   void validate() const;  // throws naming the field
   // Every field (GradBufferConfig's too) is listed once in plugin/ddp_config_fields.h, which drives
@@ -81,12 +88,43 @@ class DdpEngine {
   // For callers that hold no torch::nn::Module (the Python package, plugin/python/): the module's
   // parameters (registration order; a tensor under two names is one param) and its buffers, the
   // groups, and DP rank -> global rank for messages (may be empty). Same checks and broadcasts as
-  // above; the settings are agreed over groups.world (or the DP group when it is null).
+  // above; the settings are agreed over groups.world (or the DP group when it is null). With
+  // hierarchical ZeRO-1 (groups.cross_instance set), groups.dp is this rank's optimizer instance and
+  // `data_parallel_group` the whole DP (x CP) group (the model checks and broadcasts run over it, as
+  // with the mesh constructor); null: groups.dp.
   DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
-            const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
+            const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
+            c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
 
-  // Blocks until every bucket is reduced (launching those not launched yet, in order).
+  // Blocks until every bucket is reduced (launching those not launched yet, in order). A second call
+  // in the same step is a no-op.
   void finish_grad_sync() { buffer_->finish_grad_sync(); }
+
+  // -- The controls a pipeline schedule drives (docs/pipeline.md; plugin/pipeline.h) --
+  // Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
+  // contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
+  // sync overlaps the other chunks' backward. finish_grad_sync() then waits.
+  void start_grad_sync() { buffer_->start_grad_sync(); }
+  // FSDP2's name. false: hold every bucket (backward only accumulates) until it is set true again;
+  // the same switch as set_is_last_microbatch() and no_sync(). Default true.
+  void set_requires_gradient_sync(bool requires_sync) { buffer_->set_is_last_microbatch(requires_sync); }
+  bool requires_gradient_sync() const { return buffer_->is_last_microbatch(); }
+  // Multiplies the flat gradient buffers by `factor` (never param.grad(), which with fp32 main grads
+  // or ZeRO-1 is not what the optimizer reads). Between micro-batches, or after finish_grad_sync()
+  // and before the optimizer step; throws while a bucket collective is in flight.
+  void scale_gradients(double factor) { buffer_->scale_gradients(factor); }
+  // Every param takes DP rank 0's values, over its reduction group (dense params over DP (x CP),
+  // expert params over expert-DP), then a param tied across stages the first stage's copy (over the
+  // embedding group). Collective; call between steps on every rank of those groups. Keeps the
+  // distributed optimizer's master weights in step.
+  void broadcast_params();
+  // Throws on every rank of the embedding group, naming the param and each side's bit checksum, when
+  // the two copies of a weight tied across stages differ. Collective over the embedding group: call
+  // it on the chunk that holds the tied param (first stage: chunk 0; last stage: chunk V-1) of both
+  // stages. A no-op on chunks without tied params. plugin/pipeline.cpp.
+  void check_tied_params_identical() const;
+  // Whether this step's sync finished / began (GradBuffer::grad_sync_finished / _started).
+  bool grad_sync_finished() const { return buffer_->grad_sync_finished(); }
   // Zeroes the gradient buffers for the next step (and points param.grad() back at them).
   void zero_grad_buffer() { buffer_->zero_grad_buffer(); }
   // The module's parameters, one entry per tensor (a tensor registered under two names, tied
@@ -135,7 +173,7 @@ class DdpEngine {
   // Called by forward before running the module. A forward with grad mode off (evaluation) touches
   // no sync state and runs no collective, so it may run on some ranks only, at any time. A training
   // forward checks the previous step's sync finished, runs the TP-replica check when due, and
-  // broadcasts the module buffers (broadcast_buffers).
+  // broadcasts the module buffers (broadcast_buffers: dense ones over DP, expert ones over expert-DP).
   void before_forward();
   // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
   void after_forward(const at::Tensor& output) const {
@@ -171,13 +209,22 @@ class DdpEngine {
   // The expert-DP group over a DP group alone: the DP group itself when expert_parallel_size is 1.
   ExpertGroup expert_group_without_mesh(const std::vector<int64_t>& dp_global_ranks) const;
   void maybe_check_tp_replicas();
+  // plugin/pipeline.cpp. On a mesh with a pp dim, at chunk 0: every rank's pp size and V agree (over
+  // the whole mesh). Then, on the chunk that holds the tied params: the two stages' tied layouts agree
+  // and the first stage's values are broadcast (over the embedding group).
+  static void verify_pipeline_settings(const DeviceMesh& mesh, const DdpConfig& config);
+  void sync_tied_params_at_construction();
+  std::vector<NamedTensor> tied_params() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> dp_group_;
   SyncGroups groups_;
   DdpConfig config_;
   std::unique_ptr<GradBuffer> buffer_;
-  std::vector<NamedParam> unique_params_;  // every param once (aliases listed), frozen ones too
-  std::vector<NamedTensor> module_buffers_;
+  std::vector<NamedParam> unique_params_;    // every param once (aliases listed), frozen ones too
+  std::vector<NamedTensor> module_buffers_;  // dense buffers: broadcast over DP
+  // Buffers inside experts: over expert-DP (Note [Buffers follow the module that owns them]).
+  std::vector<NamedTensor> expert_buffers_;
+  ParamClaim claim_;                       // this engine's params, refused to a second live engine
   std::vector<NamedParam> tp_replicated_;  // trainable params every TP rank holds whole (not sharded)
   int64_t last_replica_check_ = -1;        // syncs_completed() at the last TP-replica check
 };

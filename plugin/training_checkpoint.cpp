@@ -61,7 +61,7 @@ Parts parts_of(const Chunks& chunks) {
 }
 
 // One module tensor (param or buffer) as a piece: for a save, this DP rank's even share of the
-// local tensor (TP rank 0 only for tensors not sharded over TP; for an expert param, this
+// local tensor (TP rank 0 only for tensors not sharded over TP; for an expert param or buffer, this
 // expert-DP rank's share: only its expert-DP group holds it); for a load, all of it.
 void add_module_tensor(std::vector<CheckpointTensor>& out, const std::string& key, const at::Tensor& tensor,
                        const Placement& placement, bool is_expert, const Parts& parts, bool for_save) {
@@ -92,7 +92,9 @@ std::vector<CheckpointTensor> module_tensors(const TrainingState& state, const P
   }
   for (const auto& item : state.module->named_buffers(/*recurse=*/true)) {
     model_keys.insert("model/" + item.key());
-    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()), false, parts, for_save);
+    // Buffers inside experts were declared expert tensors by DDP (Note [Buffers follow the module that owns them]).
+    add_module_tensor(out, "model/" + item.key(), item.value(), get_placement(item.value()),
+                      is_expert_param(item.value()), parts, for_save);
   }
   return out;
 }
@@ -117,8 +119,7 @@ at::Tensor torch_state_tensor(const torch::optim::OptimizerParamState& s, const 
   return static_cast<const torch::optim::SGDParamState&>(s).momentum_buffer();
 }
 
-std::string save_chunks(const Chunks& chunks, const std::string& dir, int64_t step, const CheckpointValues& values,
-                        const CheckpointSaveOptions& options) {
+TrainingStatePieces pieces_of(const Chunks& chunks, int64_t step, const CheckpointValues& values) {
   const Parts parts = parts_of(chunks);
   std::set<std::string> model_keys;
   std::vector<CheckpointTensor> tensors;
@@ -152,7 +153,13 @@ std::string save_chunks(const Chunks& chunks, const std::string& dir, int64_t st
       meta.optimizer = {{"kind", kind.kind}, {"step", opt_step}};
     }
   }
-  return save_checkpoint_files(parts.mesh, dir, meta, tensors, options);
+  return {parts.mesh, std::move(meta), std::move(tensors)};
+}
+
+std::string save_chunks(const Chunks& chunks, const std::string& dir, int64_t step, const CheckpointValues& values,
+                        const CheckpointSaveOptions& options) {
+  const TrainingStatePieces pieces = pieces_of(chunks, step, values);
+  return save_checkpoint_files(pieces.mesh, dir, pieces.meta, pieces.tensors, options);
 }
 
 // Torch optimizer: fresh tensors per param, installed as its state after the commit.
@@ -293,6 +300,18 @@ Chunks one_chunk(const TrainingState& state) { return Chunks{{state}, nullptr, f
 Chunks pipeline_chunks(const PipelineTrainingState& state) { return Chunks{state.chunks, state.world, true}; }
 
 }  // namespace
+
+TrainingStatePieces training_state_pieces(const TrainingState& state, int64_t step, const CheckpointValues& values) {
+  return pieces_of(one_chunk(state), step, values);
+}
+TrainingStatePieces training_state_pieces(const PipelineTrainingState& state, int64_t step,
+                                          const CheckpointValues& values) {
+  return pieces_of(pipeline_chunks(state), step, values);
+}
+CheckpointMesh checkpoint_mesh_of(const TrainingState& state) { return parts_of(one_chunk(state)).mesh; }
+CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state) {
+  return parts_of(pipeline_chunks(state)).mesh;
+}
 
 std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
                             const CheckpointValues& values, const CheckpointSaveOptions& options) {

@@ -36,6 +36,17 @@ struct TrainingState {
 std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
                             const CheckpointValues& values = {}, const CheckpointSaveOptions& options = {});
 
+// What save_checkpoint stores, gathered without writing anything (for CheckpointSaver, which writes
+// it later: plugin/checkpoint_saver.h). The tensors are views of the live state.
+struct TrainingStatePieces {
+  CheckpointMesh mesh;
+  CheckpointMeta meta;
+  std::vector<CheckpointTensor> tensors;
+};
+TrainingStatePieces training_state_pieces(const TrainingState& state, int64_t step, const CheckpointValues& values);
+// The group a checkpoint of `state` agrees over (the whole mesh) and the ranks its manifest records.
+CheckpointMesh checkpoint_mesh_of(const TrainingState& state);
+
 struct LoadedCheckpoint {
   std::string path;         // <dir>/step-<N>
   int64_t step = 0;         // the step given to save_checkpoint
@@ -76,5 +87,8 @@ LoadedCheckpoint load_checkpoint(const PipelineTrainingState& state, const std::
                                  std::optional<int64_t> step = std::nullopt);
 std::optional<LoadedCheckpoint> resume_checkpoint(const PipelineTrainingState& state, const std::string& dir,
                                                   std::optional<int64_t> step = std::nullopt);
+TrainingStatePieces training_state_pieces(const PipelineTrainingState& state, int64_t step,
+                                          const CheckpointValues& values);
+CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state);
 
 }  // namespace meshddp

@@ -3,10 +3,13 @@
 // environment. Rank 0 prints `step <n> loss <loss>`, the mean loss over the whole global batch;
 // the same --seed and --global-batch give the same losses at any rank count that divides the batch.
 // stderr (rank 0): the step log and a summary (examples/common/step_log.h). Flags: docs/examples.md.
+// --dtype bf16: bf16 params and activations, fp32 main grads (--grad-reduce-in-bf16: bf16) and fp32
+// master weights (examples/common/precision.h).
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/ddp_example --steps 30
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
+#include "examples/common/precision.h"
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
@@ -31,6 +34,7 @@ struct Flags {
   int64_t layers = 4;
   double bucket_mb = 40;
   bool distributed_optimizer = false;  // ZeRO-1: sharded AdamW state, reduce-scatter + param all-gather
+  examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
   examples::CheckpointFlags checkpoints;
 };
 
@@ -38,7 +42,7 @@ std::string usage_line() {
   return std::string(
              "[--global-batch N] [--seed N] [--hidden N] [--layers N] [--bucket-mb X] "
              "[--distributed-optimizer] ") +
-         examples::run_flags_usage() + examples::checkpoint_usage();
+         examples::precision_usage() + " " + examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) {
@@ -54,6 +58,7 @@ Flags parse(int argc, char** argv) {
       f.distributed_optimizer = true;
       continue;
     }
+    if (examples::parse_precision_switch(arg, f.precision)) continue;
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage_and_exit(argv[0], "flag " + arg + " needs a value");
     const std::string value = argv[++i];
@@ -69,6 +74,8 @@ Flags parse(int argc, char** argv) {
         f.layers = parse_int_flag(arg, value, 1);
       else if (arg == "--bucket-mb")
         f.bucket_mb = examples::parse_float_flag(arg, value, 0.0, true);
+      else if (examples::parse_precision_flag(arg, value, f.precision))
+        continue;
       else if (!examples::parse_run_flag(arg, value, f.run))
         usage_and_exit(argv[0], "unknown flag " + arg);
     } catch (const examples::FlagError& e) {
@@ -77,6 +84,7 @@ Flags parse(int argc, char** argv) {
   }
   try {
     examples::validate_run_flags(f.run);
+    examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
   } catch (const examples::FlagError& e) {
     usage_and_exit(argv[0], e.what());
   }
@@ -124,14 +132,17 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(flags.seed);
     Mlp model(kIn, flags.hidden, kOut, flags.layers);
+    model->to(flags.precision.param_dtype());
     meshddp::DdpConfig config;
     config.bucket_bytes = static_cast<size_t>(flags.bucket_mb * (1 << 20));
     config.use_distributed_optimizer = flags.distributed_optimizer;
     config.check_for_nan_in_grad = !flags.distributed_optimizer;  // ZeRO-1 skips such steps instead
+    config.grad_reduce_in_fp32 = flags.precision.grad_reduce_in_fp32();
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
     // The same AdamW either way (LibTorch's default weight decay 1e-2): unsharded, or ZeRO-1.
     std::unique_ptr<torch::optim::AdamW> optimizer;
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    std::unique_ptr<examples::Fp32MasterParams> masters;  // plain DDP in bf16: AdamW steps fp32 copies
     meshddp::LrScheduler schedule(examples::lr_schedule(flags.run));
     if (flags.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig opt_config;
@@ -140,7 +151,9 @@ int main(int argc, char** argv) {
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), opt_config);
       schedule.attach(*zero1);
     } else {
-      optimizer = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(flags.run.lr));
+      if (flags.precision.bf16) masters = std::make_unique<examples::Fp32MasterParams>(ddp);
+      optimizer = std::make_unique<torch::optim::AdamW>(masters ? masters->masters() : ddp.parameters(),
+                                                        torch::optim::AdamWOptions(flags.run.lr));
       schedule.attach(*optimizer);
     }
 
@@ -154,6 +167,7 @@ int main(int argc, char** argv) {
                    "# meshddp example 01_ddp: %s, %lld params in %zu bucket(s), global batch %lld (%lld per rank)\n",
                    mesh.describe().c_str(), static_cast<long long>(numel), ddp.grad_buffer()->layout().buckets.size(),
                    static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
+      std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
     examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
                                              mesh.rank(), flags.seed, flags.global_batch);
@@ -180,7 +194,8 @@ int main(int argc, char** argv) {
 
       ddp.zero_grad_buffer();
       const double lr = schedule.lr();
-      auto loss = torch::mse_loss(ddp.forward(xs), ys);
+      // Inputs in the params' dtype; the loss in fp32.
+      auto loss = torch::mse_loss(ddp.forward(xs.to(flags.precision.param_dtype())).to(torch::kFloat), ys);
       inject.before_backward(step, mesh.rank());
       loss.backward();
       inject.after_backward();
@@ -191,7 +206,9 @@ int main(int argc, char** argv) {
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
         result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
+        if (masters) masters->take_grads(ddp);
         optimizer->step();
+        if (masters) masters->write_params();
       }
       if (!result.skipped) schedule.step();
 

@@ -5,6 +5,7 @@
 #include "examples/02_dp_x_tp_gpt/gpt.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flags.h"
+#include "examples/common/precision.h"
 #include "examples/common/run_flags.h"
 
 #include <string>
@@ -18,7 +19,11 @@ struct Flags {
   // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
   int64_t optimizer_instances = 1;
   int64_t global_batch = 16;
+  // Per DP rank and step. Without a pipeline: backward accumulates, the last one syncs. With one: the
+  // schedule's micro-batches (each chunk's sync held until its last backward micro-batch).
+  int64_t micro_batches = 1;
   uint64_t seed = 0;
+  examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
   std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
   examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
@@ -28,11 +33,11 @@ struct Flags {
   // over valid tokens divided by the global batch's count of valid tokens (Megatron's
   // calculate_per_token_loss), never a mean of per-micro-batch means.
   bool per_token_loss = false;
-  // Pipeline parallel (pipeline_train.h): given any of --pp, --vpp, --microbatches, the model is cut into
-  // pp x vpp chunks over a "pp" mesh dim, vpp per rank (vpp 1: the 1F1B schedule; vpp > 1: the
-  // interleaved one), each global batch split into `microbatches` per DP rank.
+  // Pipeline parallel (pipeline_train.h): given --pp or --vpp, the model is cut into pp x vpp chunks
+  // over a "pp" mesh dim, vpp per rank (vpp 1: the 1F1B schedule; vpp > 1: the interleaved one), each
+  // DP rank's share of the global batch split into `micro_batches`.
   bool pipeline = false;
-  int64_t pp = 1, vpp = 1, microbatches = 1;
+  int64_t pp = 1, vpp = 1;
   // --grad-sync bubble|end: start each chunk's DP gradient sync when its last backward ends (in the
   // pipeline's bubble, overlapping the other chunks' backward), or hold all of it until the schedule
   // ends (the baseline the benchmark compares with).
@@ -43,10 +48,10 @@ inline std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
              "[--optimizer adamw|sgd] "
-             "[--global-batch N] "
+             "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
-             "N]] [--loss mean|per-token] [--pp N] [--vpp N] [--microbatches N] [--grad-sync bubble|end] ") +
-         examples::run_flags_usage() + examples::checkpoint_usage();
+             "N]] [--loss mean|per-token] [--pp N [--vpp N] [--grad-sync bubble|end]] ") +
+         examples::precision_usage() + " " + examples::run_flags_usage() + examples::checkpoint_usage();
 }
 
 [[noreturn]] inline void usage(const char* prog, const std::string& error) {
@@ -63,8 +68,10 @@ inline void validate(const Flags& f) {
     throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
   if (m.vocab % f.tp != 0)
     throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % f.dp != 0)
-    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp));
+  if (f.global_batch % (f.dp * f.micro_batches) != 0) {
+    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp) +
+                    (f.micro_batches > 1 ? " x --micro-batches " + n(f.micro_batches) : std::string()));
+  }
   if (m.seq_len % f.cp != 0) {
     throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
                     " (each CP rank holds a slice of every sequence)");
@@ -95,26 +102,26 @@ inline void validate(const Flags& f) {
       throw FlagError("--layers " + n(m.layers) + " must divide by --pp " + n(f.pp) + " x --vpp " + n(f.vpp) +
                       " (each model chunk holds layers / (pp x vpp) blocks)");
     }
-    if (f.global_batch % (f.dp * f.microbatches) != 0) {
-      throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp) + " x --microbatches " +
-                      n(f.microbatches) + " (each DP rank runs microbatches of equal size)");
-    }
-    if (f.vpp > 1 && f.microbatches % f.pp != 0) {
-      throw FlagError("--microbatches " + n(f.microbatches) + " must divide by --pp " + n(f.pp) +
+    if (f.vpp > 1 && f.pp == 1)
+      throw FlagError("--vpp " + n(f.vpp) + " needs --pp > 1 (it interleaves the chunks of several stages)");
+    if (f.vpp > 1 && f.micro_batches % f.pp != 0) {
+      throw FlagError("--micro-batches " + n(f.micro_batches) + " must divide by --pp " + n(f.pp) +
                       " with --vpp > 1 (the interleaved schedule runs micro-batches in groups of pp)");
     }
     if (m.experts > 0 || f.ep > 1)
-      throw FlagError("--experts/--ep with --pp/--vpp/--microbatches are not supported yet; drop one of them");
+      throw FlagError("--experts/--ep with --pp/--vpp are not supported yet; drop one of them");
     if (f.optimizer_instances > 1) {
       throw FlagError("--optimizer-instances " + n(f.optimizer_instances) +
-                      " with --pp/--vpp/--microbatches is not supported yet; use flat ZeRO-1 (1)");
+                      " with --pp/--vpp is not supported yet; use flat ZeRO-1 (1)");
     }
+    if (f.precision.bf16) throw FlagError("--dtype bf16 with --pp/--vpp is not supported yet; use fp32");
     if (f.run.inject_nan.step >= 0)
-      throw FlagError("--inject-nan with --pp/--vpp/--microbatches is not supported; drop one of them");
+      throw FlagError("--inject-nan with --pp/--vpp is not supported; drop one of them");
   } else if (f.sync_at_end) {
-    throw FlagError("--grad-sync end needs a pipeline (--pp, --vpp or --microbatches)");
+    throw FlagError("--grad-sync end needs a pipeline (--pp)");
   }
   examples::validate_run_flags(f.run);
+  examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }
 
 inline Flags parse(int argc, char** argv) {
@@ -126,11 +133,12 @@ inline Flags parse(int argc, char** argv) {
       f.sequence_parallel = true;
       continue;
     }
-    if (arg == "--pp" || arg == "--vpp" || arg == "--microbatches") f.pipeline = true;
+    if (arg == "--pp" || arg == "--vpp") f.pipeline = true;
     if (arg == "--distributed-optimizer") {
       f.distributed_optimizer = true;
       continue;
     }
+    if (examples::parse_precision_switch(arg, f.precision)) continue;
     if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
     if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
     const std::string v = argv[++i];
@@ -148,8 +156,8 @@ inline Flags parse(int argc, char** argv) {
         f.pp = parse_int_flag(arg, v, 1);
       else if (arg == "--vpp")
         f.vpp = parse_int_flag(arg, v, 1);
-      else if (arg == "--microbatches")
-        f.microbatches = parse_int_flag(arg, v, 1);
+      else if (arg == "--micro-batches")
+        f.micro_batches = parse_int_flag(arg, v, 1);
       else if (arg == "--loss")
         f.per_token_loss = examples::parse_choice_flag(arg, v, {"mean", "per-token"}) == "per-token";
       else if (arg == "--grad-sync")
@@ -162,6 +170,8 @@ inline Flags parse(int argc, char** argv) {
         f.model.top_k = parse_int_flag(arg, v, 1);
       else if (arg == "--global-batch")
         f.global_batch = parse_int_flag(arg, v, 1);
+      else if (examples::parse_precision_flag(arg, v, f.precision))
+        continue;
       else if (arg == "--seed")
         f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {

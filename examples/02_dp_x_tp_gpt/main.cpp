@@ -7,6 +7,9 @@
 // ranks carved out of DP (x CP), tokens moving by all-to-all (docs/expert_parallel.md).
 // --distributed-optimizer --optimizer-instances K shards the optimizer within K instances of DP(xCP)/K
 // ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
+// --dtype bf16 trains in bf16 with fp32 main grads and fp32 masters (--grad-reduce-in-bf16: bf16 main
+// grads), as Megatron does (examples/common/precision.h); --micro-batches K accumulates K micro-batches
+// per DP rank and syncs once.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -20,6 +23,7 @@
 #include "examples/02_dp_x_tp_gpt/pipeline_train.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
+#include "examples/common/precision.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
 
@@ -38,7 +42,7 @@ int main(int argc, char** argv) {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
     at::set_num_threads(static_cast<int>(
         std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
-    if (f.pipeline) return gpt::train_pipeline(f, argc, argv);  // --pp / --vpp / --microbatches
+    if (f.pipeline) return gpt::train_pipeline(f, argc, argv);  // --pp / --vpp
     // A "cp" dim only with --cp > 1, so that DP x TP runs keep their 2-D mesh.
     meshddp::DeviceMesh mesh =
         f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"}, examples::mesh_options(f.run))
@@ -47,6 +51,7 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(f.seed);  // every rank builds the full model (all experts), then keeps its shards
     gpt::Gpt model(f.model);
+    model->to(f.precision.param_dtype());  // before parallelize: every layout holds the same bf16 values
     // Every param is replicated over DP and CP: its gradient is averaged over the flattened DP x CP group.
     const std::vector<std::string> dp_dims =
         f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
@@ -66,10 +71,12 @@ int main(int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
+    config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
     std::unique_ptr<torch::optim::Optimizer> adamw;  // AdamW, or SGD with --optimizer sgd
     std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+    std::unique_ptr<examples::Fp32MasterParams> masters;  // plain DDP in bf16: the optimizer steps fp32 copies
     meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
     const bool sgd = f.optimizer == "sgd";
     if (f.distributed_optimizer) {
@@ -80,11 +87,12 @@ int main(int argc, char** argv) {
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
       schedule.attach(*zero1);
     } else {
+      if (f.precision.bf16) masters = std::make_unique<examples::Fp32MasterParams>(ddp);
+      const std::vector<torch::Tensor> stepped = masters ? masters->masters() : ddp.parameters();
       if (sgd) {
-        adamw = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(f.run.lr));
+        adamw = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(f.run.lr));
       } else {
-        adamw = std::make_unique<torch::optim::AdamW>(ddp.parameters(),
-                                                      torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+        adamw = std::make_unique<torch::optim::AdamW>(stepped, torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
       }
       schedule.attach(*adamw);
     }
@@ -107,6 +115,7 @@ int main(int argc, char** argv) {
                    mesh.describe().c_str(), moe.c_str(), f.sequence_parallel ? ", sequence parallel" : "",
                    f.distributed_optimizer ? ", ZeRO-1" : "", static_cast<long long>(n),
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
+      std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
     examples::ExampleCheckpoints checkpoints(f.checkpoints,
                                              meshddp::TrainingState{model.ptr().get(), &ddp, zero1.get(), adamw.get()},
@@ -128,23 +137,34 @@ int main(int argc, char** argv) {
       const auto mine = [&](const torch::Tensor& t) {
         return t.narrow(0, dp_rank * local, local).narrow(1, cp_rank * slice, slice);
       };
-      auto logits = ddp.forward(mine(ids));
-      // The mean over this rank's tokens: slices are equal, so the DP x CP gradient mean is the
-      // gradient of the whole batch's mean. --loss per-token: this rank's sum over valid tokens over
-      // the global batch's count, times DP x CP (which DDP's mean divides by again).
-      torch::Tensor loss;
-      if (f.per_token_loss) {
-        const auto valid = gpt::valid_mask(f.model, f.seed, step, f.global_batch);
-        const double scale = static_cast<double>(f.dp * f.cp) / valid.sum().item<double>();
-        loss = gpt::loss_sum(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}), mine(valid).reshape({-1}),
-                             mesh["tp"].get()) *
-               scale;
-      } else {
-        loss = meshddp::tp::cross_entropy(logits.view({-1, logits.size(-1)}), mine(targets).reshape({-1}),
-                                          mesh["tp"].get());
-      }
+      // --micro-batches K: K slices of this rank's sequences; backward accumulates, the last one syncs.
+      const int64_t micro = local / f.micro_batches;
+      // --loss per-token: the valid tokens of the whole global batch (every rank knows the count).
+      const auto valid = f.per_token_loss ? gpt::valid_mask(f.model, f.seed, step, f.global_batch) : torch::Tensor();
+      const double valid_total = f.per_token_loss ? valid.sum().item<double>() : 0.0;
+      torch::Tensor loss = torch::zeros({}, torch::kDouble);
       inject.before_backward(step, mesh.rank());
-      loss.backward();
+      for (int64_t m = 0; m < f.micro_batches; ++m) {
+        ddp.set_is_last_microbatch(m == f.micro_batches - 1);
+        auto logits = ddp.forward(mine(ids).narrow(0, m * micro, micro));
+        // The loss in fp32 (bf16 logits widened, as Megatron's cross entropy does); the mean over
+        // this rank's tokens: slices are equal, so the DP x CP gradient mean is the gradient of the
+        // whole batch's mean. --loss per-token: this rank's sum over its valid tokens over the global
+        // batch's count, times DP x CP (which DDP's mean divides by again).
+        const auto flat_logits = logits.to(torch::kFloat).view({-1, logits.size(-1)});
+        const auto micro_targets = mine(targets).narrow(0, m * micro, micro).reshape({-1});
+        torch::Tensor micro_loss;
+        if (f.per_token_loss) {
+          micro_loss = gpt::loss_sum(flat_logits, micro_targets, mine(valid).narrow(0, m * micro, micro).reshape({-1}),
+                                     mesh["tp"].get()) *
+                       (static_cast<double>(f.dp * f.cp) / valid_total);
+        } else {
+          micro_loss = meshddp::tp::cross_entropy(flat_logits, micro_targets, mesh["tp"].get()) /
+                       static_cast<double>(f.micro_batches);
+        }
+        micro_loss.backward();
+        loss = loss + micro_loss.detach().to(torch::kDouble);
+      }
       inject.after_backward();
       meshddp::StepResult result;
       if (zero1) {
@@ -153,10 +173,12 @@ int main(int argc, char** argv) {
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
         result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
+        if (masters) masters->take_grads(ddp);
         adamw->step();
+        if (masters) masters->write_params();
       }
       if (!result.skipped) schedule.step();
-      auto global = loss.detach().to(torch::kDouble).reshape({1}) / static_cast<double>(f.dp * f.cp);
+      auto global = loss.reshape({1}) / static_cast<double>(f.dp * f.cp);
       meshddp::all_reduce_sum_now(ddp.dp_group(), global, "the example's loss report");
       if (mesh.rank() == 0) {
         std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), global.item<double>());

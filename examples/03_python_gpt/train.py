@@ -4,10 +4,17 @@ torch's AdamW or meshddp's ZeRO-1 DistributedOptimizer. Launch with torchrun:
 
     torchrun --standalone --nproc-per-node 4 examples/03_python_gpt/train.py --dp 2 --tp 2 --steps 30
              [--distributed-optimizer] [--global-batch 16] [--seed 1] [--lr 3e-3] [--log-file PATH]
+             [--dtype fp32|bf16 [--grad-reduce-in-bf16]]
 
 stdout (or --log-file, rank 0): `step <n> loss <loss>` per step, the mean loss over the whole global
 batch with 10 significant digits, like the C++ examples; stderr: a status line per step. The same
---seed and --global-batch give the same loss curve at any DP x TP (to fp32 tolerance)."""
+--seed and --global-batch give the same loss curve at any DP x TP (to fp32 tolerance).
+
+--dtype bf16: bf16 params and activations, fp32 main grads (grad_reduce_in_fp32) and fp32 master
+weights: ZeRO-1's own, or with torch's AdamW a whole fp32 copy it steps (Megatron's
+Float16OptimizerWithFloat16Params). --grad-reduce-in-bf16: main grads accumulated and reduced in bf16;
+needed at --tp > 1, where torch's TP makes the params DTensors, whose .grad is a view of meshddp's
+buffer in the param's own dtype (docs/python.md "Limits")."""
 
 import argparse
 import math
@@ -125,7 +132,15 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--log-file")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true")
     args = parser.parse_args()
+    if args.grad_reduce_in_bf16 and args.dtype != "bf16":
+        parser.error("--grad-reduce-in-bf16 needs --dtype bf16 (fp32 params already reduce in fp32)")
+    if args.dtype == "bf16" and args.tp > 1 and not args.grad_reduce_in_bf16:
+        parser.error(f"--dtype bf16 at --tp {args.tp} needs --grad-reduce-in-bf16: torch's TP makes the params "
+                     "DTensors, whose .grad must be a view of meshddp's buffer in the param's dtype (fp32 main "
+                     "grads are not supported for DTensor params); or run at --tp 1")
     torch.set_num_threads(max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
     verify_same_flags_across_ranks(args)
@@ -135,12 +150,19 @@ def main():
     mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
 
     torch.manual_seed(args.seed)  # every rank builds the whole model; parallelize_module keeps its shards
-    model = Gpt()
-    parallelize_module(model, mesh["tp"], tp_plan(len(model.blocks)))
-    config = meshddp.DdpConfig(use_distributed_optimizer=args.distributed_optimizer)
+    bf16 = args.dtype == "bf16"
+    model = Gpt().to(torch.bfloat16 if bf16 else torch.float32)  # before TP: every layout holds the same values
+    if args.tp > 1:  # at --tp 1 the params stay plain tensors (DTensor params cannot take fp32 main grads)
+        parallelize_module(model, mesh["tp"], tp_plan(len(model.blocks)))
+    config = meshddp.DdpConfig(use_distributed_optimizer=args.distributed_optimizer,
+                               grad_reduce_in_fp32=bf16 and not args.grad_reduce_in_bf16)
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", config)
+    masters = None  # plain DDP in bf16: (name, param, fp32 master) for AdamW to step
     if args.distributed_optimizer:
         optimizer = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=args.lr))
+    elif bf16:
+        masters = [(n, p, p.detach().float().requires_grad_(True)) for n, p in model.named_parameters()]
+        optimizer = torch.optim.AdamW([m for _, _, m in masters], lr=args.lr, weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.0)
 
@@ -149,6 +171,10 @@ def main():
     if rank0:
         print(f"# python gpt: dp {args.dp} x tp {args.tp}{', ZeRO-1' if args.distributed_optimizer else ''}, "
               f"{sum(p.numel() for p in ddp.parameters())} params, global batch {args.global_batch}", file=sys.stderr)
+        grads = "bf16 (reduced in bf16)" if args.grad_reduce_in_bf16 else "fp32 (reduced in fp32)"
+        where = "this rank's ZeRO-1 shard" if args.distributed_optimizer else "a whole copy"
+        print(f"# dtypes: params {args.dtype}, activations {args.dtype}, main grads {grads if bf16 else 'fp32'}"
+              f"{f', masters fp32 ({where})' if bf16 else ''}, optimizer state fp32", file=sys.stderr)
     dp_rank, local = mesh.get_local_rank("dp"), args.global_batch // args.dp
     for step in range(args.steps):
         start = time.perf_counter()
@@ -156,13 +182,20 @@ def main():
         ids, targets = ids[dp_rank * local:(dp_rank + 1) * local], targets[dp_rank * local:(dp_rank + 1) * local]
         ddp.zero_grad_buffer()
         logits = ddp(ids)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))  # in fp32
         loss.backward()
         if args.distributed_optimizer:
             optimizer.step()  # finishes the grad sync itself
         else:
             ddp.finish_grad_sync()
+            if masters:  # each master's grad: the fp32 main grad itself, or the bf16 .grad (a DTensor) widened
+                for name, p, m in masters:
+                    m.grad = p.grad.float() if p.grad is not None else ddp.main_grad(name).float()
             optimizer.step()
+            if masters:
+                with torch.no_grad():
+                    for _, p, m in masters:
+                        p.copy_(m)
         total = loss.detach().double().reshape(1) / args.dp
         dist.all_reduce(total, group=mesh.get_group("dp"))
         if rank0:

@@ -12,6 +12,11 @@
 //                      say so. Checkpoints that exist but cannot be loaded stop the run (exit 1).
 //   --resume-step N    start from DIR/step-<N> (a rollback: later saves continue from it, and
 //                      --keep-last counts from it, not the abandoned newer steps); implies --resume
+//   --async-save       save asynchronously (meshddp::CheckpointSaver): a host snapshot at the step
+//                      boundary, the write in the background, the commit at a later step boundary;
+//                      the step log says when each save started, what it stalled, and when it
+//                      committed. The last step's save is waited for (committed) before the run ends;
+//                      a run that stops on an error says the pending save was abandoned.
 // The data position (the next step; batches are a function of (seed, step)), the seed and the
 // global batch are saved as user values; resuming with another seed or global batch is refused.
 #pragma once
@@ -35,6 +40,7 @@ struct CheckpointFlags {
   int save_every = 0;
   int keep_last = 0;
   bool resume = false;
+  bool async_save = false;
   std::optional<int64_t> resume_step;
   bool any() const { return !save_dir.empty(); }
 };
@@ -45,6 +51,10 @@ inline bool parse_checkpoint_flag(int argc, char** argv, int& i, CheckpointFlags
   const std::string arg = argv[i];
   if (arg == "--resume") {
     f.resume = true;
+    return true;
+  }
+  if (arg == "--async-save") {
+    f.async_save = true;
     return true;
   }
   if (arg != "--save-dir" && arg != "--save-every" && arg != "--keep-last" && arg != "--resume-step") return false;
@@ -70,7 +80,7 @@ inline bool parse_checkpoint_flag(int argc, char** argv, int& i, CheckpointFlags
   return true;
 }
 inline const char* checkpoint_usage() {
-  return " [--save-dir DIR [--save-every N] [--keep-last K] [--resume | --resume-step N]]";
+  return " [--save-dir DIR [--save-every N] [--keep-last K] [--async-save] [--resume | --resume-step N]]";
 }
 
 class ExampleCheckpoints {
@@ -82,8 +92,10 @@ class ExampleCheckpoints {
         state_(state),
         rank_(rank),
         seed_(static_cast<int64_t>(seed)),
-        global_batch_(global_batch) {
+        global_batch_(global_batch),
+        saver_(std::visit([](const auto& s) { return meshddp::CheckpointSaver(s); }, state)) {
     TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
+    TORCH_CHECK(!f_.async_save || f_.any(), "--async-save needs --save-dir");
   }
 
   // Saves `schedule`'s state with every checkpoint (as "lr_schedule/<key>" values) and restores its
@@ -149,11 +161,14 @@ class ExampleCheckpoints {
     return static_cast<int>(position);
   }
 
-  // Call after step `step` (0-based) has finished; saves when due.
+  // Call after step `step` (0-based) has finished, on every rank: reports a background save's commit
+  // (or stops the run on its failure), then saves when due. The last step's save is committed before
+  // this returns.
   void after_step(int step, int steps) {
     const int done = step + 1;
-    if (!f_.any() || !(done == steps || (f_.save_every > 0 && done % f_.save_every == 0))) return;
-    const auto start = std::chrono::steady_clock::now();
+    if (!f_.any()) return;
+    report(saver_.step_boundary(), done);
+    if (!(done == steps || (f_.save_every > 0 && done % f_.save_every == 0))) return;
     meshddp::CheckpointValues values{
         {"data_position", int64_t{done}}, {"seed", seed_}, {"global_batch", global_batch_}};
     if (schedule_ != nullptr) {
@@ -161,16 +176,24 @@ class ExampleCheckpoints {
     }
     meshddp::CheckpointSaveOptions options;
     options.keep_last = f_.keep_last;
-    const std::string path = std::visit(
-        [&](const auto& s) { return meshddp::save_checkpoint(s, f_.save_dir, done, values, options); }, state_);
-    if (rank_ == 0) {
-      int64_t bytes = 0;
-      for (const auto& entry : std::filesystem::directory_iterator(path)) {
-        if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+    options.async_save = f_.async_save;
+    const meshddp::AsyncSaveStart started = saver_.save(f_.save_dir, done, values, options);
+    report(started.previous, done);
+    if (!f_.async_save) {
+      if (rank_ == 0) {
+        std::fprintf(stderr, "# saved '%s' (%lld bytes) in %.0f ms\n", started.path.c_str(),
+                     static_cast<long long>(bytes_in(started.path)), started.sync_ms);
       }
-      std::fprintf(stderr, "# saved '%s' (%lld bytes) in %.0f ms\n", path.c_str(), static_cast<long long>(bytes),
-                   ms_since(start));
+      return;
     }
+    if (rank_ == 0) {
+      std::fprintf(stderr,
+                   "# save of step %d started after step %d: stalled %.1f ms (waited %.1f ms for the previous save, "
+                   "snapshot %.1f ms of %lld bytes, prepare %.1f ms); writing '%s' in the background\n",
+                   done, step, started.stall_ms(), started.wait_ms, started.snapshot_ms,
+                   static_cast<long long>(saver_.snapshot_bytes()), started.prepare_ms, started.path.c_str());
+    }
+    if (done == steps) report(saver_.wait(), done);  // the end of training: committed before the run ends
   }
 
  private:
@@ -187,6 +210,22 @@ class ExampleCheckpoints {
                 type_name(it->second), "; expected an integer (saved by another program?)");
     return std::get<int64_t>(it->second);
   }
+  // The step log's line for a background save that finished (failures throw in the saver).
+  void report(const meshddp::AsyncSaveReport& r, int done) const {
+    if (rank_ != 0 || r.kind != meshddp::AsyncSaveReport::Kind::kCommitted) return;
+    std::fprintf(stderr,
+                 "# save of step %lld committed at the boundary after step %d: '%s' (%lld bytes; rank 0 wrote its "
+                 "%lld bytes in %.1f ms in the background)\n",
+                 static_cast<long long>(r.step), done - 1, r.path.c_str(), static_cast<long long>(bytes_in(r.path)),
+                 static_cast<long long>(r.file_bytes), r.write_ms);
+  }
+  static int64_t bytes_in(const std::string& path) {
+    int64_t bytes = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(path)) {
+      if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+    }
+    return bytes;
+  }
   static double ms_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
   }
@@ -196,6 +235,7 @@ class ExampleCheckpoints {
   meshddp::LrScheduler* schedule_ = nullptr;
   int64_t rank_;
   int64_t seed_, global_batch_;
+  meshddp::CheckpointSaver saver_;  // last: its destructor names a save still pending as abandoned
 };
 
 }  // namespace examples

@@ -3,15 +3,21 @@
 // turned into Python RuntimeErrors with the same text. The Python-facing API (DeviceMesh handling,
 // DTensor params, no_sync()) is in meshddp/*.py.
 #include "mesh/collective_progress.h"
+#include "mesh/launch_round.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
+#include "plugin/python/async_checkpoint_bindings.h"
 #include "plugin/python/config_bindings.h"
+#include "plugin/python/pipeline_bindings.h"
 #include "plugin/python/python_ddp.h"
 #include "plugin/python/reduction_group_bindings.h"
+#include "plugin/python/training_bindings.h"
 #include "plugin/tp_dim.h"
 #include "tp/linear_with_grad_in_buffer.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -101,7 +107,15 @@ PYBIND11_MODULE(_C, m) {
                     "meshddp.DistributedDataParallel: stuck_report_after must be ",
                     ">= 0 (0 = off) and timeout > 0 (seconds), got ", report_after_s, " and ", timeout_s);
         auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)); };
-        meshddp::register_collective_progress(group, store, std::move(global_ranks), ms(report_after_s), ms(timeout_s));
+        c10::intrusive_ptr<c10d::Store> records = store;
+        if (meshddp::store_outlives_launch()) {  // Note [Launch rounds]: none of a dead launch's records
+          py::gil_scoped_release no_gil;
+          const int64_t round =
+              meshddp::agree_on_launch_round(*store, "launch", group->getRank(), group->getSize(), ms(timeout_s));
+          records = c10::make_intrusive<c10d::PrefixStore>("round" + std::to_string(round), store);
+        }
+        meshddp::register_collective_progress(group, records, std::move(global_ranks), ms(report_after_s),
+                                              ms(timeout_s));
       },
       py::arg("group"), py::arg("store"), py::arg("global_ranks"), py::arg("report_after_s"), py::arg("timeout_s"),
       "registers a c10d group for meshddp's stuck report and timeout (mesh/collective_progress.h); the store must be "
@@ -118,6 +132,12 @@ PYBIND11_MODULE(_C, m) {
         "the same over several DP dims (gradients averaged over their flattened group): the one dim outside them "
         "with more than one rank ('' if none)");
   meshddp::python::bind_reduction_groups(m);
+  meshddp::python::bind_async_checkpoint(m);
+  meshddp::python::bind_pipeline(m);
+  meshddp::python::bind_training(m);
+  m.def("_declare_expert_param", &meshddp::declare_expert_param, py::arg("param"),
+        "marks a param's (local) tensor as an expert param (mesh/placement.h), before DDP is built");
+  m.def("_is_expert_param", &meshddp::is_expert_param, py::arg("param"));
   m.doc() = "meshddp's C++ engine (GradBuffer, DistributedOptimizer); use the meshddp package, not this module";
 
   // c10::Error -> RuntimeError with the message as written in C++ (no C++ backtrace).
@@ -161,19 +181,37 @@ PYBIND11_MODULE(_C, m) {
                        c10::intrusive_ptr<c10d::ProcessGroup> dp_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> world_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> tp_group, int64_t tp_rank,
-                       int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config) {
+                       int64_t tp_size, const std::vector<int64_t>& dp_global_ranks, const DdpConfig& config,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> embedding_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_dp_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> instance_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_instance_group) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
-             meshddp::SyncGroups groups{std::move(dp_group), world_group.value_or(nullptr), tp_rank, tp_size,
-                                        tp_group.value_or(nullptr)};
+             // Hierarchical ZeRO-1: buckets reduce-scatter over the instance, the DP group stays whole.
+             meshddp::SyncGroups groups{instance_group.value_or(dp_group), world_group.value_or(nullptr), tp_rank,
+                                        tp_size, tp_group.value_or(nullptr), cross_instance_group.value_or(nullptr),
+                                        expert_dp_group.value_or(nullptr)};
+             groups.embedding = embedding_group.value_or(nullptr);  // weights tied across pipeline stages
              py::gil_scoped_release release;  // the checks and broadcast are collectives
              return EngineHolder<PythonDdp>(new PythonDdp(named_tensors(params), named_tensors(buffers), std::move(dts),
-                                                          std::move(groups), dp_global_ranks, config));
+                                                          std::move(groups), dp_global_ranks, config,
+                                                          instance_group ? dp_group : c10::intrusive_ptr<c10d::ProcessGroup>()));
            }),
            py::arg("params"), py::arg("buffers"), py::arg("dtensors"), py::arg("dp_group"), py::arg("world_group"),
-           py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"))
+           py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"),
+           py::arg("embedding_group") = py::none(), py::arg("expert_dp_group") = py::none(),
+           py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
+      // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
+      .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
+      .def("set_requires_gradient_sync", &PythonDdp::set_requires_gradient_sync, py::arg("requires_sync"))
+      .def("requires_gradient_sync", &PythonDdp::requires_gradient_sync)
+      .def("scale_gradients", &PythonDdp::scale_gradients, py::arg("factor"), Release())
+      .def("broadcast_params", &PythonDdp::broadcast_params, Release())
+      .def("check_tied_params_identical", &PythonDdp::check_tied_params_identical, Release())
+      .def("grad_sync_finished", &PythonDdp::grad_sync_finished)
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)
@@ -211,6 +249,29 @@ PYBIND11_MODULE(_C, m) {
           "finish_param_gathers",
           [](PythonDdp& d) {
             if (meshddp::ParamGather* gather = d.param_gather()) gather->wait_all();
+          },
+          Release())
+      // Whether a gradient sync has begun (a backward of the last micro-batch) and finish_grad_sync()
+      // has not ended it: a torch optimizer's step now would read unsynced gradients (meshddp/_guards.py).
+      .def("sync_pending",
+           [](const PythonDdp& d) {
+             try {
+               d.grad_buffer()->check_no_sync_pending("");
+               return false;
+             } catch (const c10::Error&) {
+               return true;
+             }
+           })
+      // Waits for the pending param all-gathers of the buckets holding `tensors` (a module's own params,
+      // in its forward pre-hook: meshddp/_guards.py).
+      .def(
+          "wait_param_gathers_of",
+          [](PythonDdp& d, const std::vector<at::Tensor>& tensors) {
+            meshddp::ParamGather* gather = d.param_gather();
+            if (gather == nullptr) return;
+            for (const at::Tensor& t : tensors) {
+              if (!gather->wait_if_pending(t)) return;
+            }
           },
           Release())
       // ZeRO-1 ownership for DistributedOptimizer.state_dict(): for DP rank `dp_rank` (any, not only
@@ -285,6 +346,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("step"), Release())
       .def("set_lr", &DistributedOptimizer::set_lr, py::arg("lr"))
       .def("set_group_lr", &DistributedOptimizer::set_group_lr, py::arg("group"), py::arg("lr"))
+      .def("set_weight_decay", &DistributedOptimizer::set_weight_decay, py::arg("weight_decay"))
+      .def("group_of", &DistributedOptimizer::group_of, py::arg("param"))
       .def("set_group_weight_decay", &DistributedOptimizer::set_group_weight_decay, py::arg("group"),
            py::arg("weight_decay"))
       .def("lr", &DistributedOptimizer::lr)

@@ -41,9 +41,9 @@ int64_t index_in_buffer(const GradBuffer& buffer, const DtensorParam& d) {
 
 PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
                      std::vector<DtensorParam> dtensors, SyncGroups groups, const std::vector<int64_t>& dp_global_ranks,
-                     DdpConfig config)
+                     DdpConfig config, c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group)
     : DdpEngine(with_placements(std::move(params), dtensors, groups), std::move(buffers), groups, dp_global_ranks,
-                config),
+                config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
   TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
               "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",

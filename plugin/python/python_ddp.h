@@ -44,8 +44,10 @@ class PythonDdp : public DdpEngine {
  public:
   // `params`: every parameter (DTensor params by their local tensor), deduplicated, registration
   // order; `buffers`: the module's buffers (local tensors likewise). Collective over the DP group.
+  // `data_parallel_group`: as DdpEngine's (the whole DP group under hierarchical ZeRO-1).
   PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, std::vector<DtensorParam> dtensors,
-            SyncGroups groups, const std::vector<int64_t>& dp_global_ranks, DdpConfig config);
+            SyncGroups groups, const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
+            c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
   ~PythonDdp();
   PythonDdp(const PythonDdp&) = delete;
   PythonDdp& operator=(const PythonDdp&) = delete;

@@ -40,6 +40,11 @@ for binary, args, message in (
     (gpt_binary, ["--experts", "4", "--dp", "1", "--ep", "2"], "--ep 2 must divide --dp 1 (expert-parallel groups"),
     (gpt_binary, ["--experts", "4", "--tp", "2", "--sequence-parallel"],
      "--sequence-parallel with --experts is not supported"),
+    (gpt_binary, ["--dtype", "fp16"], "--dtype: 'fp16' is not one of fp32, bf16"),
+    (gpt_binary, ["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --dtype bf16"),
+    (gpt_binary, ["--dtype", "bf16", "--save-dir", "ckpt"], "--dtype bf16 with --save-dir needs --distributed-optimizer"),
+    (gpt_binary, ["--micro-batches", "3"], "--global-batch 16 must divide by --dp 1 x --micro-batches 3"),
+    (ddp_binary, ["--dtype", "bf16", "--save-dir", "ckpt"], "--dtype bf16 with --save-dir needs --distributed-optimizer"),
     (ddp_binary, ["--global-batch", "-4"], "--global-batch must be in [1, ...], got -4"),
     (ddp_binary, ["--log-interval", "2.5"], "--log-interval: '2.5' is not an integer"),
 ):

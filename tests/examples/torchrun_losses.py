@@ -6,15 +6,19 @@ import subprocess
 import sys
 
 
-def run_losses(binary, nproc, steps, args, first=0, env=None):
+def run_losses(binary, nproc, steps, args, first=0, env=None, expect_in_stderr=()):
     """`binary`: an executable, or a .py script (run by torchrun's Python). Steps first..steps-1 are
-    expected (first > 0: a run resumed from a checkpoint)."""
+    expected (first > 0: a run resumed from a checkpoint). Each text of `expect_in_stderr` must
+    appear in the run's stderr (e.g. the step log's header)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     launch = [binary] if binary.endswith(".py") else ["--no-python", binary]
     cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", *launch, "--steps", str(steps), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     if out.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
+    for text in expect_in_stderr:
+        if text not in out.stderr:
+            sys.exit(f"FAILED: '{text}' is not in the stderr of {' '.join(cmd)}:\n{out.stderr}")
     found = re.findall(r"^step (\d+) loss (\S+)$", out.stdout, re.M)
     if [int(s) for s, _ in found] != list(range(first, steps)):
         sys.exit(f"FAILED: expected 'step {first}..{steps - 1} loss X' from {' '.join(cmd)}, got:\n{out.stdout}\n{out.stderr}")

@@ -187,3 +187,60 @@ def ranks_disagree(rank, world_size, field):
     except RuntimeError as e:
         return {"error": str(e), "steps_taken": opt.steps_taken, "lr": opt._impl.lr(),
                 "bias_wd": opt._impl.group_weight_decay(1)}
+
+
+def async_save(rank, world_size, directory):
+    """Per variant: SAVE_AT steps, then dcp.save and dcp.async_save of the same state (the async one on
+    a Gloo group of its own, since its collectives run on DCP's writer thread, and staged by
+    meshddp.DcpStager), CONTINUE more steps while the
+    async write is in flight, its future's result; then each checkpoint resumed into a model and
+    optimizer built with other initial values, trained the same CONTINUE steps."""
+    side = dist.new_group(backend="gloo")
+    stager = meshddp.DcpStager()  # torch's default stager cannot copy a ShardedTensor
+    out = {}
+    for variant in VARIANTS:
+        ddp, opt = build(world_size, 0, variant)
+        train(ddp, opt, rank, world_size, range(SAVE_AT))
+        path = os.path.join(directory, variant)
+        dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path + "-sync")
+        future = dcp.async_save({"model": ddp.state_dict(), "optim": opt.state_dict()},
+                                checkpoint_id=path + "-async", process_group=side, async_stager=stager)
+        full_losses = train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
+        future.result()
+        full = params_of(ddp)
+        result = {"full_losses": full_losses}
+        for kind in ("sync", "async"):
+            ddp, opt = build(world_size, 1, variant)
+            sd = {"model": ddp.state_dict(), "optim": opt.state_dict()}
+            dcp.load(sd, checkpoint_id=f"{path}-{kind}")
+            ddp.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+            result[f"{kind}_losses"] = train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
+            result[f"{kind}_vs_full"] = max((a - b).abs().max().item() for a, b in zip(full, params_of(ddp)))
+        out[variant] = result
+    dist.destroy_process_group(side)
+    return out
+
+
+def meshddp_async_save(rank, world_size, directory):
+    """meshddp's format: opt.save_checkpoint(async_save=True) at SAVE_AT, training on while it writes, a
+    checkpoint_step_boundary() per step and wait_checkpoint() at the end; then resumed (and the sync
+    save of the same step resumed) into optimizers built with other initial values."""
+    ddp, opt = build(world_size, 0, "adamw_fp32")
+    train(ddp, opt, rank, world_size, range(SAVE_AT))
+    opt.save_checkpoint(os.path.join(directory, "sync"))
+    started = opt.save_checkpoint(os.path.join(directory, "async"), async_save=True)
+    reports = []
+    for step in range(SAVE_AT, SAVE_AT + CONTINUE):
+        reports.append(opt.checkpoint_step_boundary())
+        train(ddp, opt, rank, world_size, [step])
+    reports.append(opt.wait_checkpoint())
+    full = params_of(ddp)
+    out = {"started": started, "reports": [r for r in reports if r is not None]}
+    for kind in ("sync", "async"):
+        ddp, opt = build(world_size, 1, "adamw_fp32")
+        opt.load_checkpoint(os.path.join(directory, kind))
+        opt.set_lr(LR / 2)
+        train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
+        out[f"{kind}_vs_full"] = max((a - b).abs().max().item() for a, b in zip(full, params_of(ddp)))
+    return out

@@ -69,7 +69,7 @@ _FIELD_VALUES = {
         check_for_nan_in_grad=True, comm_hook="bf16_compress", num_distributed_optimizer_instances=2,
         broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
-        expert_parallel_size=2),
+        expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2),
     meshddp.OptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
@@ -132,15 +132,18 @@ def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):
         meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig())
 
 
-def test_optimizer_instances_are_refused_with_the_cpp_text(mesh):
-    # Hierarchical ZeRO-1 needs a C++ DeviceMesh to make the instance groups; the Python DDP, built
-    # from process groups, refuses it (and the combination without use_distributed_optimizer first).
+def test_optimizer_instances_that_do_not_fit_are_refused_with_the_cpp_text(mesh):
+    # Hierarchical ZeRO-1 from Python (its groups from the mesh, test_torch_surface.py): without
+    # use_distributed_optimizer, or with more instances than DP ranks, the C++ text.
     with pytest.raises(RuntimeError, match=r"num_distributed_optimizer_instances = 2 needs use_distributed_optimizer"):
         meshddp.DistributedDataParallel(model(), mesh, config=meshddp.DdpConfig(num_distributed_optimizer_instances=2))
     config = meshddp.DdpConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
-    with pytest.raises(RuntimeError, match=r"GradBuffer: num_distributed_optimizer_instances = 2 but no group across "
-                                           r"the optimizer instances was given"):
+    with pytest.raises(RuntimeError, match=r"hierarchical ZeRO-1: 2 optimizer instances do not divide the 1 ranks of "
+                                           r"each dp group"):
         meshddp.DistributedDataParallel(model(), mesh, config=config)
+    pg = torch.distributed.distributed_c10d._get_default_group()
+    with pytest.raises(RuntimeError, match=r"num_distributed_optimizer_instances = 2 needs the DeviceMesh \(mesh=\)"):
+        meshddp.DistributedDataParallel(model(), process_group=pg, config=config)
 
 
 def test_dtensor_grad_set_to_none_is_named(mesh):

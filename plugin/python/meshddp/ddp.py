@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C
+from meshddp import _C, _groups, _guards
 
 
 def _error(what):
@@ -96,16 +96,18 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
                 f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape "
                 f"{tuple(mesh.shape)}; pass dp_dim= one of them (or a tuple of them, in mesh order), or name the "
                 f"mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
-    others = [n for n in names if n not in dp_dims]
+    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/pipeline.md).
+    stage = [(n, size) for n, size in zip(names, mesh.shape) if n != "pp"]
+    others = [n for n, _ in stage if n not in dp_dims]
     if tp_dim is None:
         # The C++ rule (meshddp::tp_dim_of), so both languages pick the same dim: the one dim besides DP
         # with more than one rank. With none, a single other dim (of size 1) is kept, so that DTensors
         # parallelized over it are accepted (a TP size of 1 is no TP to the engine).
         try:
-            tp_dim = _C.tp_dim_of(list(names), list(mesh.shape), list(dp_dims)) or None
+            tp_dim = _C.tp_dim_of([n for n, _ in stage], [size for _, size in stage], list(dp_dims)) or None
         except RuntimeError as e:
             raise RuntimeError(f"meshddp.{e}; or name the tensor-parallel dim with tp_dim=") from None
-        if tp_dim is None and len(others) == 1:
+        if tp_dim is None and len(others) == 1 and others == [n for n in names if n not in dp_dims]:
             tp_dim = others[0]
     elif tp_dim not in others:
         raise _error(f"tp_dim '{tp_dim}' is not a dim of the mesh other than dp_dim {dp_dims}: the dims are {names}")
@@ -114,7 +116,7 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
         return dp_group, None, None, 0, 1, None
     tp_size = mesh.size(names.index(tp_dim))
     tp_rank = mesh.get_local_rank(tp_dim)
-    if mesh.size() == dist.get_world_size():
+    if mesh.size() == dist.get_world_size() and "pp" not in names:
         world = dist.distributed_c10d._get_default_group()
     else:
         world = mesh[tuple(n for n in names if n in dp_dims or n == tp_dim)]._flatten().get_group()
@@ -185,7 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
     are synced by their local shards; DTensor does TP."""
 
     def __init__(self, module, mesh=None, dp_dim="dp", config=None, *, process_group=None, tp_dim=None,
-                 stuck_report_after=30.0, timeout=None):
+                 stuck_report_after=30.0, timeout=None, embedding_group=None, expert_params=()):
         """stuck_report_after (seconds; 0 = off): as a C++ mesh's MeshOptions.stuck_report_after, a rank
         that waits this long for one of meshddp's collectives (a bucket reduction, a param all-gather, a
         start-up check) prints to stderr, then each time the wait doubles, a line naming the group, the
@@ -194,7 +196,15 @@ class DistributedDataParallel(torch.nn.Module):
         timeout (a datetime.timedelta or seconds; default: torch's default for the backend): the
         MeshOptions.timeout of these records, after which a wait that polls (NCCL with
         MESHDDP_NCCL_BLOCKING_WAIT=1) fails naming the collective; a Gloo group fails after the timeout
-        it was created with (init_process_group(timeout=))."""
+        it was created with (init_process_group(timeout=)).
+        embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
+        pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
+        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. A "pp" dim of
+        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
+        (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
+        DTensor params on the expert-parallel sub-mesh are expert params without a pattern
+        (meshddp/_groups.py)."""
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _error(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -203,7 +213,11 @@ class DistributedDataParallel(torch.nn.Module):
             raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
         dp_dims = _dp_dims_of(dp_dim)
         dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dims, process_group, tp_dim)
-        _register_progress([dp_group, world, tp_group], stuck_report_after, timeout)
+        ep = config.expert_parallel_size
+        instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
+        expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
+        _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group],
+                           stuck_report_after, timeout)
         self.module = module
         self.mesh = mesh
         self.dp_dim = dp_dim
@@ -213,9 +227,19 @@ class DistributedDataParallel(torch.nn.Module):
         self._dp_group, self._world_group, self._tp_rank, self._tp_size = dp_group, world or dp_group, tp_rank, tp_size
 
         _check_wrappable(module)
+        _guards.refuse_torch_ddp_inside(module)
         params, dtensors = [], []
+        self._engine_names = {}  # module path -> the engine's name, where they differ (EP DTensor shards)
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and _groups.is_expert_dtensor(p, mesh, dp_dims, ep):
+                local = p._local_tensor
+                _C._declare_expert_param(local)
+                self._engine_names[name] = _groups.expert_name(name, p, mesh, dp_dims, ep)
+                if p.requires_grad:
+                    local.requires_grad_(True)
+                    dtensors.append((self._engine_names[name], p, local, -1))  # replicated over TP
+                params.append((self._engine_names[name], local))
+            elif isinstance(p, DTensor):
                 local = p._local_tensor
                 if p.requires_grad:
                     if config.grad_reduce_in_fp32 and p.dtype in (torch.bfloat16, torch.float16):
@@ -228,22 +252,50 @@ class DistributedDataParallel(torch.nn.Module):
                     dtensors.append((name, p, local, _tp_shard_dim(name, p, mesh, tp_dim)))
                 params.append((name, local))
             else:
+                if expert_params and _groups.matches(name, expert_params):
+                    _C._declare_expert_param(p)
                 params.append((name, p))
         buffers = [(n, b._local_tensor if isinstance(b, DTensor) else b) for n, b in module.named_buffers()]
         self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
-                               dist.get_process_group_ranks(dp_group), config)
-        grads = []
+                               dist.get_process_group_ranks(dp_group), config, embedding_group=embedding_group,
+                               expert_dp_group=expert_dp_group, instance_group=instance_group,
+                               cross_instance_group=cross_group)
+        grads = {}
         for name, p, _, _ in dtensors:
-            grads.append(DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
-                                            run_check=False, shape=p.shape, stride=p.stride()))
-        self._engine.set_dtensor_grads(grads)
+            grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
+                                             run_check=False, shape=p.shape, stride=p.stride())
+        self._engine.set_dtensor_grads(list(grads.values()))
+        # param.main_grad, as Megatron and veScale read it: the param's slot in the flat buffer (fp32 with
+        # grad_reduce_in_fp32); for a DTensor param the DTensor over its slot (its .grad).
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                engine_name = self._engine_names.get(name, name)
+                p.main_grad = grads[engine_name] if isinstance(p, DTensor) else self._engine.main_grad(engine_name)
+        # ZeRO-1: one gradient of each flat buffer, whose version counter (shared by every view of the buffer)
+        # tells DistributedOptimizer.step() whether the gradients were written after finish_grad_sync().
+        probes = {}
+        if config.use_distributed_optimizer:
+            for name in self._engine.param_names():
+                g = self._engine.main_grad(name)
+                probes.setdefault(g.untyped_storage().data_ptr(), g)
+        self._version_probes = list(probes.values())
+        self._synced_grad_version = None
         self._find_unused = config.find_unused_parameters
+        # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
+        # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
+        self._ddp_params_and_buffers_to_ignore = _guards.names_for_torch_ddp(module)
+        _guards.mark_wrapped_module(self, module)
+        self._torch_ddp_checked = None
+        _guards.watch_optimizer_steps(self)
+        if config.use_distributed_optimizer:
+            _guards.guard_raw_forward(self, module)
 
     # -- a step -----------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """The module's forward, after checking the previous step's sync has finished (a RuntimeError
         naming the params otherwise). With the distributed optimizer's overlapped param gather, each
         op waits for the all-gather of its own params' bucket."""
+        _guards.check_outer_torch_ddp(self)
         self._engine.check_before_forward()
         scope = self._engine.open_forward_scope()
         try:
@@ -258,15 +310,50 @@ class DistributedDataParallel(torch.nn.Module):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).
         Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
         self._engine.finish_grad_sync()
+        self._synced_grad_version = sum(g._version for g in self._version_probes)
 
     def zero_grad_buffer(self):
         """Zeroes the gradient buffers and points every .grad back at them. Call it (not
         optimizer.zero_grad(), which would set the grads to None) before each step's first backward."""
         self._engine.zero_grad_buffer()
+        self._synced_grad_version = None
+
+    def _grads_written_since_sync(self):
+        """ZeRO-1: whether the gradients were changed in place after this step's finish_grad_sync()."""
+        version = self._synced_grad_version
+        return version is not None and sum(g._version for g in self._version_probes) != version
 
     def set_is_last_microbatch(self, is_last):
         """False for micro-batches before the last: backward only accumulates. Default True."""
         self._engine.set_is_last_microbatch(bool(is_last))
+
+    # -- the controls a pipeline schedule drives (docs/pipeline.md) ------------------------------------
+    def start_grad_sync(self):
+        """Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
+        contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
+        sync overlaps the other chunks' backward. finish_grad_sync() (or finalize_model_grads) waits."""
+        self._engine.start_grad_sync()
+
+    def set_requires_gradient_sync(self, requires_sync):
+        """FSDP2's name. False: hold every bucket (backward only accumulates) until set True again;
+        the same switch as set_is_last_microbatch() and no_sync()."""
+        self._engine.set_requires_gradient_sync(bool(requires_sync))
+
+    def scale_gradients(self, factor):
+        """Multiplies the flat gradient buffers by `factor` (not p.grad, which with fp32 main grads or
+        ZeRO-1 is not what the optimizer reads). Between micro-batches, or after finish_grad_sync() and
+        before the optimizer step; a RuntimeError while a bucket collective is in flight."""
+        self._engine.scale_gradients(float(factor))
+
+    def broadcast_params(self):
+        """Every param takes DP rank 0's values over its reduction group (experts over expert-DP), then
+        a weight tied across stages the first stage's copy. Collective; between steps."""
+        self._engine.broadcast_params()
+
+    def check_tied_params_identical(self):
+        """A RuntimeError on both ends of the pipeline, naming the param, when the two copies of a weight
+        tied across stages differ. Collective over the embedding group."""
+        self._engine.check_tied_params_identical()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -311,7 +398,7 @@ class DistributedDataParallel(torch.nn.Module):
     def main_grad(self, name):
         """The synced gradient of trainable param `name` (module path): a view of its slot in the flat
         buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32)."""
-        return self._engine.main_grad(name)
+        return self._engine.main_grad(self._engine_names.get(name, name))
 
     @property
     def config(self):

@@ -1,10 +1,18 @@
 """meshddp.DistributedOptimizer: the ZeRO-1 optimizer (C++) over a meshddp.DistributedDataParallel
 built with DdpConfig(use_distributed_optimizer=True): each DP rank keeps fp32 master weights and
-AdamW/SGD state for its 1/DP shard of every bucket; step() updates them and all-gathers params."""
+AdamW/SGD state for its 1/DP shard of every bucket; step() updates them and all-gathers params.
 
+It is a torch.optim.Optimizer to torch's LR schedulers: `param_groups` holds one dict per param group
+of the C++ optimizer (0: the default, then one per OptimizerConfig.groups rule, in order), each with
+its "params", "param_names", "lr" and "weight_decay"; step() reads each group's "lr" and
+"weight_decay" (Note [Param groups are the source of the LR])."""
+
+import math
 import os
 import warnings
 import weakref
+
+import torch
 
 from meshddp import _C, _state_dict
 from meshddp.ddp import DistributedDataParallel
@@ -17,7 +25,19 @@ def _finish_pending_gathers(impl):
         warnings.warn(f"meshddp.DistributedOptimizer: the param all-gathers pending at teardown failed: {e}")
 
 
-class DistributedOptimizer:
+# Note [Param groups are the source of the LR]
+#   A torch LR scheduler writes param_groups[g]["lr"]; meshddp's own calls (set_lr, set_group_lr,
+#   set_weight_decay, load_state_dict, load_checkpoint) change the C++ optimizer's groups. So the
+#   dicts are pushed into the C++ groups before anything that reads or changes them there (step(),
+#   state_dict(), set_*), and pulled back after anything that changed them there: whichever side was
+#   written last wins, and the dicts always show what the next step() uses.
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
+    # lets it through.
+    _finishes_grad_sync = True
+
     def __init__(self, ddp, config=None):
         if not isinstance(ddp, DistributedDataParallel):
             raise RuntimeError(f"meshddp.DistributedOptimizer: ddp must be a meshddp.DistributedDataParallel, got "
@@ -32,16 +52,68 @@ class DistributedOptimizer:
         # still in flight, as finish_param_sync() would: a process must not exit, nor drop the
         # buffers, under a running collective.
         self._teardown = weakref.finalize(self, _finish_pending_gathers, self._impl)
+        # One param group per C++ group, holding its trainable params in the GradBuffer's order.
+        by_name = dict(ddp.module.named_parameters())
+        for module_name, engine_name in ddp._engine_names.items():
+            by_name[engine_name] = by_name[module_name]
+        names = ddp._engine.param_names()
+        groups = [{"params": [], "lr": self._impl.group_lr(g), "weight_decay": self._impl.group_weight_decay(g),
+                   "rule": None if g == 0 else config.groups[g - 1][0]} for g in range(self._impl.num_groups())]
+        module_path = {engine: module for module, engine in ddp._engine_names.items()}
+        for i, name in enumerate(names):
+            groups[self._impl.group_of(i)]["params"].append((module_path.get(name, name), by_name[name]))
+        super().__init__(groups, {"lr": config.lr, "weight_decay": config.weight_decay})
 
-    def step(self):
+    def add_param_group(self, param_group):
+        if getattr(self, "_impl", None) is not None and len(self.param_groups) == self._impl.num_groups():
+            raise RuntimeError("meshddp.DistributedOptimizer.add_param_group: the param groups are fixed when the "
+                               "optimizer is built (one per OptimizerConfig.groups rule, plus the default); give "
+                               "the rule in OptimizerConfig(groups=[(pattern, lr, weight_decay)]) instead")
+        super().add_param_group(param_group)
+
+    def _push_groups(self):
+        """param_groups' lr and weight_decay into the C++ groups (Note [Param groups are the source of the LR])."""
+        for g, group in enumerate(self.param_groups):
+            values = {}
+            for field in ("lr", "weight_decay"):
+                value = group[field]
+                value = value.item() if isinstance(value, torch.Tensor) else value
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                    raise ValueError(f"meshddp.DistributedOptimizer: param_groups[{g}]['{field}'] must be a finite "
+                                     f"number >= 0, got {value!r}")
+                values[field] = float(value)
+            self._impl.set_group_lr(g, values["lr"])
+            self._impl.set_group_weight_decay(g, values["weight_decay"])
+
+    def _pull_groups(self):
+        for g, group in enumerate(self.param_groups):
+            group["lr"] = self._impl.group_lr(g)
+            group["weight_decay"] = self._impl.group_weight_decay(g)
+
+    def step(self, closure=None):
         """One step (a collective over DP; GIL released): finish_grad_sync() if not done, non-finite
-        check, clipping, the sharded update and the param all-gather. Returns a StepResult
-        (skipped, grad_norm, clipped, report)."""
+        check, clipping, the sharded update and the param all-gather, with each param group's "lr"
+        and "weight_decay" as param_groups holds them now. Returns a StepResult (skipped, grad_norm,
+        clipped, report)."""
+        if closure is not None:
+            raise RuntimeError("meshddp.DistributedOptimizer.step: a closure is not supported; run forward and "
+                               "backward before step()")
+        if self.ddp._grads_written_since_sync():
+            raise RuntimeError(
+                "meshddp.DistributedOptimizer.step: the gradients were changed in place after finish_grad_sync() "
+                "(e.g. by torch.nn.utils.clip_grad_norm_). The buffer is sharded for the ZeRO-1 distributed "
+                "optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of its shard "
+                "only: torch's clip_grad_norm_ takes the norm of unreduced gradients, and would clip a second time "
+                "after the optimizer's own clipping. Set meshddp.OptimizerConfig(clip_grad_norm=max_norm) instead "
+                "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
-        return self._impl.step()
+        self._push_groups()
+        result = self._impl.step()
+        self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
+        return result
 
-    def zero_grad(self):
-        """Same as ddp.zero_grad_buffer()."""
+    def zero_grad(self, set_to_none=True):
+        """Same as ddp.zero_grad_buffer() (the gradients stay views of the buffer, whatever set_to_none)."""
         self.ddp.zero_grad_buffer()
 
     def finish_param_sync(self):
@@ -61,24 +133,81 @@ class DistributedOptimizer:
 
     def set_lr(self, lr):
         """Sets every param group's learning rate to lr x its ratio to the base lr, from the next step()."""
+        self._push_groups()
         self._impl.set_lr(lr)
+        self._pull_groups()
+
+    def set_weight_decay(self, weight_decay):
+        """Sets every param group's weight decay to weight_decay x its ratio to the base weight decay (a group
+        whose own weight decay was set while the base is 0 keeps it), from the next step()."""
+        self._push_groups()
+        self._impl.set_weight_decay(weight_decay)
+        self._pull_groups()
 
     def set_group_lr(self, group, lr):
         """Sets param group `group`'s learning rate (0: the default group, then one per rule)."""
+        self._push_groups()
         self._impl.set_group_lr(group, lr)
+        self._pull_groups()
 
-    def save_checkpoint(self, directory, keep_last=0):
+    def save_checkpoint(self, directory, keep_last=0, async_save=False, if_busy="wait"):
         """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md).
 
         keep_last=K (> 0) then keeps the K newest checkpoints of this run (the one it loaded and those
-        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories."""
+        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories.
+
+        async_save=True returns after a copy of this rank's shards to host memory: a background thread
+        writes them, and the checkpoint is committed (`latest` moved) at a later checkpoint_step_boundary()
+        or wait_checkpoint(), which every rank calls at every step boundary / at the end of training
+        (docs/checkpoints.md, "Asynchronous saves"). Returns {"path", "stall_ms", "waited_ms",
+        "snapshot_ms"}. A save while the previous async one is still being written waits for it
+        (if_busy="wait") or raises (if_busy="refuse"), on every rank."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"meshddp.DistributedOptimizer.save_checkpoint: keep_last must be an int >= 0, got {keep_last!r}")
-        self._impl.save_checkpoint(os.fspath(directory), keep_last)
+        if if_busy not in ("wait", "refuse"):
+            raise ValueError(f"meshddp.DistributedOptimizer.save_checkpoint: if_busy must be 'wait' or 'refuse', got {if_busy!r}")
+        if not async_save:
+            if getattr(self, "_async", None) is not None and self._async.pending:
+                self._report(self._async.wait())  # one save at a time
+            self._impl.save_checkpoint(os.fspath(directory), keep_last)
+            return None
+        if getattr(self, "_async", None) is None:
+            self._async = _C._AsyncCheckpointSave(self._impl)
+        path, stall, waited, snapshot, previous = self._async.start(self._impl, os.fspath(directory), keep_last,
+                                                                    if_busy == "refuse")
+        self._report(previous)
+        return {"path": path, "stall_ms": stall, "waited_ms": waited, "snapshot_ms": snapshot}
+
+    def checkpoint_step_boundary(self):
+        """Call at every step boundary on every rank (a collective while an async save is pending; nothing
+        otherwise): commits the pending async save once every rank's file is written. Returns
+        ("committed", path) once, ("pending", path) before, None without a pending save; raises
+        RuntimeError on every rank, naming each failing rank and its file, when a write failed (the
+        previous checkpoint stays `latest`)."""
+        if getattr(self, "_async", None) is None:
+            return None
+        return self._report(self._async.poll())
+
+    def wait_checkpoint(self):
+        """A collective: waits for the pending async save and commits it (the end of training, or before a
+        load). Returns ("committed", path), or None without one; raises as checkpoint_step_boundary()."""
+        if getattr(self, "_async", None) is None:
+            return None
+        return self._report(self._async.wait())
+
+    @staticmethod
+    def _report(report):
+        kind, _step, path, message, _write_ms = report
+        if kind == "failed":
+            raise RuntimeError(message)
+        return None if kind == "none" else (kind, path)
 
     def load_checkpoint(self, directory):
-        """Loads a checkpoint saved at this or another DP size, then all-gathers params."""
+        """Loads a checkpoint saved at this or another DP size, then all-gathers params (after waiting for
+        a pending async save: wait_checkpoint())."""
+        self.wait_checkpoint()
         self._impl.load_checkpoint(os.fspath(directory))
+        self._pull_groups()
 
     def state_dict(self):
         """This rank's optimizer state in the form torch.distributed.checkpoint saves and reshards across DP
@@ -89,6 +218,14 @@ class DistributedOptimizer:
         load it with the model's: {"model": ddp.state_dict(), "optim": opt.state_dict()} (an fp32 param is its
         own master). With TP > 1 the keys name the TP rank: reshards over DP, at the same TP size.
         Note [The optimizer state for DCP] in meshddp/_state_dict.py; docs/checkpoints.md."""
+        if self.ddp.config.expert_parallel_size > 1 and any(
+                _C._is_expert_param(getattr(p, "_local_tensor", p)) for p in self.ddp.parameters()):
+            raise RuntimeError(
+                "meshddp.DistributedOptimizer.state_dict: the model has expert params over expert_parallel_size "
+                f"{self.ddp.config.expert_parallel_size}, whose ZeRO-1 shards are laid out over the expert-data-"
+                "parallel group, which this DCP layout (shards over DP) does not describe yet; use "
+                "save_checkpoint() / load_checkpoint() (meshddp's format) for this model")
+        self._push_groups()
         return _state_dict.build(self)
 
     def load_state_dict(self, state_dict):
@@ -97,6 +234,7 @@ class DistributedOptimizer:
         the state, the step count, the learning rates; writes the masters into the params and all-gathers
         them (a collective over the mesh). Training then continues as if never stopped."""
         _state_dict.load(self, state_dict)
+        self._pull_groups()
 
     @property
     def steps_taken(self):

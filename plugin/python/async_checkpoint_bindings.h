@@ -1,0 +1,13 @@
+// Python bindings of checkpoint/async_save.h for DistributedOptimizer.save_checkpoint(async_save=True)
+// (meshddp._C._AsyncCheckpointSave; the Python side is meshddp/optimizer.py).
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace meshddp::python {
+
+namespace py = pybind11;
+
+void bind_async_checkpoint(py::module_& m);
+
+}  // namespace meshddp::python
