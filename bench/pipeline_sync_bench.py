@@ -27,7 +27,7 @@ PATTERN = re.compile(r"gradient sync exposed after the schedule \(([^)]*)\): ([0
 
 def measure(placement):
     cmd = [torchrun, "--standalone", "--nproc-per-node=4", "--no-python", binary, "--dp", "2", "--pp", "2",
-           "--microbatches", "4", "--grad-sync", placement, *model]
+           "--micro-batches", "4", "--grad-sync", placement, *model]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     found = PATTERN.search(out.stderr)
     if out.returncode != 0 or not found:

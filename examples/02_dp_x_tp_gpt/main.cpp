@@ -9,7 +9,9 @@
 // ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
 // --dtype bf16 trains in bf16 with fp32 main grads and fp32 masters (--grad-reduce-in-bf16: bf16 main
 // grads), as Megatron does (examples/common/precision.h); --micro-batches K accumulates K micro-batches
-// per DP rank and syncs once.
+// per DP rank and syncs once. --pp N [--vpp V] runs it on a pipeline (pipeline_train.h: 1F1B or
+// interleaved, on meshddp's pipeline controls; docs/pipeline.md); --loss per-token normalises by the
+// global count of valid tokens.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //

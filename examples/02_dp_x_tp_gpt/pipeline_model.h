@@ -6,9 +6,9 @@
 //
 // The LM head is tied to the token embedding. Within one chunk (pp 1) it IS the embedding's tensor,
 // registered under both names "wte.weight" and "lm_head.weight"; when the first and last chunks live
-// on different ranks the last chunk holds a copy under "lm_head.weight", and the two copies' gradients
-// are summed over the embedding group (first and last pipeline rank) before the optimizer step, so
-// they stay bit-identical (pipeline_train.cpp). Not parallelism itself: pipeline_train.cpp places the
+// on different ranks the last chunk holds a copy under "lm_head.weight", both copies are declared
+// tied across stages (pipeline_train.cpp), and DDP sums their gradients over the embedding group, so
+// they stay bit-identical (docs/pipeline.md). Not parallelism itself: pipeline_train.cpp places the
 // chunks and gpt_plan.h still splits them over TP.
 #pragma once
 

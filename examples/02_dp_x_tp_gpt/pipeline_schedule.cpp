@@ -1,9 +1,11 @@
-// The schedules' order (pure) and the loop that runs one step of it. Transfers: a forward receives its
-// input just before it runs and sends its output without waiting; a backward receives its output's
-// gradient the same way and sends its input's gradient on. Sends complete in the background (Gloo and
-// NCCL both progress them once the peer posts the matching receive) and are waited for at the end of
-// the step, so a rank only ever blocks on a receive whose sender reaches it in its own order:
-// deadlock-free for any order in which Megatron's blocking schedules are.
+// The schedules' order (pure) and the loop that runs one step of it. Transfers are c10d's isend and
+// irecv (ProcessGroup::send / recv return a Work without waiting): a forward posts the receive of its
+// input and waits for it just before it runs, and sends its output without waiting; a backward
+// receives its output's gradient the same way and sends its input's gradient on. Sends complete in
+// the background (Gloo and NCCL both progress them once the peer posts the matching receive) and are
+// waited for at the end of the step, so a rank only ever blocks on a receive whose sender reaches it
+// in its own order. A blocking send would deadlock 1F1B: in the steady state stage s sends its
+// activation to s + 1 while s + 1 sends its gradient to s, both before receiving.
 #include "examples/02_dp_x_tp_gpt/pipeline_schedule.h"
 
 #include <ATen/ATen.h>
