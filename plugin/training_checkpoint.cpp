@@ -309,9 +309,7 @@ TrainingStatePieces training_state_pieces(const PipelineTrainingState& state, in
   return pieces_of(pipeline_chunks(state), step, values);
 }
 CheckpointMesh checkpoint_mesh_of(const TrainingState& state) { return parts_of(one_chunk(state)).mesh; }
-CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state) {
-  return parts_of(pipeline_chunks(state)).mesh;
-}
+CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state) { return parts_of(pipeline_chunks(state)).mesh; }
 
 std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
                             const CheckpointValues& values, const CheckpointSaveOptions& options) {

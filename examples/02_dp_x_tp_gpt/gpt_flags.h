@@ -24,8 +24,8 @@ struct Flags {
   int64_t micro_batches = 1;
   uint64_t seed = 0;
   examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
-  std::string optimizer = "adamw";  // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;           // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
+  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
   // --loss mean|per-token. mean: the mean over every token of the global batch (all are valid).
@@ -115,8 +115,7 @@ inline void validate(const Flags& f) {
                       " with --pp/--vpp is not supported yet; use flat ZeRO-1 (1)");
     }
     if (f.precision.bf16) throw FlagError("--dtype bf16 with --pp/--vpp is not supported yet; use fp32");
-    if (f.run.inject_nan.step >= 0)
-      throw FlagError("--inject-nan with --pp/--vpp is not supported; drop one of them");
+    if (f.run.inject_nan.step >= 0) throw FlagError("--inject-nan with --pp/--vpp is not supported; drop one of them");
   } else if (f.sync_at_end) {
     throw FlagError("--grad-sync end needs a pipeline (--pp)");
   }
