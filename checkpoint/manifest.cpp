@@ -263,8 +263,12 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   m.world_size = check.integer(check.member(mesh, "mesh", "world_size"), "mesh.world_size", 1, 1 << 24);
   m.dp_size = check.integer(check.member(mesh, "mesh", "dp_size"), "mesh.dp_size", 1, m.world_size);
   m.tp_size = check.integer(check.member(mesh, "mesh", "tp_size"), "mesh.tp_size", 1, m.world_size);
-  if (m.dp_size * m.tp_size != m.world_size) {
+  // Pipeline stages (absent before pipeline checkpoints existed: 1).
+  if (mesh.contains("pp_size"))
+    m.pp_size = check.integer(check.member(mesh, "mesh", "pp_size"), "mesh.pp_size", 1, m.world_size);
+  if (m.dp_size * m.tp_size * m.pp_size != m.world_size) {
     check.fail("mesh", "has dp_size " + std::to_string(m.dp_size) + " x tp_size " + std::to_string(m.tp_size) +
+                           (m.pp_size > 1 ? " x pp_size " + std::to_string(m.pp_size) : std::string()) +
                            " != world_size " + std::to_string(m.world_size));
   }
   m.values = parse_values(check.member(json, "the manifest", "values"), check);

@@ -213,6 +213,7 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
   m["save_id"] = save_id;
   m["step"] = s.meta.step;
   m["mesh"] = {{"world_size", s.world_size}, {"dp_size", s.mesh.dp_size}, {"tp_size", s.mesh.tp_size}};
+  if (s.mesh.pp_size > 1) m["mesh"]["pp_size"] = s.mesh.pp_size;
   m["values"] = values_to_json(s.meta.values);
   m["optimizer"] = s.meta.optimizer;
   Json files = Json::object(), entries = Json::object();

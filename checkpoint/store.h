@@ -60,6 +60,7 @@ std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& p
 struct CheckpointMesh {
   c10::intrusive_ptr<c10d::ProcessGroup> world;                // every rank of the mesh: saves and loads agree over it
   int64_t dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;  // recorded in the manifest, for people
+  int64_t pp_size = 1;  // pipeline stages (each holds other params): world = dp x tp x pp
 };
 
 struct CheckpointSaveOptions {

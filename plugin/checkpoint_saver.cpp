@@ -9,10 +9,13 @@ namespace meshddp {
 
 CheckpointSaver::CheckpointSaver(TrainingState state, OnFailure on_failure)
     : state_(state), on_failure_(on_failure), async_(checkpoint_mesh_of(state)) {}
+CheckpointSaver::CheckpointSaver(PipelineTrainingState state, OnFailure on_failure)
+    : state_(state), on_failure_(on_failure), async_(checkpoint_mesh_of(state)) {}
 
 AsyncSaveStart CheckpointSaver::save(const std::string& dir, int64_t step, const CheckpointValues& values,
                                      const CheckpointSaveOptions& options) {
-  TrainingStatePieces pieces = training_state_pieces(state_, step, values);
+  TrainingStatePieces pieces =
+      std::visit([&](const auto& state) { return training_state_pieces(state, step, values); }, state_);
   if (options.async_save) {
     AsyncSaveStart started = async_.start(dir, pieces.meta, pieces.tensors, options);
     handle(started.previous);

@@ -16,6 +16,8 @@
 #include "../checkpoint/async_save.h"
 #include "training_checkpoint.h"
 
+#include <variant>
+
 namespace meshddp {
 
 class CheckpointSaver {
@@ -25,6 +27,8 @@ class CheckpointSaver {
   // returns it (training goes on; `latest` still names the previous checkpoint).
   enum class OnFailure { kThrow, kWarn };
   explicit CheckpointSaver(TrainingState state, OnFailure on_failure = OnFailure::kThrow);
+  // A pipeline rank's chunks (several DDPs, the checkpoint over every stage's ranks).
+  explicit CheckpointSaver(PipelineTrainingState state, OnFailure on_failure = OnFailure::kThrow);
 
   // Collective over every rank of the mesh, at a step boundary. options.async_save: snapshots the
   // state and starts the background write (returns what it stalled); else saves and commits
@@ -45,7 +49,7 @@ class CheckpointSaver {
 
  private:
   const AsyncSaveReport& handle(const AsyncSaveReport& report) const;
-  TrainingState state_;
+  std::variant<TrainingState, PipelineTrainingState> state_;
   OnFailure on_failure_;
   AsyncCheckpointSave async_;
 };

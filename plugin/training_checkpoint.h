@@ -18,6 +18,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace meshddp {
 
@@ -65,5 +66,29 @@ LoadedCheckpoint load_checkpoint(const TrainingState& state, const std::string& 
 // damaged `latest`, corrupt files) and ranks that see different directories throw on every rank.
 std::optional<LoadedCheckpoint> resume_checkpoint(const TrainingState& state, const std::string& dir,
                                                   std::optional<int64_t> step = std::nullopt);
+
+// Pipeline parallel: a rank holds several model chunks (a stage, or several with virtual stages), each
+// with its own DistributedDataParallel (and DistributedOptimizer, or one torch optimizer shared by all
+// chunks), and the stages hold different params. Params are saved and found by name, so chunks must
+// use the model's global names ("blocks.5.attn.q.weight" on whichever stage holds layer 5): then a
+// checkpoint saved at one pipeline size loads at another (and at any DP x TP), as for TP. A weight tied
+// across stages is saved under each copy's name ("wte.weight", "lm_head.weight"); a model that ties
+// them in one module registers the tensor under both names.
+struct PipelineTrainingState {
+  std::vector<TrainingState> chunks;  // this rank's chunks; every one has the same kind of optimizer
+  // Every rank of the mesh (all stages): saves and loads agree over it, and each rank writes its file
+  // in it. Required: a chunk's DDP only knows its stage.
+  c10::intrusive_ptr<c10d::ProcessGroup> world;
+};
+// The same collectives over state.world, for a pipeline rank's chunks.
+std::string save_checkpoint(const PipelineTrainingState& state, const std::string& dir, int64_t step,
+                            const CheckpointValues& values = {}, const CheckpointSaveOptions& options = {});
+LoadedCheckpoint load_checkpoint(const PipelineTrainingState& state, const std::string& dir,
+                                 std::optional<int64_t> step = std::nullopt);
+std::optional<LoadedCheckpoint> resume_checkpoint(const PipelineTrainingState& state, const std::string& dir,
+                                                  std::optional<int64_t> step = std::nullopt);
+TrainingStatePieces training_state_pieces(const PipelineTrainingState& state, int64_t step,
+                                          const CheckpointValues& values);
+CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state);
 
 }  // namespace meshddp

@@ -385,8 +385,9 @@ def load_manifest(step_dir):
     world = _int(get(mesh, "mesh", "world_size", None), "mesh.world_size", 1, 1 << 24, fail)
     dp = _int(get(mesh, "mesh", "dp_size", None), "mesh.dp_size", 1, world, fail)
     tp = _int(get(mesh, "mesh", "tp_size", None), "mesh.tp_size", 1, world, fail)
-    if dp * tp != world:
-        fail(f"mesh has dp_size {dp} x tp_size {tp} != world_size {world}")
+    pp = _int(mesh["pp_size"], "mesh.pp_size", 1, world, fail) if "pp_size" in mesh else 1  # pipeline stages
+    if dp * tp * pp != world:
+        fail(f"mesh has dp_size {dp} x tp_size {tp}{f' x pp_size {pp}' if pp > 1 else ''} != world_size {world}")
     for k, v in get(m, "the manifest", "values", dict).items():
         if not isinstance(v, (int, float, str)) or isinstance(v, bool):
             fail(f"values[{k!r}] is {json.dumps(v)}; expected an integer, a number or a string")

@@ -153,4 +153,23 @@ inline std::pair<torch::Tensor, torch::Tensor> make_batch(const Config& c, uint6
   return {seq.narrow(1, 0, c.seq_len).contiguous(), seq.narrow(1, 1, c.seq_len).contiguous()};
 }
 
+// --loss per-token: sequences of random valid length (from (seed, step), at least a quarter of
+// seq_len), padding after it. true where a target counts. [batch, seq_len]; the whole global batch,
+// so every rank knows the global count of valid tokens without communicating.
+inline torch::Tensor valid_mask(const Config& c, uint64_t seed, int64_t step, int64_t batch) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + static_cast<uint64_t>(step) + 0x5eed);
+  auto lengths = torch::randint(std::max<int64_t>(1, c.seq_len / 4), c.seq_len + 1, {batch, 1}, gen);
+  return torch::arange(c.seq_len).unsqueeze(0) < lengths;
+}
+
+// The sum of the cross-entropy over the tokens `valid` marks (logits [N, V or V / tp], targets and
+// valid [N]): mean over them times their count, a zero that keeps the graph when there are none.
+inline torch::Tensor loss_sum(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& valid,
+                              meshddp::tp::Group* vocab_group) {
+  const auto rows = valid.nonzero().squeeze(1);
+  if (rows.numel() == 0) return logits.sum() * 0.0;
+  return meshddp::tp::cross_entropy(logits.index_select(0, rows), targets.index_select(0, rows), vocab_group) *
+         static_cast<double>(rows.numel());
+}
+
 }  // namespace gpt

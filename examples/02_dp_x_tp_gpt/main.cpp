@@ -9,7 +9,9 @@
 // ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
 // --dtype bf16 trains in bf16 with fp32 main grads and fp32 masters (--grad-reduce-in-bf16: bf16 main
 // grads), as Megatron does (examples/common/precision.h); --micro-batches K accumulates K micro-batches
-// per DP rank and syncs once.
+// per DP rank and syncs once. --pp N [--vpp V] runs it on a pipeline (pipeline_train.h: 1F1B or
+// interleaved, on meshddp's pipeline controls; docs/pipeline.md); --loss per-token normalises by the
+// global count of valid tokens.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
 //
@@ -18,11 +20,12 @@
 // summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
 // tolerance). Flags: docs/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
+#include "examples/02_dp_x_tp_gpt/gpt_flags.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
+#include "examples/02_dp_x_tp_gpt/pipeline_train.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
 #include "examples/common/precision.h"
-#include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
 
@@ -35,156 +38,13 @@
 #include <string>
 #include <thread>
 
-namespace {
-
-struct Flags {
-  int64_t dp = 1, cp = 1, tp = 1;
-  int64_t ep = 1;  // expert-parallel size (--ep); the number of experts and top-k are in `model`
-  bool sequence_parallel = false, distributed_optimizer = false;
-  // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
-  int64_t optimizer_instances = 1;
-  int64_t global_batch = 16;
-  int64_t micro_batches = 1;  // per DP rank and step: backward accumulates, the last one syncs
-  uint64_t seed = 0;
-  examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
-  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
-  gpt::Config model;
-  examples::CheckpointFlags checkpoints;
-};
-
-std::string usage_line() {
-  return std::string(
-             "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--optimizer adamw|sgd] "
-             "[--global-batch N] [--micro-batches K] "
-             "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
-             "N]] ") +
-         examples::precision_usage() + " " + examples::run_flags_usage() + examples::checkpoint_usage();
-}
-
-[[noreturn]] void usage(const char* prog, const std::string& error) {
-  examples::exit_with_usage(prog, error, usage_line());
-}
-
-// Model and mesh flags that would otherwise fail deep inside (--heads 0 divides by zero on every rank).
-void validate(const Flags& f) {
-  using examples::FlagError;
-  const auto& m = f.model;
-  const auto n = [](int64_t v) { return std::to_string(v); };
-  if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
-  if (m.heads % f.tp != 0)
-    throw FlagError("--heads " + n(m.heads) + " must divide by --tp " + n(f.tp) + " (heads are split over TP)");
-  if (m.vocab % f.tp != 0)
-    throw FlagError("--vocab " + n(m.vocab) + " must divide by --tp " + n(f.tp) + " (the vocab is split over TP)");
-  if (f.global_batch % (f.dp * f.micro_batches) != 0) {
-    throw FlagError("--global-batch " + n(f.global_batch) + " must divide by --dp " + n(f.dp) +
-                    (f.micro_batches > 1 ? " x --micro-batches " + n(f.micro_batches) : std::string()));
-  }
-  if (m.seq_len % f.cp != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --cp " + n(f.cp) +
-                    " (each CP rank holds a slice of every sequence)");
-  }
-  if (f.sequence_parallel && m.seq_len % (f.cp * f.tp) != 0) {
-    throw FlagError("--seq-len " + n(m.seq_len) + " must divide by --tp " + n(f.tp) +
-                    (f.cp > 1 ? " x --cp " + n(f.cp) : std::string()) + " with --sequence-parallel");
-  }
-  if (m.experts == 0 && f.ep > 1)
-    throw FlagError("--ep " + n(f.ep) + " needs --experts (a mixture of experts to spread)");
-  if (m.experts > 0) {
-    if (m.top_k > m.experts) throw FlagError("--top-k " + n(m.top_k) + " must be at most --experts " + n(m.experts));
-    if (m.experts % f.ep != 0)
-      throw FlagError("--experts " + n(m.experts) + " must divide by --ep " + n(f.ep) + " (each EP rank holds E / ep)");
-    if ((f.dp * f.cp) % f.ep != 0) {
-      throw FlagError("--ep " + n(f.ep) + " must divide --dp " + n(f.dp) + (f.cp > 1 ? " x --cp " + n(f.cp) : "") +
-                      " (expert-parallel groups are carved out of the data-parallel ranks)");
-    }
-    if (f.sequence_parallel && f.tp > 1) {
-      throw FlagError(
-          "--sequence-parallel with --experts is not supported: the MoE layer routes whole tokens, which "
-          "sequence parallelism splits over TP; drop one of them (--experts works with --tp without it)");
-    }
-  }
-  examples::validate_run_flags(f.run);
-  examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
-}
-
-Flags parse(int argc, char** argv) {
-  Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") examples::exit_with_help(argv[0], usage_line());
-    if (arg == "--sequence-parallel") {
-      f.sequence_parallel = true;
-      continue;
-    }
-    if (arg == "--distributed-optimizer") {
-      f.distributed_optimizer = true;
-      continue;
-    }
-    if (examples::parse_precision_switch(arg, f.precision)) continue;
-    if (examples::parse_checkpoint_flag(argc, argv, i, f.checkpoints)) continue;
-    if (i + 1 >= argc) usage(argv[0], "flag " + arg + " needs a value");
-    const std::string v = argv[++i];
-    using examples::parse_int_flag;
-    try {
-      if (arg == "--dp")
-        f.dp = parse_int_flag(arg, v, 1);
-      else if (arg == "--tp")
-        f.tp = parse_int_flag(arg, v, 1);
-      else if (arg == "--cp")
-        f.cp = parse_int_flag(arg, v, 1);
-      else if (arg == "--optimizer-instances")
-        f.optimizer_instances = parse_int_flag(arg, v, 1);
-      else if (arg == "--ep")
-        f.ep = parse_int_flag(arg, v, 1);
-      else if (arg == "--experts")
-        f.model.experts = parse_int_flag(arg, v, 0);
-      else if (arg == "--top-k")
-        f.model.top_k = parse_int_flag(arg, v, 1);
-      else if (arg == "--global-batch")
-        f.global_batch = parse_int_flag(arg, v, 1);
-      else if (arg == "--micro-batches")
-        f.micro_batches = parse_int_flag(arg, v, 1);
-      else if (examples::parse_precision_flag(arg, v, f.precision))
-        continue;
-      else if (arg == "--seed")
-        f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
-      else if (arg == "--optimizer") {
-        if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
-        f.optimizer = v;
-      } else if (arg == "--layers")
-        f.model.layers = parse_int_flag(arg, v, 1);
-      else if (arg == "--dim")
-        f.model.dim = parse_int_flag(arg, v, 1);
-      else if (arg == "--heads")
-        f.model.heads = parse_int_flag(arg, v, 1);
-      else if (arg == "--seq-len")
-        f.model.seq_len = parse_int_flag(arg, v, 1);
-      else if (arg == "--vocab")
-        f.model.vocab = parse_int_flag(arg, v, 1);
-      else if (!examples::parse_run_flag(arg, v, f.run))
-        usage(argv[0], "unknown flag " + arg);
-    } catch (const examples::FlagError& e) {
-      usage(argv[0], e.what());
-    }
-  }
-  try {
-    validate(f);
-  } catch (const examples::FlagError& e) {
-    usage(argv[0], e.what());
-  }
-  return f;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  const Flags f = parse(argc, argv);
+  const gpt::Flags f = gpt::parse(argc, argv);
   try {
     const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
     at::set_num_threads(static_cast<int>(
         std::max(1u, std::thread::hardware_concurrency() / std::max(1, local_world ? std::atoi(local_world) : 1))));
+    if (f.pipeline) return gpt::train_pipeline(f, argc, argv);  // --pp / --vpp
     // A "cp" dim only with --cp > 1, so that DP x TP runs keep their 2-D mesh.
     meshddp::DeviceMesh mesh =
         f.cp > 1 ? meshddp::DeviceMesh::from_env({f.dp, f.cp, f.tp}, {"dp", "cp", "tp"}, examples::mesh_options(f.run))
@@ -259,7 +119,8 @@ int main(int argc, char** argv) {
                    static_cast<long long>(f.global_batch), static_cast<long long>(f.model.seq_len));
       std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
-    examples::ExampleCheckpoints checkpoints(f.checkpoints, {model.ptr().get(), &ddp, zero1.get(), adamw.get()},
+    examples::ExampleCheckpoints checkpoints(f.checkpoints,
+                                             meshddp::TrainingState{model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
     checkpoints.track(schedule);
     const int64_t first_step = checkpoints.resume();
@@ -280,6 +141,9 @@ int main(int argc, char** argv) {
       };
       // --micro-batches K: K slices of this rank's sequences; backward accumulates, the last one syncs.
       const int64_t micro = local / f.micro_batches;
+      // --loss per-token: the valid tokens of the whole global batch (every rank knows the count).
+      const auto valid = f.per_token_loss ? gpt::valid_mask(f.model, f.seed, step, f.global_batch) : torch::Tensor();
+      const double valid_total = f.per_token_loss ? valid.sum().item<double>() : 0.0;
       torch::Tensor loss = torch::zeros({}, torch::kDouble);
       inject.before_backward(step, mesh.rank());
       for (int64_t m = 0; m < f.micro_batches; ++m) {
@@ -287,11 +151,19 @@ int main(int argc, char** argv) {
         auto logits = ddp.forward(mine(ids).narrow(0, m * micro, micro));
         // The loss in fp32 (bf16 logits widened, as Megatron's cross entropy does); the mean over
         // this rank's tokens: slices are equal, so the DP x CP gradient mean is the gradient of the
-        // whole batch's mean.
-        auto micro_loss =
-            meshddp::tp::cross_entropy(logits.to(torch::kFloat).view({-1, logits.size(-1)}),
-                                       mine(targets).narrow(0, m * micro, micro).reshape({-1}), mesh["tp"].get()) /
-            static_cast<double>(f.micro_batches);
+        // whole batch's mean. --loss per-token: this rank's sum over its valid tokens over the global
+        // batch's count, times DP x CP (which DDP's mean divides by again).
+        const auto flat_logits = logits.to(torch::kFloat).view({-1, logits.size(-1)});
+        const auto micro_targets = mine(targets).narrow(0, m * micro, micro).reshape({-1});
+        torch::Tensor micro_loss;
+        if (f.per_token_loss) {
+          micro_loss = gpt::loss_sum(flat_logits, micro_targets, mine(valid).narrow(0, m * micro, micro).reshape({-1}),
+                                     mesh["tp"].get()) *
+                       (static_cast<double>(f.dp * f.cp) / valid_total);
+        } else {
+          micro_loss = meshddp::tp::cross_entropy(flat_logits, micro_targets, mesh["tp"].get()) /
+                       static_cast<double>(f.micro_batches);
+        }
         micro_loss.backward();
         loss = loss + micro_loss.detach().to(torch::kDouble);
       }

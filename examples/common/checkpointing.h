@@ -31,6 +31,7 @@
 #include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
+#include <variant>
 
 namespace examples {
 
@@ -84,14 +85,15 @@ inline const char* checkpoint_usage() {
 
 class ExampleCheckpoints {
  public:
-  ExampleCheckpoints(CheckpointFlags flags, meshddp::TrainingState state, int64_t rank, uint64_t seed,
-                     int64_t global_batch)
+  // `state`: a meshddp::TrainingState, or a PipelineTrainingState (a pipeline rank's chunks).
+  ExampleCheckpoints(CheckpointFlags flags, std::variant<meshddp::TrainingState, meshddp::PipelineTrainingState> state,
+                     int64_t rank, uint64_t seed, int64_t global_batch)
       : f_(std::move(flags)),
         state_(state),
         rank_(rank),
         seed_(static_cast<int64_t>(seed)),
         global_batch_(global_batch),
-        saver_(state) {
+        saver_(std::visit([](const auto& s) { return meshddp::CheckpointSaver(s); }, state)) {
     TORCH_CHECK(!f_.resume || f_.any(), "--resume needs --save-dir");
     TORCH_CHECK(!f_.async_save || f_.any(), "--async-save needs --save-dir");
   }
@@ -107,7 +109,8 @@ class ExampleCheckpoints {
     const auto start = std::chrono::steady_clock::now();
     std::optional<meshddp::LoadedCheckpoint> found;
     try {
-      found = meshddp::resume_checkpoint(state_, f_.save_dir, f_.resume_step);
+      found =
+          std::visit([&](const auto& s) { return meshddp::resume_checkpoint(s, f_.save_dir, f_.resume_step); }, state_);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, f_.resume_step ? "--resume-step " + std::to_string(*f_.resume_step) : std::string("--resume"),
                   ": ", e.what_without_backtrace(),
@@ -228,7 +231,7 @@ class ExampleCheckpoints {
   }
   inline static const std::string kSchedulePrefix = "lr_schedule/";
   CheckpointFlags f_;
-  meshddp::TrainingState state_;
+  std::variant<meshddp::TrainingState, meshddp::PipelineTrainingState> state_;
   meshddp::LrScheduler* schedule_ = nullptr;
   int64_t rank_;
   int64_t seed_, global_batch_;

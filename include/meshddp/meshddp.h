@@ -20,12 +20,14 @@
 // The mesh and the one checked collective path (for a trainer's own metrics: all-reduce of a loss).
 #include "mesh/collectives.h"
 #include "mesh/device_mesh.h"
+#include "mesh/pipeline_groups.h"
 
 // Data parallelism, the ZeRO-1 optimizer, its LR schedule, whole-training-state checkpoints.
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
 #include "plugin/checkpoint_saver.h"
 #include "plugin/distributed_data_parallel.h"
+#include "plugin/pipeline.h"
 #include "plugin/training_checkpoint.h"
 
 // Tensor parallelism: layers, plans, the linear that writes its weight gradient into the buffer, and

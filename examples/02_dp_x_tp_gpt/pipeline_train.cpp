@@ -1,0 +1,259 @@
+// The pipeline training loop of example 02 (pipeline_train.h), on meshddp's pipeline controls
+// (docs/pipeline.md). One DistributedDataParallel per model chunk this rank holds, configured by
+// pipeline_chunk_config (the first stage's chunk 0 bucketed, every other chunk one bucket); the tied
+// embedding's two copies (wte.weight on the first stage, lm_head.weight on the last) declared with
+// declare_tied_across_stages, so DDP sums their gradients over the embedding group before the DP
+// reduction (and before ZeRO-1's reduce-scatter). One step:
+//   1. every chunk: zero_grad_buffer(), set_requires_gradient_sync(false) (backward only accumulates);
+//   2. the schedule (pipeline_schedule.h) runs M forward and M backward micro-batches per chunk; just
+//      before a chunk's last backward its sync is allowed (its buckets launch as they fill) and just
+//      after it start_grad_sync() launches the rest, so that chunk's DP sync overlaps the other chunks'
+//      backward and the pipeline's cool-down bubble (--grad-sync end: nothing until the schedule ends);
+//   3. finalize_model_grads(chunks): every chunk's sync finished, the tied sum, and with --loss
+//      per-token the division by the global count of valid tokens; then the optimizer step (torch
+//      AdamW/SGD over all chunks, or one ZeRO-1 DistributedOptimizer per chunk) and
+//      check_tied_params_identical() (the two copies bit for bit).
+#include "examples/02_dp_x_tp_gpt/pipeline_train.h"
+
+#include "examples/02_dp_x_tp_gpt/pipeline_model.h"
+#include "examples/02_dp_x_tp_gpt/pipeline_schedule.h"
+#include "examples/common/checkpointing.h"
+#include "examples/common/flag_agreement.h"
+#include "examples/common/step_log.h"
+#include "examples/common/training.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <meshddp/meshddp.h>
+#include <string>
+#include <vector>
+
+namespace gpt {
+namespace {
+
+using Ddp = meshddp::DistributedDataParallel<GptChunkImpl>;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double since_epoch(Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); }
+
+// Megatron's order of dims (tp-cp-dp-pp, innermost first): pp outermost, so that a pipeline stage is a
+// block of consecutive ranks and TP peers stay adjacent. A "cp" dim only with --cp > 1.
+std::vector<std::string> mesh_names(const Flags& f) {
+  if (f.cp > 1) return {"pp", "dp", "cp", "tp"};
+  return {"pp", "dp", "tp"};
+}
+std::vector<int64_t> mesh_sizes(const Flags& f) {
+  if (f.cp > 1) return {f.pp, f.dp, f.cp, f.tp};
+  return {f.pp, f.dp, f.tp};
+}
+
+struct Chunk {
+  GptChunk module{nullptr};
+  std::unique_ptr<Ddp> ddp;
+  std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+};
+
+}  // namespace
+
+int train_pipeline(const Flags& f, int argc, char** argv) {
+  meshddp::DeviceMesh mesh = meshddp::DeviceMesh::from_env(mesh_sizes(f), mesh_names(f), examples::mesh_options(f.run));
+  examples::verify_same_flags_across_ranks(mesh, argc, argv, "gpt_example");  // before the flags shape anything
+  const int64_t pp_rank = mesh.coordinate("pp"), chunks_total = f.pp * f.vpp;
+
+  // The one-process model, cut: every rank builds it whole from the seed and keeps its chunks.
+  torch::manual_seed(f.seed);
+  Gpt whole(f.model);
+  const std::vector<std::string> dp_dims =
+      f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
+  std::vector<Chunk> chunks(f.vpp);
+  std::vector<at::Tensor> all_params;
+  std::vector<meshddp::DdpEngine*> engines;  // in chunk order, for finalize_model_grads
+  for (int64_t v = 0; v < f.vpp; ++v) {
+    Chunk& chunk = chunks[v];
+    chunk.module = GptChunk(*whole, f.model, v * f.pp + pp_rank, chunks_total);
+    // Only the "tp" dim of the mesh is used by parallelize; DDP syncs each stage within itself (the
+    // "pp" dim is neither DP nor TP).
+    meshddp::parallelize(*chunk.module, mesh, chunk_plan(f.model, *chunk.module),
+                         {.sequence_parallel = f.sequence_parallel});
+    if (f.cp > 1) chunk.module->set_context_parallel(mesh["cp"].get());
+    // The tie across stages: the embedding on the first stage, the LM head on the last (declared after
+    // parallelize, which may replace the tensors by their TP shards). With one stage it is one tensor.
+    if (f.pp > 1) {
+      const auto params = chunk.module->named_parameters();
+      if (chunk.module->is_first) meshddp::declare_tied_across_stages(params["wte.weight"]);
+      if (chunk.module->is_last) meshddp::declare_tied_across_stages(params["lm_head.weight"]);
+    }
+    meshddp::DdpConfig config;
+    config.use_distributed_optimizer = f.distributed_optimizer;
+    config.check_for_nan_in_grad = !f.distributed_optimizer;
+    chunk.ddp = std::make_unique<Ddp>(chunk.module.ptr(), mesh, dp_dims,
+                                      meshddp::pipeline_chunk_config(config, pp_rank, v, f.vpp));
+    engines.push_back(chunk.ddp.get());
+    for (const auto& p : chunk.ddp->parameters()) all_params.push_back(p);
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> torch_optimizer;
+  meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
+  const bool sgd = f.optimizer == "sgd";
+  if (f.distributed_optimizer) {
+    for (Chunk& chunk : chunks) {
+      meshddp::DistributedOptimizerConfig oc;
+      oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+      oc.lr = f.run.lr;
+      oc.weight_decay = 0.0;
+      chunk.zero1 = std::make_unique<meshddp::DistributedOptimizer>(chunk.ddp->grad_buffer(), oc);
+      schedule.attach(*chunk.zero1);
+    }
+  } else {
+    if (sgd) {
+      torch_optimizer = std::make_unique<torch::optim::SGD>(all_params, torch::optim::SGDOptions(f.run.lr));
+    } else {
+      torch_optimizer =
+          std::make_unique<torch::optim::AdamW>(all_params, torch::optim::AdamWOptions(f.run.lr).weight_decay(0.0));
+    }
+    schedule.attach(*torch_optimizer);
+  }
+
+  FILE* log = stdout;
+  if (!f.run.log_file.empty() && mesh.rank() == 0) {
+    log = std::fopen(f.run.log_file.c_str(), "w");
+    TORCH_CHECK(log, "cannot open --log-file '", f.run.log_file, "' for writing");
+  }
+  const int64_t dp_rank = mesh.coordinate("dp"), local = f.global_batch / f.dp, micro = local / f.micro_batches;
+  const int64_t cp_rank = f.cp > 1 ? mesh.coordinate("cp") : 0, slice = f.model.seq_len / f.cp;
+  const int64_t shard = slice / (f.sequence_parallel ? f.tp : 1);  // sequence positions a hidden state holds
+  PipelineSchedule pipeline(mesh["pp"], f.vpp, f.micro_batches, {micro, shard, f.model.dim});
+  if (mesh.rank() == 0) {
+    std::fprintf(stderr, "# gpt pipeline: %s, %lld chunks (vpp %lld, %s), %lld micro-batches of %lld%s%s, loss %s\n",
+                 mesh.describe().c_str(), static_cast<long long>(chunks_total), static_cast<long long>(f.vpp),
+                 f.vpp > 1 ? "interleaved" : "1F1B", static_cast<long long>(f.micro_batches),
+                 static_cast<long long>(micro), f.sequence_parallel ? ", sequence parallel" : "",
+                 f.distributed_optimizer ? ", ZeRO-1" : "", f.per_token_loss ? "per-token" : "mean");
+    std::fprintf(stderr, "# pipeline rank 0 runs: %s\n", describe_actions(pipeline.actions()).c_str());
+  }
+  meshddp::PipelineTrainingState state{{}, mesh.world()};
+  for (Chunk& chunk : chunks) {
+    state.chunks.push_back({chunk.module.ptr().get(), chunk.ddp.get(), chunk.zero1.get(), torch_optimizer.get()});
+  }
+  examples::ExampleCheckpoints checkpoints(f.checkpoints, state, mesh.rank(), f.seed, f.global_batch);
+  checkpoints.track(schedule);
+  const int64_t first_step = checkpoints.resume();
+  const bool last_stage = chunks.back().module->is_last;
+  const bool reports_loss = last_stage && (f.tp == 1 || mesh.coordinate("tp") == 0);
+  examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(),
+                              mesh.rank() == 0);
+  examples::SkippedSteps skipped(f.run.max_skipped_steps);
+  double exposed_total = 0, schedule_total = 0;  // after the first step (which warms up)
+  for (int64_t step = first_step; step < f.run.steps; ++step) {
+    const auto start = Clock::now();
+    auto [ids, targets] = make_batch(f.model, f.seed, step, f.global_batch);
+    const auto valid = valid_mask(f.model, f.seed, step, f.global_batch);
+    const double valid_total = valid.sum().item<double>();  // for the loss report only
+    // This DP rank's micro-batch m, this CP rank's slice of each sequence.
+    const auto mine = [&](const torch::Tensor& t, int64_t m) {
+      return t.narrow(0, dp_rank * local + m * micro, micro).narrow(1, cp_rank * slice, slice);
+    };
+    for (Chunk& chunk : chunks) {
+      chunk.ddp->zero_grad_buffer();
+      chunk.ddp->set_requires_gradient_sync(false);  // backward only accumulates until the chunk's last one
+    }
+    const double lr = schedule.lr();
+    auto loss_report = torch::zeros({1}, torch::kDouble);
+    int64_t num_tokens = 0;  // this rank's valid tokens (last stage), for finalize_model_grads
+    StageWork work;
+    work.forward = [&](int64_t v, int64_t m, const at::Tensor& input) -> at::Tensor {
+      Chunk& chunk = chunks[v];
+      auto out = chunk.ddp->forward(chunk.module->is_first ? mine(ids, m) : input);
+      if (!chunk.module->is_last) return out;
+      const auto logits = out.view({-1, out.size(-1)});
+      const auto y = mine(targets, m).reshape({-1});
+      torch::Tensor loss, reported;
+      if (f.per_token_loss) {
+        // The SUM over this micro-batch's valid tokens; finalize_model_grads divides the gradients by
+        // the global count (summed over DP x CP), so no rank needs it before the backward.
+        const auto mask = mine(valid, m).reshape({-1});
+        loss = loss_sum(logits, y, mask, mesh["tp"].get());
+        num_tokens += mask.sum().item<int64_t>();
+        reported = loss / valid_total;
+      } else {
+        // Each micro-batch's mean over M: micro-batches are equal, so this is the mean over this rank
+        // (DDP's DP x CP mean makes it the global batch's).
+        loss = meshddp::tp::cross_entropy(logits, y, mesh["tp"].get()) / static_cast<double>(f.micro_batches);
+        reported = loss / static_cast<double>(f.dp * f.cp);
+      }
+      loss_report += reported.detach().to(torch::kDouble);
+      return loss;
+    };
+    // --grad-sync bubble: the chunk's buckets launch during its last backward (as each fills) and
+    // start_grad_sync() launches the rest right after it; --grad-sync end: finalize launches all.
+    work.before_last_backward = [&](int64_t v) {
+      if (!f.sync_at_end) chunks[v].ddp->set_requires_gradient_sync(true);
+    };
+    work.after_last_backward = [&](int64_t v) {
+      if (!f.sync_at_end) chunks[v].ddp->start_grad_sync();
+    };
+    pipeline.run(work);
+    const auto schedule_end = Clock::now();
+    meshddp::FinalizeOptions finalize;
+    if (f.per_token_loss) {
+      finalize.num_tokens = last_stage ? num_tokens : 0;  // only the last stage counts: taken over the pp group
+      finalize.pp_group = mesh["pp"];
+    }
+    meshddp::finalize_model_grads(engines, finalize);
+    // The exposed sync: from the last rank's schedule end until every rank's gradients are final (the
+    // ranks share one host's monotonic clock in the benchmark; across hosts this mixes clocks).
+    auto times = torch::tensor({since_epoch(schedule_end), since_epoch(Clock::now())}, torch::kDouble);
+    meshddp::all_reduce_max_now(*mesh.world(), times, "the example's sync timing");
+    if (step > first_step) {
+      exposed_total += times[1].item<double>() - times[0].item<double>();
+      schedule_total += std::chrono::duration<double>(schedule_end - start).count();
+    }
+    meshddp::StepResult result;
+    if (f.distributed_optimizer) {
+      double squares = 0;
+      for (Chunk& chunk : chunks) {
+        const meshddp::StepResult r = chunk.zero1->step();
+        squares += r.grad_norm * r.grad_norm;
+        result.skipped = result.skipped || r.skipped;
+      }
+      result.grad_norm = std::sqrt(squares);
+      skipped.on_step(step, result, mesh.rank() == 0);
+    } else {
+      double squares = 0;
+      for (Chunk& chunk : chunks) squares += std::pow(meshddp::grad_norm(chunk.ddp->grad_buffer()), 2);
+      result.grad_norm = std::sqrt(squares);  // this stage's chunks (the log's value)
+      torch_optimizer->step();
+    }
+    if (!result.skipped) schedule.step();
+    // The two copies of the tied embedding, bit for bit (the first stage's chunk 0 and the last
+    // stage's chunk V-1 compare; every other chunk returns at once). Waits for ZeRO-1's param gather.
+    for (Chunk& chunk : chunks) chunk.ddp->check_tied_params_identical();
+    if (!reports_loss) loss_report.zero_();
+    meshddp::all_reduce_sum_now(*mesh.world(), loss_report, "the example's loss report");
+    if (mesh.rank() == 0) {
+      std::fprintf(log, "step %lld loss %#.10g\n", static_cast<long long>(step), loss_report.item<double>());
+      std::fflush(log);
+    }
+    logger.record({step, loss_report.item<double>(), lr, result.grad_norm, seconds_since(start), result.skipped});
+    checkpoints.after_step(static_cast<int>(step), static_cast<int>(f.run.steps));
+  }
+  if (f.distributed_optimizer) {
+    for (Chunk& chunk : chunks) chunk.zero1->finish_param_sync();
+  }
+  if (mesh.rank() == 0 && f.run.steps > first_step + 1) {
+    const double n = static_cast<double>(f.run.steps - first_step - 1);
+    std::fprintf(stderr, "# gradient sync exposed after the schedule (%s): %.3f ms/step; schedule %.3f ms/step\n",
+                 f.sync_at_end ? "all at the end" : "started in the bubble", 1e3 * exposed_total / n,
+                 1e3 * schedule_total / n);
+  }
+  logger.summary();
+  if (log != stdout) std::fclose(log);
+  return 0;
+}
+
+}  // namespace gpt

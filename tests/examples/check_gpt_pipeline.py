@@ -1,0 +1,76 @@
+"""Runs examples/02_dp_x_tp_gpt on a pipeline (--pp, --vpp, --micro-batches) under torchrun and checks
+its loss curve, and its final params, against one process on the whole global batch (the example's
+plain path, --dp 1 --tp 1: no pipeline code at all), same seed and global batch. One case per call
+(ctest runs each as its own test, ~10-30 s on 2 loaded cores):
+
+  pp2                 1F1B, 4 micro-batches
+  dp2_pp2_zero1       dp 2 x pp 2, --distributed-optimizer (one DistributedOptimizer per chunk)
+  pp2_vpp2            the interleaved schedule, 2 chunks per rank
+  pp2_per_token       --loss per-token (sequences of random length; the loss summed over valid tokens,
+                      finalize_model_grads divides by the global count)
+  dp2_pp2_tp2_vpp2    8 ranks: dp 2 x pp 2 x tp 2, vpp 2, sequence parallel, ZeRO-1
+  pp2_cp2             pp 2 x cp 2
+
+SGD (lr 2): a gradient off by a scale or a missing term shows in the curve (AdamW would hide a scale).
+The example checks after every step that the tied embedding's two copies (wte.weight on the first
+stage, lm_head.weight on the last) are bit-identical (check_tied_params_identical) and fails the run
+if not; here the final checkpoint's two copies are compared bit for bit too.
+
+Tolerances: rtol 1e-6 for the losses over 4 steps and atol 1e-6 for the final params: the runs differ
+from the one process only in how fp32 sums are split (micro-batch gradients accumulated in the flat
+buffer, DP means, TP partial sums). Measured: see the numbers printed (docs/pipeline.md records them)."""
+import os
+import sys
+import tempfile
+
+import torch
+
+from torchrun_losses import expect_curve_close, expect_decreasing, run_losses
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import consolidate_checkpoint  # noqa: E402
+
+binary, case = sys.argv[1], sys.argv[2]
+STEPS = 4
+RTOL = 1e-6
+PARAM_ATOL = 1e-6
+MODEL = ["--layers", "4", "--global-batch", "16", "--seed", "1", "--optimizer", "sgd", "--lr", "2"]
+PER_TOKEN = ["--loss", "per-token"]
+CASES = {
+    "pp2": (2, ["--pp", "2", "--micro-batches", "4"]),
+    "dp2_pp2_zero1": (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2", "--distributed-optimizer"]),
+    "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro-batches", "4"]),
+    "pp2_per_token": (2, ["--pp", "2", "--micro-batches", "4", *PER_TOKEN]),
+    "dp2_pp2_tp2_vpp2": (8, ["--dp", "2", "--pp", "2", "--tp", "2", "--vpp", "2", "--micro-batches", "2",
+                             "--sequence-parallel", "--distributed-optimizer"]),
+    "pp2_cp2": (4, ["--pp", "2", "--cp", "2", "--micro-batches", "2"]),
+}
+if case not in CASES:
+    sys.exit(f"FAILED: unknown case '{case}'; one of {', '.join(CASES)}")
+nproc, args = CASES[case]
+
+
+def run(nproc, args, save_dir):
+    return run_losses(binary, nproc, STEPS, [*MODEL, *args, "--save-dir", save_dir])
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    ref_dir, case_dir = os.path.join(tmp, "reference"), os.path.join(tmp, case)
+    reference = run(1, ["--dp", "1", "--tp", "1", *(PER_TOKEN if PER_TOKEN[1] in args else [])], ref_dir)
+    print(f"{'one process':26s}:", reference)
+    expect_decreasing(reference)
+    expect_curve_close(reference, run(nproc, args, case_dir), RTOL, case, "one process")
+    want, _ = consolidate_checkpoint.consolidate(ref_dir, STEPS)
+    got, _ = consolidate_checkpoint.consolidate(case_dir, STEPS)
+    worst = 0.0
+    for key, ref in want.items():
+        if key not in got:
+            sys.exit(f"FAILED: {case}: the final checkpoint has no '{key}'")
+        worst = max(worst, (got[key] - ref).abs().max().item())
+    print(f"{'':26s}  final params: max abs difference to one process {worst:.2e}")
+    if worst > PARAM_ATOL:
+        sys.exit(f"FAILED: {case}: final params differ from one process's by {worst} (atol {PARAM_ATOL})")
+    if not torch.equal(got["lm_head.weight"], got["wte.weight"]):
+        diff = (got["lm_head.weight"] - got["wte.weight"]).abs().max().item()
+        sys.exit(f"FAILED: {case}: the tied copies lm_head.weight and wte.weight differ (by up to {diff})")
+print("1 passed, 0 failed")
