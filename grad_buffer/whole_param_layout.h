@@ -18,8 +18,8 @@
 // - Memory cap: with A = the bucket's aligned param elements and L = its largest aligned param, the
 //   ideal shard is I = ceil(A / dp). A rank takes a param only if its shard stays <= max(1.25 * I, L)
 //   (rounded up to kAlignmentElems); when no rank can, the param goes to the rank with the smallest
-//   shard (<= I + L after it), so every shard is <= max(1.25 I, I + L). The shard size S of the bucket is the largest rank's
-//   (all shards equal, as reduce-scatter needs); the bucket's padding is dp * S - A.
+//   shard (<= I + L after it), so every shard is <= max(1.25 I, I + L). The shard size S of the bucket is the largest
+//   rank's (all shards equal, as reduce-scatter needs); the bucket's padding is dp * S - A.
 // - More ranks than params: the extra ranks' shards hold only padding (S is then the largest
 //   param's size: whole-param ownership trades memory for whole matrices; bigger buckets help).
 // - Within a shard, params keep their bucket order, each starting kAlignmentElems-aligned.
