@@ -47,8 +47,9 @@ struct Flags {
   int64_t micro_batches = 1;  // per DP rank and step: backward accumulates, the last one syncs
   uint64_t seed = 0;
   examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
-  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  std::string optimizer = "adamw";     // --optimizer adamw|sgd|muon (SGD: a wrong gradient scale shows; AdamW hides it;
+                                    // muon: Muon on the block matrices, AdamW on the rest, whole-param ZeRO-1 shards)
+  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
 };
@@ -56,7 +57,7 @@ struct Flags {
 std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--optimizer adamw|sgd] "
+             "[--optimizer adamw|sgd|muon] "
              "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
              "N]] ") +
@@ -105,6 +106,9 @@ void validate(const Flags& f) {
           "sequence parallelism splits over TP; drop one of them (--experts works with --tp without it)");
     }
   }
+  if (f.optimizer == "muon" && !f.distributed_optimizer) {
+    throw FlagError("--optimizer muon needs --distributed-optimizer (Muon runs on whole-param ZeRO-1 shards)");
+  }
   examples::validate_run_flags(f.run);
   examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }
@@ -151,7 +155,8 @@ Flags parse(int argc, char** argv) {
       else if (arg == "--seed")
         f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {
-        if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
+        if (v != "adamw" && v != "sgd" && v != "muon")
+          throw examples::FlagError("--optimizer must be adamw, sgd or muon, got '" + v + "'");
         f.optimizer = v;
       } else if (arg == "--layers")
         f.model.layers = parse_int_flag(arg, v, 1);
@@ -211,8 +216,9 @@ int main(int argc, char** argv) {
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
-    config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
-    config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
+    if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
+    config.num_distributed_optimizer_instances = f.optimizer_instances;           // checked by DdpConfig and DDP
+    config.check_for_nan_in_grad = !f.distributed_optimizer;                      // ZeRO-1 skips such steps instead
     config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
@@ -224,6 +230,10 @@ int main(int argc, char** argv) {
     if (f.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig oc;
       oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+      if (f.optimizer == "muon") {
+        oc.kind = meshddp::OptimizerKind::kMuon;
+        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings (and the head tied to wte) stay on AdamW
+      }
       oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
