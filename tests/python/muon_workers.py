@@ -159,3 +159,26 @@ def muon_needs_whole_param(rank, world_size):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def muon_resumable(rank, world_size, first, last, save_dir=None, load_dir=None):
+    """Muon (fp32 iteration) on the fixed global batch of 16 rows for steps [first, last): from a
+    fresh model, or from load_dir's checkpoint (saved at any DP size); saves into save_dir at the end."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(MuonNet(), mesh, config=meshddp.DdpConfig(
+        bucket_bytes=8192, use_distributed_optimizer=True, shard_policy="whole_param"))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+        kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, muon_ns_dtype="fp32"))
+    if load_dir is not None:
+        opt.load_checkpoint(load_dir)
+        assert opt.steps_taken == first, opt.steps_taken
+    for step in range(first, last):
+        x, y = global_batch(step, 4)
+        ddp.zero_grad_buffer()
+        F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        opt.step()
+    opt.finish_param_sync()
+    if save_dir is not None:
+        opt.save_checkpoint(save_dir)
+    return [p.detach().clone() for p in ddp.module.parameters()]
