@@ -62,11 +62,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const int64_t v = std::atoll(argv[i + 1]);
-    if (flag == "--layers") layers = v;
-    else if (flag == "--hidden") hidden = v;
-    else if (flag == "--vocab") vocab = v;
-    else if (flag == "--seq") seq = v;
-    else if (flag == "--bucket-mib") bucket_mib = v;
+    if (flag == "--layers")
+      layers = v;
+    else if (flag == "--hidden")
+      hidden = v;
+    else if (flag == "--vocab")
+      vocab = v;
+    else if (flag == "--seq")
+      seq = v;
+    else if (flag == "--bucket-mib")
+      bucket_mib = v;
     else {
       std::fprintf(stderr, "whole_param_balance_bench: unknown flag '%s'\n", flag.c_str());
       return 2;
