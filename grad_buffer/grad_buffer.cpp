@@ -32,9 +32,7 @@ void GradBufferConfig::validate() const {
   TORCH_CHECK(num_distributed_optimizer_instances >= 1,
               "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
               " must be >= 1 (1 = flat ZeRO-1)");
-  TORCH_CHECK(shard_policy == kByteRangeShards || shard_policy == kWholeParamShards,
-              "GradBufferConfig: shard_policy must be '", kByteRangeShards, "' or '", kWholeParamShards, "', got '",
-              shard_policy, "'");
+  check_shard_policy(shard_policy);  // "byte_range" | "whole_param"
 }
 
 void GradBufferConfig::check_combination() const {
@@ -46,8 +44,7 @@ void GradBufferConfig::check_combination() const {
               "all-reduces whole buckets and has no state to shard); set use_distributed_optimizer or leave the ",
               "instances at 1");
   TORCH_CHECK(shard_policy == kByteRangeShards || use_distributed_optimizer, "GradBufferConfig: shard_policy = '",
-              shard_policy, "' needs use_distributed_optimizer = true (it chooses which params each rank's ZeRO-1 ",
-              "shard holds); set use_distributed_optimizer or leave shard_policy at '", kByteRangeShards, "'");
+              shard_policy, "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
 }
 
 namespace {
@@ -126,7 +123,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
   const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
   const LayoutConfig layout_config{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size};
-  layout_ = assign_buckets(specs, layout_config);
+  layout_ = assign_buckets(specs, layout_config);  // then, with whole_param, params re-placed within their buckets:
   if (config_.shard_policy == kWholeParamShards) place_whole_params(layout_, specs, layout_config);
 
   for (const auto& spec : layout_.buffers) {

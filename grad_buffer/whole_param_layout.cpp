@@ -8,6 +8,11 @@
 
 namespace meshddp {
 
+void check_shard_policy(const std::string& policy) {
+  TORCH_CHECK(policy == "byte_range" || policy == "whole_param",
+              "GradBufferConfig: shard_policy must be 'byte_range' or 'whole_param', got '", policy, "'");
+}
+
 double newton_schulz_cost(const std::vector<int64_t>& shape) {
   if (shape.size() == 2) {
     const auto m = static_cast<double>(std::max(shape[0], shape[1]));

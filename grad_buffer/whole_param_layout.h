@@ -28,11 +28,15 @@
 #include "bucket_layout.h"
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace meshddp {
 
 inline constexpr double kWholeParamMemorySlack = 1.25;  // the cap on a shard over the ideal (Note above)
+
+// Throws unless `policy` is "byte_range" or "whole_param" (GradBufferConfig::shard_policy).
+void check_shard_policy(const std::string& policy);
 
 // max(m, n) * min(m, n)^2 for a 2-D shape; the element count otherwise (an empty shape counts 1).
 double newton_schulz_cost(const std::vector<int64_t>& shape);

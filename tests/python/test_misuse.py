@@ -49,7 +49,7 @@ def test_config_errors_carry_the_cpp_text():
         meshddp.DdpConfig(bucket_size=1)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
         meshddp.OptimizerConfig(lr=-1.0)
-    with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', got 'adam'"):
+    with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', 'muon', got 'adam'"):
         meshddp.OptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
     assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
