@@ -119,7 +119,8 @@ CheckpointValues parse_values(const Json& json, const ManifestChecker& check) {
 void check_optimizer(const Json& json, const ManifestChecker& check) {
   if (json.is_null()) return;
   const std::string& kind = check.string(check.member(json, "optimizer", "kind"), "optimizer.kind");
-  if (kind != "adamw" && kind != "sgd") check.fail("optimizer.kind", "is '" + kind + "'; expected 'adamw' or 'sgd'");
+  if (kind != "adamw" && kind != "sgd" && kind != "muon")
+    check.fail("optimizer.kind", "is '" + kind + "'; expected 'adamw', 'sgd' or 'muon'");
   check.integer(check.member(json, "optimizer", "step"), "optimizer.step", 0, INT64_MAX);
 }
 

@@ -51,6 +51,7 @@ struct ParamSpec {
   bool tp_partial = false;  // gradient is a partial sum over TP: kept in buffers of its own
   bool expert = false;      // an expert (MoE) param: reduced over the expert-data-parallel group, in buffers of its own
   bool tied = false;        // tied across pipeline stages: summed over the embedding group first, in buffers of its own
+  std::vector<int64_t> shape = {};  // the param's (local) sizes; used only by the whole-param placement's cost
 };
 
 struct LayoutConfig {

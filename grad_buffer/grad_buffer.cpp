@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_buffer.h"
 
 #include "grad_buffer/lazy_zeros.h"
+#include "grad_buffer/whole_param_layout.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
 #include "mesh/switches.h"
@@ -32,6 +33,7 @@ void GradBufferConfig::validate() const {
   TORCH_CHECK(num_distributed_optimizer_instances >= 1,
               "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
               " must be >= 1 (1 = flat ZeRO-1)");
+  check_shard_policy(shard_policy);  // "byte_range" | "whole_param"
 }
 
 void GradBufferConfig::check_combination() const {
@@ -42,6 +44,8 @@ void GradBufferConfig::check_combination() const {
               " needs use_distributed_optimizer = true (the instances shard the ZeRO-1 optimizer state; plain DDP ",
               "all-reduces whole buckets and has no state to shard); set use_distributed_optimizer or leave the ",
               "instances at 1");
+  TORCH_CHECK(shard_policy == kByteRangeShards || use_distributed_optimizer, "GradBufferConfig: shard_policy = '",
+              shard_policy, "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
 }
 
 namespace {
@@ -108,19 +112,18 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
                   ") but the gradient sync takes group '", groups_.tp->getGroupName(),
                   "' as its TP dim; wrap the model over the same mesh and dims it was parallelized over");
     }
-    const bool partial = placement.is_partial_grad();
-    const bool expert = is_expert_param(p.param);
+    const bool expert = is_expert_param(p.param), tied = is_tied_across_stages(p.param);
     if (expert) check_expert_param(p, placement, groups_);
-    const bool tied = is_tied_across_stages(p.param);
     if (tied) check_tied_param(p, placement, groups_);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
-                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(), partial, expert,
-                              tied});
+                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(),
+                              placement.is_partial_grad(), expert, tied, p.param.sizes().vec()});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
   const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
-  layout_ = assign_buckets(
-      specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size});
+  const LayoutConfig layout_config{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size};
+  layout_ = assign_buckets(specs, layout_config);  // then, with whole_param, params re-placed within their buckets:
+  if (config_.shard_policy == kWholeParamShards) place_whole_params(layout_, specs, layout_config);
 
   for (const auto& spec : layout_.buffers) {
     buffers_.push_back(lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));

@@ -53,6 +53,9 @@ struct Node;
 
 namespace meshddp {
 
+inline constexpr const char* kByteRangeShards = "byte_range";
+inline constexpr const char* kWholeParamShards = "whole_param";
+
 struct GradBufferConfig {
   size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one bucket per parameter
   bool overlap_grad_reduce = true;            // launch bucket collectives from the hooks during backward;
@@ -90,6 +93,11 @@ struct GradBufferConfig {
   // shard is all-reduced across instances (SyncGroups::cross_instance). Needs use_distributed_optimizer
   // and a DeviceMesh (DistributedDataParallel makes the groups); K must divide D. 1 = flat ZeRO-1
   int64_t num_distributed_optimizer_instances = 1;
+  // Which elements of each bucket a DP rank owns with use_distributed_optimizer: "byte_range" = the
+  // contiguous 1/DP slice, cutting params anywhere (ZeRO-1); "whole_param" = each param whole on one
+  // rank, bin-packed by Newton-Schulz cost (grad_buffer/whole_param_layout.h; needed by Muon). Both
+  // reduce-scatter and all-gather the same way; whole_param pads buckets more
+  std::string shard_policy = kByteRangeShards;
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;

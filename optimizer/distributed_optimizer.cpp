@@ -109,6 +109,33 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
                 "the rule");
   }
 
+  // Muon: which params take it (2-D, not kept on AdamW by muon_adamw_params); each must be whole in
+  // one shard (the whole_param policy), and whole on this TP rank too.
+  std::vector<bool> takes_muon(params.size(), false);
+  if (config_.kind == OptimizerKind::kMuon) {
+    TORCH_CHECK(buffer_->config().shard_policy == kWholeParamShards,
+                "DistributedOptimizer: kind = muon orthogonalizes whole matrices, but the gradient buffer's ",
+                "shard_policy is '", buffer_->config().shard_policy, "' (shards cut params anywhere); set ",
+                "DdpConfig.shard_policy = \"", kWholeParamShards, "\"");
+    std::vector<std::string> keep_adamw;
+    std::stringstream list(config_.muon_adamw_params);
+    for (std::string pattern; std::getline(list, pattern, ',');) {
+      if (!pattern.empty()) keep_adamw.push_back(pattern);
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].param.dim() != 2) continue;
+      bool adamw = false;
+      for (const auto& pattern : keep_adamw) adamw = adamw || matches(pattern, params[i]);
+      if (adamw) continue;
+      TORCH_CHECK(!(buffer_->placement(static_cast<int64_t>(i)).is_shard() && buffer_->groups().tp_size > 1),
+                  "DistributedOptimizer: kind = muon: parameter '", params[i].name, "' is sharded over TP (",
+                  buffer_->placement(static_cast<int64_t>(i)).str(),
+                  "); orthogonalizing TP-sharded matrices is not supported yet (the result would depend on the TP "
+                  "size); keep it on AdamW with muon_adamw_params, or use TP size 1");
+      takes_muon[i] = true;
+    }
+  }
+
   c10::NoGradGuard no_grad;
   const auto f32 = [](const at::Tensor& like) { return at::TensorOptions().dtype(at::kFloat).device(like.device()); };
   views_.resize(groups_.size());
@@ -124,6 +151,14 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
     state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
     for (const ShardSegment& seg : shard.segments) {
+      if (takes_muon[seg.param]) {
+        const NamedParam& named = buffer_->params()[seg.param];
+        const at::Tensor& p = named.param;
+        TORCH_INTERNAL_ASSERT(seg.param_offset == 0 && seg.numel == p.numel(), "Muon matrix '", named.name,
+                              "' is not whole in DP rank's shard of bucket ", shard.bucket);
+        muon_.push_back({b, seg, p.size(0), p.size(1)});
+        continue;
+      }
       SegmentViews& v = views_[group_of_[seg.param]];
       v.master.push_back(master_[b].narrow(0, seg.shard_offset, seg.numel));
       v.grad.push_back(grad32_[b].narrow(0, seg.shard_offset, seg.numel));
@@ -147,8 +182,12 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   }
   TORCH_CHECK(config_.fused_step != FusedStep::kAlways || fusable || master_.empty(),
               "DistributedOptimizer: fused_step = kAlways, but ", why_not, "; use FusedStep::kAuto or kNever");
-  fused_ = fusable && (config_.fused_step == FusedStep::kAlways ||
-                       (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
+  TORCH_CHECK(config_.kind != OptimizerKind::kMuon || config_.fused_step != FusedStep::kAlways,
+              "DistributedOptimizer: fused_step = kAlways, but kind = muon has no fused kernels yet (Newton-Schulz ",
+              "runs as ATen matmuls); use FusedStep::kAuto or kNever");
+  fused_ = config_.kind != OptimizerKind::kMuon && fusable &&
+           (config_.fused_step == FusedStep::kAlways ||
+            (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
 }
 
 void DistributedOptimizer::check_group(int64_t group, const char* who) const {
@@ -195,7 +234,8 @@ double DistributedOptimizer::group_weight_decay(int64_t group) const {
 }
 
 int64_t DistributedOptimizer::num_state_tensors() const {
-  if (config_.kind == OptimizerKind::kAdamW) return 2;
+  // kMuon: the momentum buffer of a Muon matrix is state 1 (its state 2 stays unused).
+  if (config_.kind == OptimizerKind::kAdamW || config_.kind == OptimizerKind::kMuon) return 2;
   return config_.momentum > 0 ? 1 : 0;
 }
 
@@ -285,6 +325,9 @@ StepResult DistributedOptimizer::step() {
   }
   if (config_.kind == OptimizerKind::kAdamW) {
     update_adamw();
+  } else if (config_.kind == OptimizerKind::kMuon) {
+    update_adamw();  // the params not on Muon (views_ leaves the Muon matrices out)
+    update_muon();
   } else {
     update_sgd();
   }
@@ -310,6 +353,23 @@ void DistributedOptimizer::update_adamw() {
     at::_foreach_div_(denom, std::sqrt(bias_correction2));
     at::_foreach_add_(denom, config_.eps);
     at::_foreach_addcdiv_(v.master, v.state1, denom, -lr / bias_correction1);
+  }
+}
+
+MuonSettings DistributedOptimizer::muon_settings() const {
+  return {config_.muon_momentum, config_.muon_nesterov, config_.muon_ns_steps,    config_.muon_ns_coefficients,
+          config_.muon_ns_dtype, config_.muon_scale,    config_.muon_extra_scale, config_.muon_eps};
+}
+
+void DistributedOptimizer::update_muon() {
+  const MuonSettings settings = muon_settings();
+  for (const MuonMatrix& m : muon_) {
+    auto matrix = [&](const at::Tensor& flat) {
+      return flat.narrow(0, m.segment.shard_offset, m.segment.numel).view({m.rows, m.cols});
+    };
+    const Group& g = groups_[group_of_[m.segment.param]];
+    muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
+              g.weight_decay, settings);
   }
 }
 

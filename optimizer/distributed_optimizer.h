@@ -22,6 +22,7 @@
 
 #include "../checkpoint/store.h"
 #include "../grad_buffer/grad_buffer.h"
+#include "muon.h"
 #include "shard_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -32,7 +33,8 @@
 
 namespace meshddp {
 
-enum class OptimizerKind { kAdamW, kSgd };
+// kMuon: Muon on the 2-D params (whole matrices, the whole_param shard policy), AdamW on the rest.
+enum class OptimizerKind { kAdamW, kSgd, kMuon };
 
 // Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/gpu.md).
 enum class FusedStep {
@@ -62,6 +64,18 @@ struct DistributedOptimizerConfig {
   double clip_grad_norm = 0.0;              // > 0: clip the global gradient L2 norm to this; 0 = off
   bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
+  // Muon (kind = kMuon; optimizer/muon.h, docs/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
+  // A param takes Muon when it is 2-D and matches none of muon_adamw_params; the others take AdamW
+  // (beta1, beta2, eps above) in the same step. lr / weight_decay / group rules apply to both.
+  double muon_momentum = 0.95;                                   // in [0, 1): the EMA factor of the momentum buffer
+  bool muon_nesterov = true;                                     // the update is g.lerp(buf, momentum), else buf
+  int64_t muon_ns_steps = 5;                                     // Newton-Schulz iterations, in [1, 100)
+  NsCoefficients muon_ns_coefficients = NsCoefficients::kTorch;  // "torch" (3.4445,-4.7750,2.0315) | "quintic"
+  NsDtype muon_ns_dtype = NsDtype::kBFloat16;                    // the iteration's dtype: "bf16" (as torch) | "fp32"
+  MuonScale muon_scale = MuonScale::kOriginal;                   // "original" | "match_rms_adamw" | "spectral"
+  double muon_extra_scale = 1.0;                                 // "spectral" only: sqrt(max(m, n)) * this
+  double muon_eps = 1e-7;                                        // X / max(||X||_F, eps) before the iteration
+  std::string muon_adamw_params = "*embed*,*lm_head*";           // comma-separated patterns: 2-D params kept on AdamW
 
   // Every field is listed once in optimizer/optimizer_config_fields.h (ranges, cross-rank agreement,
   // Python): a new field goes there too, or the build stops.
@@ -174,6 +188,13 @@ class DistributedOptimizer {
   std::string nonfinite_report();     // collective over DP: every rank gets the same text
   void update_adamw();
   void update_sgd();
+  void update_muon();
+  MuonSettings muon_settings() const;
+  struct MuonMatrix {  // a matrix this rank owns whole and updates with Muon
+    size_t bucket_shard;
+    ShardSegment segment;
+    int64_t rows, cols;
+  };
   // stats += [non-finite count, sum of squares of what this rank counts (counts_toward_norm in the .cpp)]
   void add_stats_fused(const at::Tensor& stats);
   void update_fused(double grad_scale);  // steps 4-6 (without the gather) in one pass per run
@@ -193,6 +214,7 @@ class DistributedOptimizer {
   std::vector<bool> master_is_param_view_;
   bool fused_ = false;               // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group
+  std::vector<MuonMatrix> muon_;     // kMuon: the owned matrices (kept out of views_)
   int64_t step_ = 0;
   int64_t params_version_seen_ = 0;  // ParamBuffer::params_version() the masters were taken at
   double lr_ = 0;

@@ -14,6 +14,7 @@
 // names are global (DDP checks it), so one key is one expert. A load asks for its own segments at its
 // own DP x TP (x EP, and K); the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
+#include "optimizer/optimizer_config_fields.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -24,10 +25,11 @@
 namespace meshddp {
 namespace {
 
-const char* kind_name(OptimizerKind kind) { return kind == OptimizerKind::kAdamW ? "adamw" : "sgd"; }
+std::string kind_name(OptimizerKind kind) { return field_text(kind); }
 
+// kMuon: a Muon matrix's momentum buffer is stored as its "exp_avg" (its "exp_avg_sq" stays zero).
 std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
-  if (kind == OptimizerKind::kAdamW) return {"exp_avg", "exp_avg_sq"};
+  if (kind == OptimizerKind::kAdamW || kind == OptimizerKind::kMuon) return {"exp_avg", "exp_avg_sq"};
   return states > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
 }
 

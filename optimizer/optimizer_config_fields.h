@@ -16,12 +16,24 @@
 
 namespace meshddp {
 
-inline constexpr std::pair<OptimizerKind, const char*> kOptimizerKindNames[] = {{OptimizerKind::kAdamW, "adamw"},
-                                                                                {OptimizerKind::kSgd, "sgd"}};
+inline constexpr std::pair<OptimizerKind, const char*> kOptimizerKindNames[] = {
+    {OptimizerKind::kAdamW, "adamw"}, {OptimizerKind::kSgd, "sgd"}, {OptimizerKind::kMuon, "muon"}};
+inline constexpr std::pair<NsCoefficients, const char*> kNsCoefficientsNames[] = {
+    {NsCoefficients::kTorch, "torch"}, {NsCoefficients::kQuintic, "quintic"}};
+inline constexpr std::pair<NsDtype, const char*> kNsDtypeNames[] = {{NsDtype::kBFloat16, "bf16"},
+                                                                    {NsDtype::kFloat32, "fp32"}};
+inline constexpr std::pair<MuonScale, const char*> kMuonScaleNames[] = {{MuonScale::kOriginal, "original"},
+                                                                        {MuonScale::kMatchRmsAdamW, "match_rms_adamw"},
+                                                                        {MuonScale::kSpectral, "spectral"}};
 inline constexpr std::pair<FusedStep, const char*> kFusedStepNames[] = {
     {FusedStep::kAuto, "auto"}, {FusedStep::kAlways, "always"}, {FusedStep::kNever, "never"}};
 inline std::span<const std::pair<OptimizerKind, const char*>> enum_names(OptimizerKind) { return kOptimizerKindNames; }
 inline std::span<const std::pair<FusedStep, const char*>> enum_names(FusedStep) { return kFusedStepNames; }
+inline std::span<const std::pair<NsCoefficients, const char*>> enum_names(NsCoefficients) {
+  return kNsCoefficientsNames;
+}
+inline std::span<const std::pair<NsDtype, const char*>> enum_names(NsDtype) { return kNsDtypeNames; }
+inline std::span<const std::pair<MuonScale, const char*>> enum_names(MuonScale) { return kMuonScaleNames; }
 
 // "adamw", "never", ...: an enum field's text (settings, messages, Python).
 template <typename E, std::enable_if_t<std::is_enum_v<E>, int> = 0>
@@ -57,7 +69,16 @@ inline constexpr auto kOptimizerConfigFields = std::make_tuple(
     field("groups", &DistributedOptimizerConfig::groups),  // each rule checked by validate()
     field("clip_grad_norm", &DistributedOptimizerConfig::clip_grad_norm, kNonNegative),  // 0 = off
     field("overlap_param_gather", &DistributedOptimizerConfig::overlap_param_gather),
-    field("fused_step", &DistributedOptimizerConfig::fused_step));
+    field("fused_step", &DistributedOptimizerConfig::fused_step),
+    field("muon_momentum", &DistributedOptimizerConfig::muon_momentum, FieldRange{0.0, false, 1.0, true}),
+    field("muon_nesterov", &DistributedOptimizerConfig::muon_nesterov),
+    field("muon_ns_steps", &DistributedOptimizerConfig::muon_ns_steps, FieldRange{1.0, false, 100.0, true}),
+    field("muon_ns_coefficients", &DistributedOptimizerConfig::muon_ns_coefficients),
+    field("muon_ns_dtype", &DistributedOptimizerConfig::muon_ns_dtype),
+    field("muon_scale", &DistributedOptimizerConfig::muon_scale),
+    field("muon_extra_scale", &DistributedOptimizerConfig::muon_extra_scale, kPositive),
+    field("muon_eps", &DistributedOptimizerConfig::muon_eps, kPositive),
+    field("muon_adamw_params", &DistributedOptimizerConfig::muon_adamw_params));
 
 static_assert(std::tuple_size_v<decltype(kOptimizerConfigFields)> ==
                   aggregate_field_count<DistributedOptimizerConfig>(),

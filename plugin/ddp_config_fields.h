@@ -22,6 +22,7 @@ inline constexpr auto kDdpConfigFields =
                     field("check_for_nan_in_grad", &DdpConfig::check_for_nan_in_grad),
                     field("comm_hook", &DdpConfig::comm_hook),  // a built-in hook's name: GradBufferConfig::validate()
                     field("num_distributed_optimizer_instances", &DdpConfig::num_distributed_optimizer_instances),
+                    field("shard_policy", &DdpConfig::shard_policy),  // "byte_range" | "whole_param": validate()
                     field("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0),
                     field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
                     field("broadcast_buffers", &DdpConfig::broadcast_buffers),

@@ -24,8 +24,10 @@ struct Flags {
   int64_t micro_batches = 1;
   uint64_t seed = 0;
   examples::PrecisionFlags precision;  // --dtype, --grad-reduce-in-bf16
-  std::string optimizer = "adamw";     // --optimizer adamw|sgd (SGD: a wrong gradient scale shows; AdamW hides it)
-  examples::RunFlags run;              // --steps, --lr and schedule, logging, --inject-nan, timeouts
+  // --optimizer adamw|sgd|muon (SGD: a wrong gradient scale shows; AdamW hides it; muon: Muon on the block
+  // matrices, AdamW on the rest, whole-param ZeRO-1 shards)
+  std::string optimizer = "adamw";
+  examples::RunFlags run;  // --steps, --lr and schedule, logging, --inject-nan, timeouts
   gpt::Config model;
   examples::CheckpointFlags checkpoints;
   // --loss mean|per-token. mean: the mean over every token of the global batch (all are valid).
@@ -47,7 +49,7 @@ struct Flags {
 inline std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--optimizer adamw|sgd] "
+             "[--optimizer adamw|sgd|muon] "
              "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
              "N]] [--loss mean|per-token] [--pp N [--vpp N] [--grad-sync bubble|end]] ") +
@@ -119,6 +121,10 @@ inline void validate(const Flags& f) {
   } else if (f.sync_at_end) {
     throw FlagError("--grad-sync end needs a pipeline (--pp)");
   }
+  if (f.optimizer == "muon" && !f.distributed_optimizer) {
+    throw FlagError("--optimizer muon needs --distributed-optimizer (Muon runs on whole-param ZeRO-1 shards)");
+  }
+  if (f.optimizer == "muon" && f.pp > 1) throw FlagError("--optimizer muon with --pp is not supported yet; use adamw");
   examples::validate_run_flags(f.run);
   examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }
@@ -174,7 +180,8 @@ inline Flags parse(int argc, char** argv) {
       else if (arg == "--seed")
         f.seed = static_cast<uint64_t>(parse_int_flag(arg, v, 0));
       else if (arg == "--optimizer") {
-        if (v != "adamw" && v != "sgd") throw examples::FlagError("--optimizer must be adamw or sgd, got '" + v + "'");
+        if (v != "adamw" && v != "sgd" && v != "muon")
+          throw examples::FlagError("--optimizer must be adamw, sgd or muon, got '" + v + "'");
         f.optimizer = v;
       } else if (arg == "--layers")
         f.model.layers = parse_int_flag(arg, v, 1);

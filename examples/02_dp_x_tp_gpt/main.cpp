@@ -71,8 +71,9 @@ int main(int argc, char** argv) {
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
-    config.num_distributed_optimizer_instances = f.optimizer_instances;  // checked by DdpConfig and DDP
-    config.check_for_nan_in_grad = !f.distributed_optimizer;             // ZeRO-1 skips such steps instead
+    if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
+    config.num_distributed_optimizer_instances = f.optimizer_instances;           // checked by DdpConfig and DDP
+    config.check_for_nan_in_grad = !f.distributed_optimizer;                      // ZeRO-1 skips such steps instead
     config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     config.expert_parallel_size = f.ep;  // expert grads over the expert-DP group (dense ones over DP (x CP))
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, dp_dims, config);
@@ -84,6 +85,10 @@ int main(int argc, char** argv) {
     if (f.distributed_optimizer) {
       meshddp::DistributedOptimizerConfig oc;
       oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+      if (f.optimizer == "muon") {
+        oc.kind = meshddp::OptimizerKind::kMuon;
+        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings (and the head tied to wte) stay on AdamW
+      }
       oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);

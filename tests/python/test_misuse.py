@@ -49,7 +49,7 @@ def test_config_errors_carry_the_cpp_text():
         meshddp.DdpConfig(bucket_size=1)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
         meshddp.OptimizerConfig(lr=-1.0)
-    with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', got 'adam'"):
+    with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', 'muon', got 'adam'"):
         meshddp.OptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
     assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
@@ -69,11 +69,12 @@ _FIELD_VALUES = {
         check_for_nan_in_grad=True, comm_hook="bf16_compress", num_distributed_optimizer_instances=2,
         broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
-        expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2),
+        expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2, shard_policy="whole_param"),
     meshddp.OptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
-        fused_step="never"),
+        fused_step="never", muon_momentum=0.5, muon_nesterov=False, muon_ns_steps=3, muon_ns_coefficients="quintic",
+        muon_ns_dtype="fp32", muon_scale="spectral", muon_extra_scale=0.5, muon_eps=1e-6, muon_adamw_params="*wte*"),
 }
 
 
