@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed import pipelining as tpp
+from torch.distributed.pipelining._backward import stage_backward_weight
 
 import meshddp
 import meshddp.pipelining
@@ -116,7 +117,7 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, 
     """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
     zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
     way to break the stage on purpose ("no_scale", "no_hold", "self_p2p": torch's warm-up sends to this
-    rank itself kept)."""
+    rank itself kept, "torch_weight_pass": torch's weight pass, `weight.grad += dw` past the buffer's hooks)."""
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     stages, wrapped = build(mesh, schedule, zero1=zero1)
@@ -125,6 +126,8 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, 
             s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
         elif broken == "self_p2p":
             s._get_init_p2p_neighbors_ops = lambda s=s: tpp.PipelineStage._get_init_p2p_neighbors_ops(s)
+        elif broken == "torch_weight_pass":
+            s._backward_weight = lambda groups, s=s: stage_backward_weight(s.submod.parameters(), groups)
         elif broken == "no_hold":  # torch's plain backward: buckets launch during the first micro-batch
             s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
                 tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))

@@ -1,6 +1,7 @@
 """torch.distributed.pipelining schedules driving meshddp (meshddp.pipelining.PipelineStage): dp 2 x
 pp 2 (4 ranks, Gloo, CPU), a 4-layer MLP, 4 micro-batches per DP rank, 3 SGD steps
-(pipelining_workers.py; ZBVZeroBubble in its V placement, rank r holding stages r and 3 - r),
+(pipelining_workers.py; ZBVZeroBubble and DualPipeV in their V placement, rank r holding stages r
+and 3 - r),
 against one process on the global batch: the last step's gradients and the
 params after it, with the schedule's scale_grads on (mean loss) and off (loss pre-divided by the
 micro-batch count). Tolerance 3e-7 (fp32; measured 3e-8 on every schedule)."""
@@ -18,7 +19,7 @@ TOL = 3e-7
 
 @pytest.mark.parametrize("scale_grads", [True, False])
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
-                                      "ZBVZeroBubble"])
+                                      "ZBVZeroBubble", "DualPipeV"])
 def test_schedule_matches_one_process(schedule, scale_grads):
     diffs = multiprocess.run(4, "pipelining_workers.pipelined", schedule=schedule, scale_grads=scale_grads)
     assert max(max(d) for d in diffs) < TOL, diffs
@@ -34,7 +35,7 @@ def test_the_docs_torchrun_script_trains_on_4_ranks():
     assert out.returncode == 0 and out.stdout.count(" ok") == 4, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_zero1_matches_one_process(schedule):
     """Each chunk's optimizer a meshddp.DistributedOptimizer (ZeRO-1 SGD over the chunk's DP group)."""
     diffs = multiprocess.run(4, "pipelining_workers.pipelined", schedule=schedule, zero1=True)

@@ -7,6 +7,12 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
 - backward_maybe_with_nosync: every backward (full, the input pass and the weight pass of a split
   backward) runs with the chunk's sync held, so gradients only accumulate into the flat buffers and a
   weight's gradient arriving in a later weight pass is counted once.
+- the weight pass of a split backward (stage_backward_weight) runs through autograd's AccumulateGrad
+  (torch.autograd.backward to the params) instead of torch's `weight.grad += dw`: that add bypasses
+  the buffer's hooks, and zero_grad_buffer() leaves a slot whose param got a gradient in the last
+  step stale (Note [Slots written in place]) for the step's first gradient to overwrite. A weight pass
+  that was a param's first gradient of the step (ScheduleDualPipeV's micro-batch 0 on the last
+  stage) was added to the stale slot, then overwritten by the next micro-batch's backward.
 - perform_reduce_grad (the schedule's REDUCE_GRAD action, after the chunk's last backward) and
   scale_grads (called by the schedules without that action right after the last backward): the flat
   buffers are scaled (scale_gradients) and the chunk's sync is started (start_grad_sync), overlapping
@@ -28,7 +34,9 @@ FSDP with its gradient divide factor set to 1."""
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshddp.ddp import DistributedDataParallel
 
@@ -90,11 +98,31 @@ class PipelineStage(_TorchPipelineStage):
                          f"meshddp.pipelining.finish_grad_sync(stages) and zero_grad_buffer() between steps")
         ddp.set_requires_gradient_sync(False)
         try:
+            if backward_type == "weight":
+                return self._backward_weight(bwd_kwargs["param_groups"]), None
             # torch's base with a non-torch-DDP submod: a plain backward (stage_backward, or the split
-            # stage_backward_input / stage_backward_weight); the held sync makes it accumulate only.
+            # stage_backward_input); the held sync makes it accumulate only.
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
         finally:
             ddp.set_requires_gradient_sync(True)
+
+    def _backward_weight(self, param_groups):
+        """torch's stage_backward_weight (the weight pass from the intermediates that the input pass saved),
+        the gradients accumulated by autograd into the params, so that the buffer's hooks place them (see
+        the module's docstring). Returns None for each param, as torch's callers ignore the result."""
+        params = list(self.submod.parameters())
+        by_node = {_get_grad_fn_or_grad_acc(p): p for p in params}
+        for group in param_groups:
+            edges, grads = [], []
+            # Popped: the saved intermediates and their gradients are freed after use, as in torch's.
+            for grads_tuple, intermediate in zip(group.pop("grads", ()), group.pop("intermediates")):
+                non_none = [g for g in grads_tuple if g is not None]
+                if non_none:
+                    edges.append(GradientEdge(intermediate, 0))
+                    grads.append(sum(non_none))
+            if edges:
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=[by_node[n] for n in group["params"]])
+        return tuple(None for _ in params)
 
     def scale_grads(self, grad_scale_factor):
         """Divides the chunk's flat gradient buffers by `grad_scale_factor` (the micro-batch count with
