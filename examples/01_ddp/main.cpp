@@ -169,8 +169,9 @@ int main(int argc, char** argv) {
                    static_cast<long long>(flags.global_batch), static_cast<long long>(local_batch));
       std::fprintf(stderr, "%s\n", examples::precision_header(ddp, zero1.get(), masters.get()).c_str());
     }
-    examples::ExampleCheckpoints checkpoints(flags.checkpoints, {model.ptr().get(), &ddp, zero1.get(), optimizer.get()},
-                                             mesh.rank(), flags.seed, flags.global_batch);
+    examples::ExampleCheckpoints checkpoints(
+        flags.checkpoints, meshddp::TrainingState{model.ptr().get(), &ddp, zero1.get(), optimizer.get()}, mesh.rank(),
+        flags.seed, flags.global_batch);
     checkpoints.track(schedule);
     const int64_t first_step = checkpoints.resume();
     FILE* log = stdout;
