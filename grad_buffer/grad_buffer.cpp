@@ -117,7 +117,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
                               tied});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
-  const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
+  const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_shard_group()->getSize() : 1;
   layout_ = assign_buckets(
       specs, LayoutConfig{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size});
 
@@ -374,9 +374,10 @@ void GradBuffer::launch_reduction(int64_t b) {
 // (bucket order, like the launches, hence the same order on every rank): bucket b's all-reduce runs
 // while bucket b+1's reduce-scatter is waited for. It sums in the buffer's dtype whatever the comm
 // hook (a compression hook compresses the intra-instance reduce-scatter only). TP-partial buckets,
-// all-reduced over the whole mesh, need no second step. Expert buckets are not split into instances:
-// they are reduce-scattered over the whole expert-DP group (already D/EP ranks, the cross-node
-// saving is smaller) and need no second step either.
+// all-reduced over the whole mesh, need no second step. Expert buckets are split into instances too
+// (as Megatron-core's intra-instance expert-DP group): reduce-scattered over this instance's expert-DP
+// ranks (SyncGroups::expert_instance, expert-DP / K of them), then all-reduced across the instances
+// over the same K-rank group as dense buckets (its ranks hold the same experts).
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
