@@ -1,18 +1,16 @@
 #include "mesh/pipeline_groups.h"
 
-#include <c10/core/TensorImpl.h>
+#include "mesh/weak_tensor_map.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 
 namespace meshddp {
 namespace {
 
-std::mutex tied_mutex;
-std::map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>& tied_registry() {
-  static std::map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> map;
+WeakTensorMap<bool>& tied_params() {
+  static WeakTensorMap<bool> map;
   return map;
 }
 
@@ -60,17 +58,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> stage_world(const DeviceMesh& mesh, const
 
 void declare_tied_across_stages(const at::Tensor& param) {
   TORCH_CHECK(param.defined(), "declare_tied_across_stages: the tensor is undefined");
-  std::lock_guard<std::mutex> lock(tied_mutex);
-  auto& map = tied_registry();
-  for (auto it = map.begin(); it != map.end();) it = it->second.expired() ? map.erase(it) : std::next(it);
-  map.insert_or_assign(param.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()));
+  tied_params().set(param, true);
 }
 
-bool is_tied_across_stages(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(tied_mutex);
-  auto& map = tied_registry();
-  auto it = map.find(param.unsafeGetTensorImpl());
-  return it != map.end() && !it->second.expired();
-}
+bool is_tied_across_stages(const at::Tensor& param) { return tied_params().get(param).has_value(); }
 
 }  // namespace meshddp

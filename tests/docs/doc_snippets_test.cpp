@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <meshddp/meshddp.h>  // what the docs' blocks include (an installed consumer's spelling)
 #include <string>
 #include <sys/stat.h>
 #include <unistd.h>

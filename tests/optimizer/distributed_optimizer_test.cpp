@@ -20,8 +20,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <thread>
-
 using namespace meshddp;
 using namespace meshddp::test;
 using ::testing::HasSubstr;
@@ -186,33 +184,14 @@ TEST(DistributedOptimizer, NanOnOneRankSkipsTheStepEverywhereAndNamesParamAndRan
 // forward is exact only if each op waits for its bucket instead of reading what is in the buffer.
 TEST(DistributedOptimizer, ParamAllGatherOverlapsTheNextForwardAndItsResultIsExact) {
   ZeroScenario s{.world = 2, .steps = 4, .overlap_param_gather = true, .bucket_bytes = 2048, .hidden = 64};
-  auto golden = train_zero_golden(s);
-  Mlp golden_model = make_mlp(kZeroSeed, kZeroIn, s.hidden, kZeroOut);
-  {
-    torch::NoGradGuard no_grad;
-    auto ps = golden_model->parameters();
-    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(golden[i]);
-  }
+  Mlp golden_model = trained_zero_golden_model(s);
   auto probe = torch::randn({8, kZeroIn});
   auto expected = golden_model->forward(probe).detach();
   run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
     ZeroRank rank(mesh, s, kZeroSeed);
     rank.train(0, s.steps);
     rank.opt->finish_param_sync();
-    const GradBuffer& buffer = rank.ddp->grad_buffer();
-    ParamGather* gather = rank.ddp->param_gather();
-    if (mesh.rank() == 0) {
-      torch::NoGradGuard no_grad;
-      for (const BucketShard& shard : rank.opt->shards()) {
-        at::Tensor full = buffer.param_buffer()->bucket_data(shard.bucket);
-        const int64_t mine = shard.begin - buffer.layout().buckets[shard.bucket].begin;
-        full.narrow(0, 0, mine).fill_(1e6);
-        full.narrow(0, mine + shard.numel, full.numel() - mine - shard.numel).fill_(1e6);
-      }
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    }
-    gather->start(/*async=*/true);
+    ParamGather* gather = start_gathers_over_a_poisoned_param_buffer(rank);
     auto out = rank.ddp->forward(probe).detach();
     if (mesh.rank() == 0) {
       EXPECT_GT(gather->pending_at_last_forward_start(), 0) << "gathers were in flight when forward began";

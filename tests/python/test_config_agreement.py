@@ -9,6 +9,8 @@ import multiprocess
 def test_a_peer_whose_config_was_refused_is_named_as_the_cause_in_the_settings_check():
     error = multiprocess.run(2, "config_agreement_workers.error_of_peer_that_left")[0]
     assert error is not None
-    assert "DistributedDataParallel: the DdpConfig settings check over group" in error, error
+    # The first of DistributedDataParallel's settings checks the peers reach (the optimizer-instance
+    # count, agreed before the groups are made, then the DdpConfig settings).
+    assert "DistributedDataParallel: the " in error and " settings check over group" in error, error
     assert ("A rank that stopped before reaching this check (e.g. one whose config was refused where it was made) "
             "leaves its peers here: the job's first error, from that rank, names the cause") in error, error

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 namespace meshddp::test {
 
 DistributedOptimizerConfig zero_optimizer_config(const ZeroScenario& s) {
@@ -158,6 +161,33 @@ double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, (a[i] - b[i]).abs().max().item<double>());
   return m;
+}
+
+Mlp trained_zero_golden_model(const ZeroScenario& s) {
+  auto golden = train_zero_golden(s);
+  Mlp model = make_mlp(kZeroSeed, kZeroIn, s.hidden, kZeroOut);
+  torch::NoGradGuard no_grad;
+  auto ps = model->parameters();
+  for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(golden[i]);
+  return model;
+}
+
+ParamGather* start_gathers_over_a_poisoned_param_buffer(ZeroRank& rank) {
+  const GradBuffer& buffer = rank.ddp->grad_buffer();
+  ParamGather* gather = rank.ddp->param_gather();
+  if (rank.mesh.rank() == 0) {
+    torch::NoGradGuard no_grad;
+    for (const BucketShard& shard : rank.opt->shards()) {
+      at::Tensor full = buffer.param_buffer()->bucket_data(shard.bucket);
+      const int64_t mine = shard.begin - buffer.layout().buckets[shard.bucket].begin;
+      full.narrow(0, 0, mine).fill_(1e6);
+      full.narrow(0, mine + shard.numel, full.numel() - mine - shard.numel).fill_(1e6);
+    }
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  gather->start(/*async=*/true);
+  return gather;
 }
 
 }  // namespace meshddp::test

@@ -54,6 +54,15 @@ struct ZeroRank {
   std::unique_ptr<LrScheduler> scheduler;  // when scenario.schedule is set; steps after each unskipped step
 };
 
+// The golden MLP holding train_zero_golden(s)'s params after s.steps: what a forward of the trained
+// model must give.
+Mlp trained_zero_golden_model(const ZeroScenario& s);
+
+// For tests of a forward that overlaps the param all-gathers: rank 0 overwrites every part of its param
+// buffer that it does not own with 1e6 while the others wait 300 ms, then every rank launches the
+// all-gathers asynchronously, so they are in flight when rank 0's next forward starts. Returns the gather.
+ParamGather* start_gathers_over_a_poisoned_param_buffer(ZeroRank& rank);
+
 // Trains on s.world ranks; checks every rank ends with identical params; returns rank 0's.
 // `per_rank` (optional) runs on each rank after training.
 std::vector<torch::Tensor> train_zero(const ZeroScenario& s, std::vector<std::vector<StepResult>>* results = nullptr);

@@ -91,6 +91,10 @@ _step_hook = None
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
+    # meshddp's own DistributedOptimizer (a torch Optimizer, for torch's LR schedulers) finishes the
+    # gradient sync itself in step(): only other optimizers must find it finished.
+    if getattr(optimizer, "_finishes_grad_sync", False):
+        return
     for ddp in list(_live_wrappers):
         engine = getattr(ddp, "_engine", None)
         if engine is None or not engine.sync_pending():

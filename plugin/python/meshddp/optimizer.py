@@ -34,6 +34,10 @@ def _finish_pending_gathers(impl):
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
+    # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
+    # lets it through.
+    _finishes_grad_sync = True
+
     def __init__(self, ddp, config=None):
         if not isinstance(ddp, DistributedDataParallel):
             raise RuntimeError(f"meshddp.DistributedOptimizer: ddp must be a meshddp.DistributedDataParallel, got "

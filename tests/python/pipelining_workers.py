@@ -1,0 +1,113 @@
+"""Per-rank bodies of tests/python/test_pipelining.py: a 4-layer MLP split into pipeline stages run by
+torch.distributed.pipelining schedules over dp 2 x pp 2 (4 ranks), every stage chunk a
+meshddp.DistributedDataParallel inside a meshddp.pipelining.PipelineStage. Golden: the whole model in
+one process on the global batch (mean MSE), plain SGD (every rank computes it)."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed import pipelining as tpp
+
+import meshddp
+import meshddp.pipelining
+
+WIDTH, LOCAL_BATCH, MICRO, STEPS, LR, LAYERS = 6, 8, 4, 3, 0.2, 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def full_model():
+    torch.manual_seed(31)
+    return torch.nn.Sequential(*[Block() for _ in range(LAYERS)])
+
+
+def batch(step, dp_size):
+    g = torch.Generator().manual_seed(3100 + step)
+    rows = LOCAL_BATCH * dp_size
+    return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
+
+
+def golden(dp_size):
+    model = full_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, dp_size)
+        F.mse_loss(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    return model, grads  # the last step's grads
+
+
+SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
+             "Interleaved1F1B": (tpp.ScheduleInterleaved1F1B, 2),
+             "InterleavedZeroBubble": (tpp.ScheduleInterleavedZeroBubble, 2)}
+
+
+def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
+    """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
+    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
+    way to break the stage on purpose ("no_scale", "no_hold")."""
+    dp_size, pp_size = 2, 2
+    mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    cls, chunks = SCHEDULES[schedule]
+    num_stages = pp_size * chunks
+    per_stage = LAYERS // num_stages
+    layers = full_model()
+    stages, wrapped = [], []
+    for k in range(chunks):
+        index = pp_rank + k * pp_size  # torch's interleaved placement: rank r holds stages r, r + pp, ...
+        module = torch.nn.Sequential(*copy.deepcopy(list(layers[index * per_stage:(index + 1) * per_stage])))
+        config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
+        ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
+        stages.append(meshddp.pipelining.PipelineStage(ddp, index, num_stages, torch.device("cpu"),
+                                                       group=mesh["pp"].get_group()))
+        wrapped.append((index, ddp))
+    for s in stages if broken else []:  # on purpose, to see the test fail
+        if broken == "no_scale":  # the sync started, the buffers never scaled
+            s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()
+        elif broken == "no_hold":  # torch's plain backward: buckets launch during the first micro-batch
+            s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
+                tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))
+    # Mean loss per micro-batch with scale_grads=True; a loss pre-divided by the micro-batch count without.
+    loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / MICRO)
+    sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=loss_fn, scale_grads=scale_grads)
+    params = [p for _, ddp in wrapped for p in ddp.parameters()]
+    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
+            if zero1 else [torch.optim.SGD(params, lr=LR)])
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    ref, ref_grads = golden(dp_size)
+    for step in range(STEPS):
+        for _, ddp in wrapped:
+            ddp.zero_grad_buffer()
+        x, y = batch(step, dp_size)
+        x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
+        args = (x,) if has_first else ()
+        sched.step(*args, target=y if has_last else None)
+        meshddp.pipelining.finish_grad_sync(stages)
+        grads = [p.grad.clone() for p in params]
+        for opt in opts:
+            opt.step()
+    grad_diff = param_diff = 0.0
+    i = 0
+    for index, ddp in wrapped:
+        for block_index in range(index * per_stage, (index + 1) * per_stage):
+            for name in ("weight", "bias"):
+                p_ref = getattr(ref[block_index].fc, name)
+                g_ref = ref_grads[2 * block_index + (name == "bias")]
+                grad_diff = max(grad_diff, (grads[i] - g_ref).abs().max().item())
+                param_diff = max(param_diff, (params[i].detach() - p_ref.detach()).abs().max().item())
+                i += 1
+    return grad_diff, param_diff
+
