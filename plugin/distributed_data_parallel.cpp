@@ -267,7 +267,10 @@ DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
   init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_,
        [this, dp_global_ranks] {
-         return groups_.expert_dp ? ExpertGroup{groups_.expert_dp, {}} : expert_group_without_mesh(dp_global_ranks);
+         if (groups_.expert_dp) return ExpertGroup{groups_.expert_dp, {}};
+         // EP 1 with optimizer instances: expert buckets are sharded as dense ones, within the instance.
+         if (groups_.cross_instance) groups_.expert_instance = groups_.dp;
+         return expert_group_without_mesh(dp_global_ranks);
        });
 }
 
