@@ -170,16 +170,18 @@ GradBuffer::~GradBuffer() {
   for (const auto& p : params_) unregister_grad_slot(p.param, this);
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& b : buckets_) {
-    for (auto* work : {&b.tied_work, &b.work, &b.cross_work}) {
-      if (!*work) continue;
-      try {
-        (*work)->wait();
-      } catch (const std::exception&) {
-        // Destruction must not throw; the failure was (or will be) reported by finish_grad_sync().
-      }
-    }
+  std::vector<InFlightCollective> in_flight;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    const BucketReduction& r = bucket.reduction;
+    const std::string what = bucket_description(static_cast<int64_t>(b));
+    if (bucket.tied_work) in_flight.push_back({bucket.tied_work, r.tied_group.get(), "tied sum of " + what});
+    if (bucket.work) in_flight.push_back({bucket.work, r.group.get(), "reduction of " + what});
+    if (bucket.cross_work) in_flight.push_back({bucket.cross_work, r.cross_group.get(), what + " across instances"});
   }
+  // A failed step's reductions may never finish: no waiting forever at exit (Note [Abandoned
+  // collectives], mesh/collectives.h); the failure was reported by finish_grad_sync() or another wait.
+  wait_or_abandon(in_flight, "a gradient buffer (GradBuffer)");
 }
 
 void GradBuffer::install_hooks() {
