@@ -78,9 +78,9 @@ AsyncCheckpointSave::~AsyncCheckpointSave() {
   std::fprintf(stderr,
                "meshddp: warning: rank %lld: the checkpoint save of step %lld to '%s' was abandoned before its commit "
                "(it was still pending when its AsyncCheckpointSave was destroyed; wait() at the end of training "
-               "commits it); `latest` still names the previous checkpoint\n",
+               "commits it); %s\n",
                static_cast<long long>(mesh_.world->getRank()), static_cast<long long>(pending_->meta.step),
-               pending_->save->step_dir.c_str());
+               pending_->save->step_dir.c_str(), save_phases::latest_after_failure(pending_->dir).c_str());
   std::fflush(stderr);
 }
 
@@ -142,7 +142,7 @@ AsyncSaveStart AsyncCheckpointSave::start(const std::string& dir, const Checkpoi
   pending->meta = meta;
   pending->options = options;
   pending->save = std::make_unique<save_phases::Save>(pending->mesh, pending->dir, pending->meta);
-  pending->save_id = save_phases::prepare(*pending->save);
+  pending->save_id = save_phases::prepare(*pending->save, /*async_save=*/true);
   out.prepare_ms = ms_since(t0);
   out.path = pending->save->step_dir;
   // (3) Phase 2 on the writer thread.

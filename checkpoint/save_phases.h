@@ -35,11 +35,19 @@ struct Save {
   // The message of a failed save (fail_if_any's): `errors` is errors_of(...); `removed` what became of
   // the step directory ("" when it was left).
   std::string failure(const std::string& stage, const std::string& errors, const std::string& removed = "") const;
+  // Throws `why` on every rank (called by every rank alike, after phase 1), rank 0 first removing the
+  // still empty step directory.
+  [[noreturn]] void refuse(const std::string& why) const;
 };
 
+// What a failed save left `latest` naming: "`latest` still names the previous checkpoint (step-4)", or
+// "no checkpoint was committed yet in '<dir>'" when there is none.
+std::string latest_after_failure(const std::string& dir);
+
 // Phase 1, collective: rank 0 creates an empty step directory (never the one `latest` names) and picks
-// the save id; every rank checks it saves the same step. Returns the save id; throws on every rank.
-std::string prepare(const Save& s);
+// the save id; every rank checks it saves the same step with the same `async_save` (this save's
+// CheckpointSaveOptions::async_save). Returns the save id; throws on every rank.
+std::string prepare(const Save& s, bool async_save);
 // Phase 2, on every rank, no communication: writes, fsyncs and verifies this rank's file; `status`
 // gets the file (size, CRC32C) and each piece with its checksum, for the manifest.
 void write_rank_file(const Save& s, const std::string& save_id, const std::vector<CheckpointTensor>& tensors,

@@ -87,9 +87,31 @@ std::vector<Json> Save::agree_after(const std::string& what, const std::function
   return agree(*mesh.world, mine, "checkpoint save: " + what);
 }
 
+std::string latest_after_failure(const std::string& dir) {
+  if (!path_exists(dir + "/latest")) return "no checkpoint was committed yet in '" + dir + "'";
+  try {
+    return "`latest` still names the previous checkpoint (" + read_latest_pointer(dir) + ")";
+  } catch (const std::exception&) {
+    return "`latest` still names the previous checkpoint";
+  }
+}
+
 std::string Save::failure(const std::string& stage, const std::string& errors, const std::string& removed) const {
   return "checkpoint save of step " + std::to_string(meta.step) + " to '" + step_dir + "' failed (" + stage +
-         "); nothing was committed and `latest` still names the previous checkpoint" + removed + ":" + errors;
+         "); nothing was committed and " + latest_after_failure(dir) + removed + ":" + errors;
+}
+
+void Save::refuse(const std::string& why) const {
+  if (rank == 0) {  // the step directory phase 1 made, still empty
+    try {
+      remove_tree(step_dir);
+      fsync_path(dir);
+    } catch (const std::exception&) {
+      // The refusal below is what matters; an empty directory is harmless.
+    }
+  }
+  TORCH_CHECK(false, "checkpoint save of step ", meta.step, " to '", step_dir, "' refused on every rank: ", why,
+              "; nothing was committed and ", latest_after_failure(dir));
 }
 
 void Save::fail_if_any(const std::vector<Json>& statuses, const std::string& stage, bool written) const {
@@ -138,12 +160,30 @@ std::string prepare_step_directory(const Save& s) {
 
 }  // namespace
 
-std::string prepare(const Save& s) {
+std::string prepare(const Save& s, bool async_save) {
   const std::vector<Json> statuses = s.agree_after("prepare", [&](Json& status) {
     status["step"] = s.meta.step;
+    status["async_save"] = async_save;
     if (s.rank == 0) status["save_id"] = prepare_step_directory(s);
   });
   s.fail_if_any(statuses, "preparing the directory");
+  // Each rank's async_save: ranks that disagree would go separate ways after this agreement (the
+  // synchronous ones into the file agreement, the asynchronous ones back to training).
+  std::ostringstream flags;
+  bool same = true;
+  for (int64_t r = 0; r < s.world_size; ++r) {
+    const bool theirs = json_bool(json_at(statuses[r], "async_save", "status"), "async_save");
+    same = same && theirs == async_save;
+    flags << (r ? ", " : "") << "rank " << r << " " << (theirs ? "true" : "false");
+  }
+  if (!same) {
+    s.refuse(
+        "the ranks disagree on async_save (save_checkpoint(..., async_save=) in Python, "
+        "CheckpointSaveOptions::async_save in C++): " +
+        flags.str() +
+        "; an asynchronous save is finished by collectives at later step boundaries, so every rank must "
+        "pass the same value (decide it from the step, never from the rank)");
+  }
   for (int64_t r = 0; r < s.world_size; ++r) {
     const int64_t step = json_int(json_at(statuses[r], "step", "status"), "step");
     TORCH_CHECK(step == s.meta.step, "checkpoint save of step ", s.meta.step, " to '", s.step_dir, "' failed: rank ", r,
@@ -303,12 +343,16 @@ std::vector<int64_t> global_shape_of(const at::Tensor& local, const Placement& p
 std::string save_checkpoint_files(const CheckpointMesh& mesh, const std::string& dir, const CheckpointMeta& meta,
                                   const std::vector<CheckpointTensor>& tensors, const CheckpointSaveOptions& options) {
   TORCH_CHECK(mesh.world, "checkpoint save: no world group");
-  TORCH_CHECK(!options.async_save, "checkpoint save: options.async_save needs an AsyncCheckpointSave ",
-              "(checkpoint/async_save.h) or a CheckpointSaver (plugin/checkpoint_saver.h), which own the writer ",
-              "thread; save_checkpoint_files saves synchronously");
   const save_phases::Save s(mesh, dir, meta);
-  // (1) Rank 0 prepares the directory and picks the save id; every rank checks it saves the same step.
-  const std::string save_id = save_phases::prepare(s);
+  // (1) Rank 0 prepares the directory and picks the save id; every rank checks it saves the same step
+  // and agrees on async_save (before refusing it here: a rank that refused alone would leave the
+  // others waiting in the agreement).
+  const std::string save_id = save_phases::prepare(s, options.async_save);
+  if (options.async_save) {
+    s.refuse(
+        "options.async_save needs an AsyncCheckpointSave (checkpoint/async_save.h) or a CheckpointSaver "
+        "(plugin/checkpoint_saver.h), which own the writer thread; save_checkpoint_files saves synchronously");
+  }
   // (2) Every rank writes, fsyncs and verifies its file.
   std::vector<Json> statuses =
       s.agree_after("files", [&](Json& status) { save_phases::write_rank_file(s, save_id, tensors, options, status); });

@@ -17,7 +17,7 @@ BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& grou
   BucketReduction r;
   r.tp_partial = key.tp_partial;
   r.expert = key.expert;
-  r.shard_group = key.expert ? groups.expert_dp : groups.dp;
+  r.shard_group = key.expert ? groups.expert_shard_group() : groups.dp;
   TORCH_INTERNAL_ASSERT(r.shard_group, "no group for a bucket of ", key.expert ? "expert" : "dense", " params");
   r.shard_rank = r.shard_group->getRank();
   r.shard_size = r.shard_group->getSize();
@@ -26,10 +26,11 @@ BucketReduction bucket_reduction_of(const BufferKey& key, const SyncGroups& grou
   // buckets too: Note [Expert gradient scale]. TP-partial: the world all-reduce sums over TP, the
   // divisor makes it a DP mean.
   r.divisor = groups.data_parallel_size();
-  // Hierarchical ZeRO-1: dense buckets' shards are all-reduced across the instances. TP-partial buckets
-  // are whole and final after their all-reduce over the world; expert buckets are sharded over the
-  // whole expert-DP group (no instances: Note [Hierarchical ZeRO-1]).
-  if (!key.tp_partial && !key.expert) r.cross_group = groups.cross_instance;
+  // Hierarchical ZeRO-1: dense and expert buckets' shards are all-reduced across the instances (expert
+  // ones sharded within the instance: SyncGroups::expert_instance, Note [Hierarchical ZeRO-1]; the K
+  // ranks at one position of each instance hold the same experts, so the cross group is the dense one).
+  // TP-partial buckets are whole and final after their all-reduce over the world.
+  if (!key.tp_partial && (!key.expert || groups.expert_instance)) r.cross_group = groups.cross_instance;
   if (key.tied) r.tied_group = groups.embedding;  // Note [Tied across stages] (tied_params.cpp)
   return r;
 }

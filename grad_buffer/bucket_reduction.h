@@ -33,6 +33,11 @@ struct SyncGroups {
   // which expert params (mesh/placement.h: declare_expert_param) are reduced. Null: no expert params
   // allowed (the DP group itself when expert_parallel_size is 1).
   c10::intrusive_ptr<c10d::ProcessGroup> expert_dp = {};
+  // Hierarchical ZeRO-1 with expert params: the expert-DP ranks within this rank's optimizer instance
+  // (expert-DP / K of them), over which expert buckets are reduce-scattered and their params
+  // all-gathered; their shards are then all-reduced over `cross_instance`, as dense ones (Megatron-core's
+  // intra-instance expert-DP group). Null otherwise: expert buckets are sharded over `expert_dp`.
+  c10::intrusive_ptr<c10d::ProcessGroup> expert_instance = {};
   // Pipeline parallel: the embedding group (mesh/pipeline_groups.h: the first and last stage of this
   // rank's pipeline), over which params tied across stages (declare_tied_across_stages) are summed
   // before their DP reduction. Null: no tied params allowed.
@@ -42,6 +47,10 @@ struct SyncGroups {
   int64_t dp_size() const { return dp->getSize(); }
   int64_t instances() const { return cross_instance ? cross_instance->getSize() : 1; }
   int64_t instance_index() const { return cross_instance ? cross_instance->getRank() : 0; }
+  // The group expert buckets are sharded over: this instance's expert-DP ranks, or the whole expert-DP.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& expert_shard_group() const {
+    return expert_instance ? expert_instance : expert_dp;
+  }
   // D, the ranks a gradient is averaged over: the instance's size times the number of instances.
   int64_t data_parallel_size() const { return dp_size() * instances(); }
   // This rank's index among those D (instances are consecutive blocks of the DP group).
@@ -62,14 +71,14 @@ struct BucketReduction {
   bool tp_partial = false;                       // all-reduced over the world: a TP sum and a DP mean
   bool expert = false;                           // expert params, over the expert-data-parallel group
   // ZeRO-1: this rank's shard is shard `shard_rank` of `shard_size` equal ones (the DP or expert-DP
-  // rank and size; the bucket is padded to a multiple of shard_size), and its param all-gather runs
-  // over `shard_group`.
+  // rank and size, within the optimizer instance with K > 1; the bucket is padded to a multiple of shard_size), and its
+  // param all-gather runs over `shard_group`.
   c10::intrusive_ptr<c10d::ProcessGroup> shard_group;
   int64_t shard_rank = 0;
   int64_t shard_size = 1;
-  // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise, and for TP-partial and expert
-  // buckets): after the reduce-scatter within the instance and the comm hook's write-back, this rank's
-  // shard is all-reduced over it.
+  // Hierarchical ZeRO-1 (SyncGroups::cross_instance; null otherwise, for TP-partial buckets, and for
+  // expert buckets without SyncGroups::expert_instance): after the reduce-scatter within the instance and the comm
+  // hook's write-back, this rank's shard is all-reduced over it.
   c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
   // Params tied across pipeline stages (BufferKey::tied): the pre-divided bucket is first summed over
   // this group (SyncGroups::embedding), then reduced over DP as a dense bucket. Null otherwise.

@@ -17,9 +17,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <sstream>
-#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -120,7 +118,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
                               placement.is_partial_grad(), expert, tied, p.param.sizes().vec()});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
-  const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_dp->getSize() : 1;
+  const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_shard_group()->getSize() : 1;
   const LayoutConfig layout_config{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size};
   layout_ = assign_buckets(specs, layout_config);  // then, with whole_param, params re-placed within their buckets:
   if (config_.shard_policy == kWholeParamShards) place_whole_params(layout_, specs, layout_config);
@@ -174,16 +172,17 @@ GradBuffer::~GradBuffer() {
   for (const auto& p : params_) unregister_grad_slot(p.param, this);
   remove_hooks();
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& b : buckets_) {
-    for (auto* work : {&b.tied_work, &b.work, &b.cross_work}) {
-      if (!*work) continue;
-      try {
-        (*work)->wait();
-      } catch (const std::exception&) {
-        // Destruction must not throw; the failure was (or will be) reported by finish_grad_sync().
-      }
-    }
+  std::vector<InFlightCollective> in_flight;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    const BucketReduction& r = bucket.reduction;
+    const std::string what = bucket_description(static_cast<int64_t>(b));
+    if (bucket.tied_work) in_flight.push_back({bucket.tied_work, r.tied_group.get(), "tied sum of " + what});
+    if (bucket.work) in_flight.push_back({bucket.work, r.group.get(), "reduction of " + what});
+    if (bucket.cross_work) in_flight.push_back({bucket.cross_work, r.cross_group.get(), what + " across instances"});
   }
+  // A failed step's reductions may never finish: no waiting forever (Note [Abandoned collectives]).
+  wait_or_abandon(in_flight, "a gradient buffer (GradBuffer)");
 }
 
 void GradBuffer::install_hooks() {
@@ -378,9 +377,10 @@ void GradBuffer::launch_reduction(int64_t b) {
 // (bucket order, like the launches, hence the same order on every rank): bucket b's all-reduce runs
 // while bucket b+1's reduce-scatter is waited for. It sums in the buffer's dtype whatever the comm
 // hook (a compression hook compresses the intra-instance reduce-scatter only). TP-partial buckets,
-// all-reduced over the whole mesh, need no second step. Expert buckets are not split into instances:
-// they are reduce-scattered over the whole expert-DP group (already D/EP ranks, the cross-node
-// saving is smaller) and need no second step either.
+// all-reduced over the whole mesh, need no second step. Expert buckets are split into instances too
+// (as Megatron-core's intra-instance expert-DP group): reduce-scattered over this instance's expert-DP
+// ranks (SyncGroups::expert_instance, expert-DP / K of them), then all-reduced across the instances
+// over the same K-rank group as dense buckets (its ranks hold the same experts).
 void GradBuffer::wait_launched_buckets() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];

@@ -92,14 +92,12 @@ ParamGather::~ParamGather() {
     live_gathers().erase(this);
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& w : works_) {
-    if (!w) continue;
-    try {
-      w->wait();
-    } catch (const std::exception&) {
-      // Destruction must not throw; a failed gather is reported by whoever waits for it.
-    }
+  std::vector<InFlightCollective> in_flight;
+  for (size_t b = 0; b < works_.size(); ++b) {
+    if (works_[b]) in_flight.push_back({works_[b], buckets_[b].group.get(), "all-gather of " + buckets_[b].what});
   }
+  // No waiting forever on the gathers of a failed step (Note [Abandoned collectives], mesh/collectives.h).
+  wait_or_abandon(in_flight, "a ZeRO-1 param all-gather");
 }
 
 void ParamGather::start(bool async) {

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -252,8 +253,10 @@ std::chrono::milliseconds polling_deadline(std::chrono::milliseconds backend_tim
   return backend_timeout - std::min<std::chrono::milliseconds>(backend_timeout / 10, std::chrono::seconds(30));
 }
 
-void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
-                             std::chrono::milliseconds backend_timeout) {
+namespace {
+
+void wait_collective_polling_unnoted(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                                     std::chrono::milliseconds backend_timeout) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective_polling on a null Work for ", what);
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -305,6 +308,8 @@ void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const 
   }
 }
 
+}  // namespace
+
 // `has_stuck_report` (the header's name) means: the group has a progress record, which brings the
 // stuck report when stuck_report_after > 0 and the divergence checks always (Note [Divergent
 // collectives] in collective_progress.h); kReporting then waits in slices with both between them.
@@ -314,13 +319,87 @@ WaitMode choose_wait_mode(c10d::ProcessGroup::BackendType backend, bool nccl_blo
   return watched ? WaitMode::kReporting : WaitMode::kWait;
 }
 
-void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
+namespace {
+
+std::mutex failed_mutex;
+std::string& first_failure() {
+  static std::string error;
+  return error;
+}
+
+// Keeps `group` alive until the process exits (Note [Abandoned collectives]): never freed, on purpose.
+void keep_until_exit(c10d::ProcessGroup& group) {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  std::lock_guard<std::mutex> lock(failed_mutex);
+  kept->push_back(c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&group));
+}
+
+// Runs `wait`, recording what it throws as a failed collective (Note [Abandoned collectives]).
+template <typename F>
+void noting_failure(c10d::ProcessGroup& group, F&& wait) {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    note_failed_collective(e.what());
+    keep_until_exit(group);
+    throw;
+  }
+}
+
+}  // namespace
+
+std::string failed_collective() {
+  std::lock_guard<std::mutex> lock(failed_mutex);
+  return first_failure();
+}
+
+void note_failed_collective(const std::string& error) {
+  std::lock_guard<std::mutex> lock(failed_mutex);
+  if (first_failure().empty()) first_failure() = error.empty() ? "(no message)" : error;
+}
+
+void wait_or_abandon(const std::vector<InFlightCollective>& works, const std::string& owner) noexcept {
+  try {
+    const std::string failure = failed_collective();
+    if (failure.empty()) {
+      for (const InFlightCollective& w : works) {
+        try {
+          if (w.work) w.work->wait();
+        } catch (const std::exception&) {
+          // Destruction must not throw; the failure was (or will be) reported by whoever waits for it.
+        }
+      }
+      return;
+    }
+    std::ostringstream abandoned;
+    int64_t n = 0;
+    for (const InFlightCollective& w : works) {
+      if (!w.work || w.work->isCompleted()) continue;
+      abandoned << (n++ ? "; " : "") << w.what << " on " << (w.group ? describe_group(*w.group) : "its group");
+      if (w.group) keep_until_exit(*w.group);
+    }
+    if (n == 0) return;
+    std::fprintf(
+        stderr,
+        "meshddp: warning: %s destroyed after a failed collective (%s); not waiting for its %lld collective(s) "
+        "still in flight, which may never finish (abandoned to the backend): %s\n",
+        owner.c_str(), failure.substr(0, failure.find('\n')).c_str(), static_cast<long long>(n),
+        abandoned.str().c_str());
+    std::fflush(stderr);
+  } catch (...) {
+    // Destruction must not throw.
+  }
+}
+
+namespace {
+
+void wait_collective_unnoted(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
   TORCH_INTERNAL_ASSERT(work, "wait_collective on a null Work for ", what);
   const auto report_after = collective_report_after(group);
   const bool watched = collective_timeout(group).has_value();  // a progress record: reports and divergence checks
   const WaitMode mode = choose_wait_mode(group.getBackendType(), nccl_blocking_wait(), watched);
   if (mode == WaitMode::kPolling) {
-    wait_collective_polling(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
+    wait_collective_polling_unnoted(work, group, what, collective_timeout(group).value_or(std::chrono::minutes(10)));
     return;
   }
   std::string divergence;
@@ -334,6 +413,17 @@ void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::str
     fail_collective(work, group, what, e.what());
   }
   TORCH_CHECK(divergence.empty(), divergence);
+}
+
+}  // namespace
+
+void wait_collective(const Work& work, c10d::ProcessGroup& group, const std::string& what) {
+  noting_failure(group, [&] { wait_collective_unnoted(work, group, what); });
+}
+
+void wait_collective_polling(const Work& work, c10d::ProcessGroup& group, const std::string& what,
+                             std::chrono::milliseconds backend_timeout) {
+  noting_failure(group, [&] { wait_collective_polling_unnoted(work, group, what, backend_timeout); });
 }
 
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,

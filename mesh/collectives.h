@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace meshddp {
 
@@ -79,6 +80,37 @@ void all_reduce_max_now(c10d::ProcessGroup& group, const at::Tensor& tensor, con
 // bytes). Tensors go through `device` (CUDA for NCCL groups; Gloo takes either).
 std::vector<std::string> all_gather_strings(c10d::ProcessGroup& group, const std::string& text, const std::string& what,
                                             c10::Device device = c10::Device(c10::kCPU));
+
+// Note [Abandoned collectives]
+//   Once a collective failed in this process (a divergence, a timeout, a peer that left: whatever
+//   wait_collective threw), the collectives still in flight on its groups may never finish: their
+//   peers have given up too, or wait in other collectives. A destructor that waited for them (the
+//   flat buffers' bucket reductions and param all-gathers of the failed step) would hang the exit of
+//   every rank until the group's timeout (30 min by default), or forever on a group without one.
+//   So after a failure, destructors leave their in-flight work to the backend, which holds references
+//   to its tensors (Gloo in the work, NCCL by recording the stream), and say on stderr what they
+//   abandoned. Without a failure they wait as before (Gloo's wait ends at the group's timeout at the
+//   latest; NCCL's is a stream wait). c10d's Gloo group, destroyed at exit, would wait for its stuck
+//   collectives too (joining its threads, each up to the group's timeout): the group of a failed
+//   wait, and of each abandoned collective, is kept alive until the process exits, so that it exits
+//   at once, which also fails its peers' stuck collectives (their connections close).
+
+// The error of the first collective that failed in this process (wait_collective or
+// wait_collective_polling threw), "" while none has. Thread-safe.
+std::string failed_collective();
+// Records `error` as a failed collective (the first one is kept). Called by the waits; for tests.
+void note_failed_collective(const std::string& error);
+
+// One collective a destructor finds in flight: its work, its group and what it was for.
+struct InFlightCollective {
+  Work work;
+  c10d::ProcessGroup* group = nullptr;
+  std::string what;
+};
+// For destructors (Note [Abandoned collectives]): waits for each of `works` (never throwing), unless a
+// collective failed in this process; then waits for none, and prints one line on stderr naming
+// `owner`, the failure and each collective not yet completed, which it abandons.
+void wait_or_abandon(const std::vector<InFlightCollective>& works, const std::string& owner) noexcept;
 
 // Whether a collective on `group` can be skipped: a group of one rank, unless the environment sets
 // MESHDDP_FORCE_COLLECTIVES=1 (test/debug switch, mesh/switches.h: run every collective even

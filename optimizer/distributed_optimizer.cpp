@@ -27,7 +27,7 @@ NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard,
 
 // Each element once over the whole mesh (Note [Gradient norm over DP x TP]): shards are disjoint within
 // a bucket's group. With K optimizer instances a dense shard is held by K ranks (one per instance, equal
-// after the all-reduce across instances): only instance 0's counts. Expert buckets have no instances.
+// after the all-reduce across instances): only instance 0's counts, for expert buckets as dense ones.
 bool counts_toward_norm(const GradBuffer& buffer, const BucketShard& shard) {
   return !buffer.bucket_reduction(shard.bucket).cross_group || buffer.groups().instance_index() == 0;
 }
@@ -67,7 +67,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   param_buffer_ = buffer_->param_buffer();
   TORCH_INTERNAL_ASSERT(param_buffer_ != nullptr);
   // Each bucket sharded over its own group: DP for dense buckets (this rank's instance with K optimizer
-  // instances: 1/(D/K)), expert-DP for expert ones.
+  // instances: 1/(D/K)), expert-DP for expert ones (within the instance too: 1/(expert-DP/K)).
   std::vector<ShardOwner> owners;
   for (int64_t b = 0; b < static_cast<int64_t>(buffer_->layout().buckets.size()); ++b) {
     owners.push_back({buffer_->bucket_reduction(b).shard_rank, buffer_->bucket_reduction(b).shard_size});

@@ -10,7 +10,8 @@
 // DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each dense shard,
 // held by one rank of every instance, by instance 0's rank only: every element is in exactly one
 // file. Expert params are sharded over their expert-data-parallel group (GradBuffer::bucket_reduction;
-// no instances), so each expert's elements too are written once, by the ranks of its group; expert
+// within the instance, instance 0 writes, as for dense buckets), so each expert's elements too are
+// written once, by the ranks of its group; expert
 // names are global (DDP checks it), so one key is one expert. A load asks for its own segments at its
 // own DP x TP (x EP, and K); the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
 #include "optimizer/distributed_optimizer.h"
@@ -62,7 +63,7 @@ std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_
       const NamedParam& p = params[seg.param];
       const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
-      // Hierarchical ZeRO-1: the K instances hold the same dense shard; instance 0 writes it.
+      // Hierarchical ZeRO-1: the K instances hold the same shard (dense or expert); instance 0 writes it.
       if (for_save && buffer_->bucket_reduction(shards_[b].bucket).cross_group &&
           buffer_->groups().instance_index() != 0)
         continue;

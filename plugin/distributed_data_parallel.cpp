@@ -147,6 +147,27 @@ void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::stri
   groups.cross_instance = mesh.group_of(name + "/cross_instance", cross_instance_groups(dp_groups, k, name));
 }
 
+// Hierarchical ZeRO-1 with expert params: expert buckets are sharded within the optimizer instance
+// too (Megatron-core's intra-instance expert-DP group), over `groups.expert_instance`, the expert-DP
+// ranks of this rank's instance; their shards are then all-reduced over groups.cross_instance, whose K
+// ranks hold the same experts (Note [Hierarchical ZeRO-1], grad_buffer/grad_buffer.cpp). Called by
+// every rank with the same (agreed) settings, so every rank refuses alike or makes the same groups.
+void use_expert_optimizer_instances(const DeviceMesh& mesh, const RankGroups& expert_groups, const std::string& name,
+                                    const DdpConfig& config, SyncGroups& groups) {
+  const int64_t k = config.num_distributed_optimizer_instances;
+  if (k == 1) return;
+  const auto size = static_cast<int64_t>(expert_groups.front().size());
+  TORCH_CHECK(size % k == 0, "DistributedDataParallel: num_distributed_optimizer_instances = ", k,
+              " does not divide the expert-data-parallel size ", size,
+              " (data-parallel size / expert_parallel_size = ", config.expert_parallel_size, "; rank ", mesh.rank(),
+              " of ", mesh.describe(),
+              "); expert buckets are sharded within each instance, so choose a K that divides ", size,
+              ", or a smaller expert_parallel_size");
+  groups.expert_instance =
+      mesh.group_of(name + "/optimizer_instance", optimizer_instance_groups(expert_groups, k, name));
+  ensure_cpu_backend(*groups.expert_instance, "DistributedDataParallel");
+}
+
 }  // namespace
 
 std::string tp_dim_of(const std::vector<std::string>& dim_names, const std::vector<int64_t>& dim_sizes,
@@ -211,10 +232,14 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
   const std::vector<std::string> dims = dp_dims;
   init(module, mesh.flattened_ranks(dp_dims), groups_.world ? *groups_.world : *dp_group_, [this, &mesh, dims] {
     const int64_t ep = config_.expert_parallel_size;
-    if (ep == 1) return ExpertGroup{dp_group_, mesh.flattened_ranks(dims)};  // every DP rank holds every expert
     // Named by its dims and EP size: DDPs with other settings on the same mesh get groups of their own.
     const std::string name = "expert_dp." + flattened_dims_name(dims) + ".ep" + std::to_string(ep);
+    if (ep == 1) {  // every DP rank holds every expert: expert buckets are sharded as dense ones
+      if (groups_.cross_instance) groups_.expert_instance = groups_.dp;
+      return ExpertGroup{dp_group_, mesh.flattened_ranks(dims)};
+    }
     const RankGroups groups = expert_data_parallel_groups(mesh.sizes(), mesh.names(), dims, ep);
+    use_expert_optimizer_instances(mesh, groups, name, config_, groups_);
     return ExpertGroup{mesh.group_of(name, groups), group_containing(groups, mesh.rank(), name)};
   });
 }
@@ -242,7 +267,10 @@ DdpEngine::DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   TORCH_CHECK(dp_group_, "DistributedDataParallel: the data-parallel process group is null");
   init(std::move(params), std::move(buffers), dp_global_ranks, groups_.world ? *groups_.world : *dp_group_,
        [this, dp_global_ranks] {
-         return groups_.expert_dp ? ExpertGroup{groups_.expert_dp, {}} : expert_group_without_mesh(dp_global_ranks);
+         if (groups_.expert_dp) return ExpertGroup{groups_.expert_dp, {}};
+         // EP 1 with optimizer instances: expert buckets are sharded as dense ones, within the instance.
+         if (groups_.cross_instance) groups_.expert_instance = groups_.dp;
+         return expert_group_without_mesh(dp_global_ranks);
        });
 }
 

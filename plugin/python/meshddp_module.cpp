@@ -185,7 +185,8 @@ PYBIND11_MODULE(_C, m) {
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> embedding_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_dp_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> instance_group,
-                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_instance_group) {
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_instance_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_instance_group) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
@@ -194,6 +195,8 @@ PYBIND11_MODULE(_C, m) {
                                         tp_size, tp_group.value_or(nullptr), cross_instance_group.value_or(nullptr),
                                         expert_dp_group.value_or(nullptr)};
              groups.embedding = embedding_group.value_or(nullptr);  // weights tied across pipeline stages
+             // Expert buckets sharded within the instance (SyncGroups::expert_instance; EP 1: the instance).
+             groups.expert_instance = expert_instance_group.value_or(nullptr);
              py::gil_scoped_release release;  // the checks and broadcast are collectives
              return EngineHolder<PythonDdp>(new PythonDdp(named_tensors(params), named_tensors(buffers), std::move(dts),
                                                           std::move(groups), dp_global_ranks, config,
@@ -202,7 +205,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("params"), py::arg("buffers"), py::arg("dtensors"), py::arg("dp_group"), py::arg("world_group"),
            py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"),
            py::arg("embedding_group") = py::none(), py::arg("expert_dp_group") = py::none(),
-           py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none())
+           py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none(),
+           py::arg("expert_instance_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
       // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
       .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
@@ -223,6 +227,18 @@ PYBIND11_MODULE(_C, m) {
       .def("param_names", &PythonDdp::param_names)
       .def("grad_buffer_bytes", [](const PythonDdp& d) { return d.grad_buffer()->grad_buffer_bytes(); })
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
+      // Per bucket (is_expert, the size of the group it is sharded over, the size of its cross-instance
+      // group or 0): how ZeRO-1 shards each bucket (grad_buffer/bucket_reduction.h), for tests.
+      .def("_bucket_sharding",
+           [](const PythonDdp& d) {
+             std::vector<std::tuple<bool, int64_t, int64_t>> out;
+             const auto& buffer = *d.grad_buffer();
+             for (size_t b = 0; b < buffer.layout().buckets.size(); ++b) {
+               const auto& r = buffer.bucket_reduction(static_cast<int64_t>(b));
+               out.emplace_back(r.expert, r.shard_size, r.cross_group ? r.cross_group->getSize() : 0);
+             }
+             return out;
+           })
       .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer()->stats().buckets_launched_by_hooks; })
       .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer()->stats().grads_written_in_place; })
       // Around writing new values into the params (load_state_dict): no sync pending, pending param

@@ -179,7 +179,7 @@ struct Rank {
   int64_t ep = 1;
 };
 
-Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t perturb = 0) {
+Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t perturb = 0, int64_t instances = 1) {
   Rank r;
   r.ep = ep;
   const int64_t d = mesh.coordinate("dp");
@@ -190,6 +190,7 @@ Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t p
   config.bucket_bytes = 256;  // several buckets per group
   config.use_distributed_optimizer = zero1;
   config.expert_parallel_size = ep;
+  config.num_distributed_optimizer_instances = instances;
   r.ddp = std::make_unique<DistributedDataParallel<MoeToyImpl>>(r.model.ptr(), mesh, std::vector<std::string>{"dp"},
                                                                 config);
   if (zero1) {
@@ -245,11 +246,11 @@ Named params_of(const Rank& r) {
   return out;
 }
 
-void expect_matches_golden(Optim optim, bool zero1) {
+void expect_matches_golden(Optim optim, bool zero1, int64_t ep = 2, int64_t instances = 1) {
   const GoldenRun want = golden(optim, kSteps);
   run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    Rank r = make_rank(mesh, /*ep=*/2, optim, zero1);
-    EXPECT_EQ(r.ddp->grad_buffer()->groups().expert_dp->getSize(), 2);
+    Rank r = make_rank(mesh, ep, optim, zero1, /*perturb=*/0, instances);
+    EXPECT_EQ(r.ddp->grad_buffer()->groups().expert_dp->getSize(), kDp / ep);
     for (int step = 0; step < kSteps; ++step) {
       Named grads;
       const double norm = train_step(r, mesh, step, &grads);
@@ -375,6 +376,66 @@ TEST(ExpertParallel, CheckpointRoundTripWithExpertsResumesAtTheSameAndAnotherEpS
     }
   }
   remove_dir(dir);
+}
+
+// Hierarchical ZeRO-1 with experts (Megatron-core's layout): an expert bucket is sharded over the
+// expert-DP ranks within the instance (expert-DP / K of them) and its shard all-reduced across the K
+// instances, as a dense one. At EP 2 (expert-DP 2, K 2) each rank holds whole expert buckets, summed
+// across the instances; at EP 1 (expert-DP 4) half of each. Skipping the cross-instance step for
+// expert buckets leaves each instance with its own half of the batch (O(0.01) off).
+TEST(ExpertParallel, TwoOptimizerInstancesShardExpertBucketsWithinTheInstanceAndMatchOneProcess) {
+  for (int64_t ep : {2, 1}) {
+    expect_matches_golden(Optim::kAdamW, /*zero1=*/true, ep, /*instances=*/2);
+    run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2);
+      const GradBuffer& buffer = *r.ddp->grad_buffer();
+      int64_t expert_buckets = 0;
+      for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+        const BucketReduction& red = buffer.bucket_reduction(b);
+        if (!red.expert) continue;
+        ++expert_buckets;
+        const int64_t intra = kDp / ep / 2;
+        EXPECT_EQ(red.shard_size, intra) << "expert bucket " << b << " at ep " << ep;
+        EXPECT_TRUE(red.cross_group && red.cross_group->getSize() == 2) << "expert bucket " << b << " at ep " << ep;
+        EXPECT_EQ(buffer.bucket_shard(b).numel(), buffer.layout().buckets[b].numel() / intra) << "bucket " << b;
+      }
+      EXPECT_GT(expert_buckets, 0);
+    });
+  }
+}
+
+TEST(ExpertParallel, CheckpointWithExpertsInTwoInstancesResumesAtAnotherLayout) {
+  // Saved at EP 2 in 2 instances (instance 0 writes every shard, expert ones too), loaded flat at EP 2
+  // and EP 4, and at EP 1 in 2 instances: each continues as the golden does.
+  const std::string dir = fresh_dir("expert-instances-ckpt");
+  const GoldenRun want = golden(Optim::kAdamW, 3);
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    Rank r = make_rank(mesh, /*ep=*/2, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2);
+    for (int step = 0; step < 2; ++step) train_step(r, mesh, step, nullptr);
+    save_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir, 2);
+  });
+  for (const auto& [ep, instances] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {4, 1}, {1, 2}}) {
+    const std::string at = " (ep " + std::to_string(ep) + ", " + std::to_string(instances) + " instance(s))";
+    run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/5, instances);
+      const LoadedCheckpoint loaded =
+          load_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir);
+      EXPECT_EQ(loaded.step, 2);
+      expect_close(params_of(r), want.params[1], "loaded param" + at, mesh.rank(), 1);
+      train_step(r, mesh, 2, nullptr);
+      expect_close(params_of(r), want.params[2], "param after resuming" + at, mesh.rank(), 2);
+    });
+  }
+  remove_dir(dir);
+}
+
+TEST(ExpertParallel, RefusesInstancesThatDoNotDivideTheExpertDpSizeOnEveryRank) {
+  // dp 4, EP 2: expert-DP 2; K = 4 divides the DP size but not the expert-DP size.
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    EXPECT_THAT(
+        error_of([&] { make_rank(mesh, /*ep=*/2, Optim::kAdamW, true, 0, /*instances=*/4); }),
+        testing::HasSubstr("num_distributed_optimizer_instances = 4 does not divide the expert-data-parallel size 2"));
+  });
 }
 
 // Rank 0 declares its experts, the others forget to: the others would broadcast and reduce the

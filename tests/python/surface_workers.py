@@ -212,13 +212,15 @@ def local_golden(name, p, golden, ep, e):
     return want.chunk(ep)[e] if isinstance(p, DTensor) else want
 
 
-def moe(rank, world_size, ep, zero1, hf_style=False):
+def moe(rank, world_size, ep, zero1, hf_style=False, instances=1):
     """A torchtitan-style MoE on world_size ranks (a ("edp", "ep") mesh, experts sharded over "ep",
     DDP over both dims flattened), STEPS AdamW steps (meshddp's ZeRO-1, or torch's on plain DDP, which
-    also compares param.main_grad after the first backward), against one process on the global batch."""
+    also compares param.main_grad after the first backward), against one process on the global batch.
+    `instances`: num_distributed_optimizer_instances (ZeRO-1)."""
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
     model = Moe(ep_mesh=mesh["ep"], hf_style=hf_style)
-    config = meshddp.DdpConfig(use_distributed_optimizer=zero1, expert_parallel_size=ep, bucket_bytes=512)
+    config = meshddp.DdpConfig(use_distributed_optimizer=zero1, expert_parallel_size=ep, bucket_bytes=512,
+                               num_distributed_optimizer_instances=instances)
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
                                           expert_params=["experts.*"] if hf_style else ())
     if zero1:
@@ -267,7 +269,20 @@ def moe(rank, world_size, ep, zero1, hf_style=False):
         diffs[name] = ((p.to_local() if isinstance(p, DTensor) else p.detach()) -
                        local_golden(name, p, gnamed, ep, e)).abs().max().item()
     return {"diffs": diffs, "grad_diffs": grad_diffs, "engine_names": ddp._engine.param_names(), "losses": losses,
-            "state_dict_error": state_dict_error}
+            "state_dict_error": state_dict_error, "sharding": ddp._engine._bucket_sharding()}
+
+
+def instances_refused_by_expert_dp(rank, world_size, k):
+    """The error each rank gets for K optimizer instances that do not divide the expert-DP size."""
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("edp", "ep"))
+    config = meshddp.DdpConfig(use_distributed_optimizer=True, expert_parallel_size=2,
+                               num_distributed_optimizer_instances=k)
+    try:
+        meshddp.DistributedDataParallel(Moe(hf_style=True), mesh, dp_dim=("edp", "ep"), config=config,
+                                        expert_params=["experts.*"])
+    except RuntimeError as err:
+        return str(err)
+    return None
 
 
 def instances(rank, world_size, k):
@@ -297,4 +312,7 @@ def suite(rank, world_size, directory):
     return {"schedules": schedules(rank, world_size, directory), "clip": clip_tp(rank, world_size, 2, 2),
             "moe": moe(rank, world_size, 2, zero1=True), "moe_ddp": moe(rank, world_size, 2, zero1=False),
             "moe_hf": moe(rank, world_size, 2, zero1=False, hf_style=True),
-            "instances": instances(rank, world_size, 2)}
+            "instances": instances(rank, world_size, 2),
+            "moe_instances": moe(rank, world_size, 2, zero1=True, hf_style=True, instances=2),
+            "moe_instances_ep1": moe(rank, world_size, 1, zero1=True, hf_style=True, instances=2),
+            "moe_instances_refused": instances_refused_by_expert_dp(rank, world_size, 4)}

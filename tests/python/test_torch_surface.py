@@ -30,6 +30,7 @@ def suite(tmp_path_factory):
           [max(max(r[v]["diffs"].values()) for r in results) for v in ("moe", "moe_ddp", "moe_hf")],
           [max(max(r[v]["grad_diffs"].values()) for r in results) for v in ("moe_ddp", "moe_hf")],
           max(r["instances"]["param_diff"] for r in results),
+          [max(max(r[v]["diffs"].values()) for r in results) for v in ("moe_instances", "moe_instances_ep1")],
           results[0]["clip"]["torch_clip_error"])
     return results
 
@@ -93,6 +94,21 @@ def test_hf_style_experts_declared_by_pattern_match_one_process(suite):
             assert diff <= 1e-7, f"rank {rank}: the gradient of '{name}' differs from one process by {diff}"
         for name, diff in r["diffs"].items():
             assert diff <= MOE_TOL, f"rank {rank}: '{name}' differs from one process by {diff}"
+
+
+def test_optimizer_instances_shard_expert_buckets_within_the_instance(suite):
+    # 4 ranks, 2 instances (as Megatron-core): expert buckets are sharded over the expert-DP ranks of
+    # the instance (EP 2: 2 / 2 = 1, whole; EP 1: the instance's 2 ranks) and all-reduced across the 2
+    # instances, dense ones over the instance's 2 ranks; the HF-style MoE under meshddp's ZeRO-1
+    # matches one process.
+    for rank, results in enumerate(suite):
+        for variant, expert_shards in (("moe_instances", 1), ("moe_instances_ep1", 2)):
+            r = results[variant]
+            assert sorted(set(r["sharding"])) == [(False, 2, 2), (True, expert_shards, 2)], (rank, variant, r["sharding"])
+            for name, diff in r["diffs"].items():
+                assert diff <= MOE_TOL, f"rank {rank}, {variant}: '{name}' differs from one process by {diff}"
+        assert "num_distributed_optimizer_instances = 4 does not divide the expert-data-parallel size 2" in \
+            results["moe_instances_refused"], (rank, results["moe_instances_refused"])
 
 
 def test_optimizer_instances_match_one_process(suite):

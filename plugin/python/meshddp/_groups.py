@@ -87,6 +87,25 @@ def expert_dp_group(mesh, dp_dims, ep):
     return subgroup(_mine(groups, mesh))
 
 
+def expert_instance_group(mesh, dp_dims, config):
+    """Hierarchical ZeRO-1 with experts (K > 1, EP > 1): this rank's expert-DP ranks within its
+    optimizer instance (Megatron-core's intra-instance expert-DP group), over which the engine
+    reduce-scatters expert buckets before all-reducing their shards across the instances; None
+    otherwise (at EP 1 the engine shards expert buckets over the instance group itself). As the C++
+    DeviceMesh constructor (plugin/distributed_data_parallel.cpp: use_expert_optimizer_instances)."""
+    k, ep = config.num_distributed_optimizer_instances, config.expert_parallel_size
+    if mesh is None or k == 1 or ep == 1 or not config.use_distributed_optimizer:
+        return None
+    groups = _C.expert_data_parallel_groups(list(mesh.shape), list(mesh.mesh_dim_names), list(dp_dims), ep)
+    size = len(groups[0])
+    if size % k:
+        raise _error(f"num_distributed_optimizer_instances = {k} does not divide the expert-data-parallel size "
+                     f"{size} (data-parallel size / expert_parallel_size = {ep}; rank {dist.get_rank()}); expert "
+                     f"buckets are sharded within each instance, so choose a K that divides {size}, or a smaller "
+                     f"expert_parallel_size")
+    return subgroup(_mine(_C.optimizer_instance_groups(groups, k, "expert_dp"), mesh))
+
+
 def optimizer_instance_groups(mesh, dp_dims, config, agreement_group):
     """(instance group, cross-instance group) for num_distributed_optimizer_instances = K > 1, or
     (None, None). K is agreed over `agreement_group` first: a rank with another K would make other

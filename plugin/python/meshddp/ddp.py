@@ -216,7 +216,9 @@ class DistributedDataParallel(torch.nn.Module):
         ep = config.expert_parallel_size
         instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
-        _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group],
+        expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
+        _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,
+                            expert_instance_group],
                            stuck_report_after, timeout)
         self.module = module
         self.mesh = mesh
@@ -259,7 +261,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
                                dist.get_process_group_ranks(dp_group), config, embedding_group=embedding_group,
                                expert_dp_group=expert_dp_group, instance_group=instance_group,
-                               cross_instance_group=cross_group)
+                               cross_instance_group=cross_group, expert_instance_group=expert_instance_group)
         grads = {}
         for name, p, _, _ in dtensors:
             grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,

@@ -1,0 +1,54 @@
+"""Ranks that disagree mid-training fail loudly on every rank, and then exit promptly: the engine's
+destructors do not wait for the collectives of the failed step, which may never finish (Note
+[Abandoned collectives], mesh/collectives.h). 2 ranks under torchrun (failed_step_worker.py), with a
+collective timeout of TIMEOUT_S: a destructor that waited would hold each process at least that
+long after its failure."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+TIMEOUT_S = 90    # the process group's collective timeout
+EXIT_BOUND_S = 30  # from a rank's failure to the end of both processes (measured: see docs/checkpoints.md)
+
+
+def launch(scenario, directory):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed_step_worker.py")
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", worker, scenario, str(directory),
+                          str(TIMEOUT_S)], capture_output=True, text=True, timeout=4 * TIMEOUT_S,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ended = time.time()
+    failures = {int(r): (float(t), msg) for r, t, msg in re.findall(r"rank (\d) failed at ([\d.]+): (.*)", out.stdout)}
+    return out, failures, ended
+
+
+def test_a_rank_that_skips_a_checkpoint_save_fails_every_rank_and_each_exits_promptly(tmp_path):
+    out, failures, ended = launch("skipped_save", tmp_path / "ckpt")
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert sorted(failures) == [0, 1], log
+    for rank, (_, msg) in failures.items():
+        assert "ranks are in different collectives" in msg, (rank, msg)
+    # Rank 1 failed in the gradient reduction with the next bucket's in flight: left, and said so.
+    assert "not waiting for its" in out.stderr and "gradient bucket" in out.stderr, out.stderr
+    after_failure = ended - min(t for t, _ in failures.values())
+    print(f"exit {after_failure:.1f} s after the first failure (collective timeout {TIMEOUT_S} s)")
+    assert after_failure < EXIT_BOUND_S, log
+
+
+def test_ranks_that_disagree_on_async_save_fail_at_the_save_naming_each_ranks_value(tmp_path):
+    out, failures, ended = launch("async_mismatch", tmp_path / "ckpt")
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert sorted(failures) == [0, 1], log
+    for rank, (_, msg) in failures.items():
+        assert "refused on every rank: the ranks disagree on async_save" in msg, (rank, msg)
+        assert "rank 0 true, rank 1 false" in msg, (rank, msg)
+        assert "pass the same value" in msg, (rank, msg)
+        # The first save of the run: there is no previous checkpoint to name.
+        assert "nothing was committed and no checkpoint was committed yet in" in msg, (rank, msg)
+    assert not os.path.exists(tmp_path / "ckpt" / "step-2"), "the refused save leaves no step directory"
+    assert ended - min(t for t, _ in failures.values()) < EXIT_BOUND_S, log
