@@ -8,8 +8,9 @@
 // passes over the gradients that local training does not make (torch's AccumulateGrad steals the
 // fresh gradient). Now each slot has a state per step:
 //   zeroed   zero_grad_buffer() zeroed it (the param got no gradient in the last step; also padding).
-//   stale    zero_grad_buffer() left it as it was, because its param got a gradient in the last step
-//            and most likely gets one in this step, whose first write then overwrites it.
+//   stale    zero_grad_buffer() left it as it was, because a layer of meshddp's wrote its param's
+//            gradient in place in the last step (write_grad_in_place) and most likely does so again in
+//            this step, whose first write then overwrites it.
 //   written  this step's first gradient is in; later ones (micro-batches, a second use) add to it.
 // The first write of a step into a stale slot overwrites it, whichever way the gradient comes:
 //   - in place: a layer's backward calls write_grad_in_place(); the GEMM writes with beta = 0
@@ -18,6 +19,12 @@
 //   - through autograd: before_grad_accumulation() (a pre-hook on AccumulateGrad) releases .grad,
 //     so AccumulateGrad steals the gradient as in local training, and on_grad_accumulated() copies
 //     it into the slot (one pass, not a fill plus an add) and points .grad back at the slot.
+// Only slots written in place are kept stale. A slot filled through autograd is zeroed by
+// zero_grad_buffer() as in Megatron: code outside meshddp may add into a param's .grad or main_grad
+// before autograd's first gradient of the step (torch's pipelining weight pass does `.grad += dw`;
+// Megatron-style layers accumulate into main_grad), and a stale slot would have lost that addition
+// to the overwrite. Params of meshddp's in-place layers get their gradient from those layers alone;
+// code that adds into their .grad / main_grad itself needs gradient_accumulation_fusion = false.
 // A slot still stale when its bucket launches belongs to a param that got no gradient this step
 // (unused, or find_unused_parameters marked it): launch_bucket() zeroes it before the collective,
 // so it contributes zeros, as before. Nothing reads a slot between zero_grad_buffer() and that
@@ -177,7 +184,7 @@ void GradBuffer::zero_slots_for_next_step() {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(buffers_.size());  // [offset, end) per buffer
   for (size_t i = 0; i < params_.size(); ++i) {
     Slot& s = slots_[i];
-    const bool keep = config_.gradient_accumulation_fusion && s.got_grad && !s.zero_every_step;
+    const bool keep = config_.gradient_accumulation_fusion && s.written_in_place && !s.zero_every_step;
     s.stale = keep;
     if (keep) {
       const ParamSlot& slot = layout_.slots[i];

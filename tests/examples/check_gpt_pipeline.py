@@ -44,6 +44,7 @@ CASES = {
     "dp2_pp2_tp2_vpp2": (8, ["--dp", "2", "--pp", "2", "--tp", "2", "--vpp", "2", "--micro-batches", "2",
                              "--sequence-parallel", "--distributed-optimizer"]),
     "pp2_cp2": (4, ["--pp", "2", "--cp", "2", "--micro-batches", "2"]),
+    "pp4": (4, ["--pp", "4", "--micro-batches", "4"]),  # middle stages: no embedding, no head
 }
 if case not in CASES:
     sys.exit(f"FAILED: unknown case '{case}'; one of {', '.join(CASES)}")

@@ -272,9 +272,9 @@ TEST(DistributedDataParallel, GradientsInBufferFallBackToAutogradWhenOffOrUnderC
                          .grads_in_buffer = true});
 }
 
-// No zeroing pass: zero_grad_buffer() leaves a slot whose param got a gradient in the last step (it
-// will be overwritten), and zeroes one whose param got none; the plain autograd path (torch's
-// Linear) is overwritten the same way, by a copy instead of a fill plus an add.
+// No zeroing pass for slots written in place: zero_grad_buffer() leaves a slot whose gradient a layer
+// wrote in place in the last step (it will be overwritten), and zeroes one whose param got none. The
+// plain autograd path (torch's Linear) is zeroed, as in Megatron (Note [Slots written in place]).
 TEST(DistributedDataParallel, ZeroGradBufferZeroesOnlySlotsThatTheNextGradientWillNotOverwrite) {
   for (const bool in_buffer : {true, false}) {
     run_on_mesh({1, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
@@ -293,7 +293,12 @@ TEST(DistributedDataParallel, ZeroGradBufferZeroesOnlySlotsThatTheNextGradientWi
       ASSERT_GT(fc1_grad.abs().max().item<double>(), 0);
       ASSERT_GT(side_grad.abs().max().item<double>(), 0);
       ddp.zero_grad_buffer();
-      EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad)) << "zeroed a slot that the next step overwrites";
+      if (in_buffer) {
+        EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad))
+            << "zeroed a slot that the next step overwrites";
+      } else {
+        EXPECT_EQ(ddp.main_grad("fc1.weight").abs().max().item<double>(), 0) << "an autograd-filled slot left stale";
+      }
       torch::mse_loss(ddp.forward(x, /*use_side=*/true), y).backward();
       ddp.finish_grad_sync();
       EXPECT_TRUE(torch::equal(ddp.main_grad("fc1.weight"), fc1_grad))
@@ -309,4 +314,30 @@ TEST(DistributedDataParallel, ZeroGradBufferZeroesOnlySlotsThatTheNextGradientWi
       EXPECT_TRUE(torch::equal(ddp.main_grad("side.weight"), side_grad));
     });
   }
+}
+
+// Code outside meshddp that adds into a param's .grad before autograd's first gradient of the step
+// (torch's pipelining weight pass does `.grad += dw`; Megatron-style layers accumulate into main_grad)
+// keeps its addition: the slot was zeroed, so autograd's gradient is added to it, not written over it.
+TEST(DistributedDataParallel, AGradientAddedIntoGradBeforeBackwardIsKept) {
+  run_on_mesh({1, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kSeed, kIn, kHidden, kOut);
+    DistributedDataParallel ddp(model.ptr(), mesh, "dp", bucket_bytes(1024));
+    auto [x, y] = make_batch(kSeed, 0, kBatch, kIn, kOut);
+    for (int step = 0; step < 2; ++step) {
+      ddp.zero_grad_buffer();
+      torch::mse_loss(ddp.forward(x), y).backward();
+      ddp.finish_grad_sync();
+    }
+    const torch::Tensor grad = ddp.main_grad("fc1.weight").clone();
+    ddp.zero_grad_buffer();
+    torch::Tensor g = model->named_parameters()["fc1.weight"].grad();
+    const torch::Tensor extra = torch::full_like(grad, 0.5);
+    g.add_(extra);  // before this step's backward: a split-backward weight pass, or main_grad.add_
+    torch::mse_loss(ddp.forward(x), y).backward();
+    ddp.finish_grad_sync();
+    EXPECT_TRUE(torch::allclose(ddp.main_grad("fc1.weight"), grad + extra, 0, 1e-6))
+        << "the addition made before backward was lost: max |diff| "
+        << (ddp.main_grad("fc1.weight") - grad - extra).abs().max().item<double>();
+  });
 }
