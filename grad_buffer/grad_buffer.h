@@ -162,10 +162,10 @@ class GradBuffer {
 
   // Zeroes the buffers and resets bucket state for the next step. Throws if bucket collectives are
   // in flight (finish_grad_sync() first): zeroing under a running collective corrupts it. Slots whose
-  // gradient a layer wrote in place (write_grad_in_place) in the last step are not zeroed but marked stale: the next write
-  // overwrites them, and a slot still stale when its bucket launches is zeroed then (a param that
-  // got no gradient). Until its param's first gradient of the step, such a slot (and param.grad(),
-  // its view) still reads the last step's values.
+  // gradient a layer wrote in place (write_grad_in_place) in the last step are not zeroed but marked stale: the next
+  // write overwrites them, and a slot still stale when its bucket launches is zeroed then (a param that got no
+  // gradient). Until its param's first gradient of the step, such a slot (and param.grad(), its view) still reads the
+  // last step's values.
   void zero_grad_buffer();
 
   // Throws, naming the params that have not reported a gradient, if this step's sync has begun but
