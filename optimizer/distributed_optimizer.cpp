@@ -110,7 +110,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   }
 
   // Muon: which params take it (2-D, not kept on AdamW by muon_adamw_params); each must be whole in
-  // one shard (the whole_param policy), and whole on this TP rank too.
+  // one shard (the whole_param policy); TP-sharded ones are gathered over TP in update_muon().
   std::vector<bool> takes_muon(params.size(), false);
   if (config_.kind == OptimizerKind::kMuon) {
     TORCH_CHECK(buffer_->config().shard_policy == kWholeParamShards,
@@ -127,11 +127,6 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
       bool adamw = false;
       for (const auto& pattern : keep_adamw) adamw = adamw || matches(pattern, params[i]);
       if (adamw) continue;
-      TORCH_CHECK(!(buffer_->placement(static_cast<int64_t>(i)).is_shard() && buffer_->groups().tp_size > 1),
-                  "DistributedOptimizer: kind = muon: parameter '", params[i].name, "' is sharded over TP (",
-                  buffer_->placement(static_cast<int64_t>(i)).str(),
-                  "); orthogonalizing TP-sharded matrices is not supported yet (the result would depend on the TP "
-                  "size); keep it on AdamW with muon_adamw_params, or use TP size 1");
       takes_muon[i] = true;
     }
   }
@@ -156,7 +151,11 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
         const at::Tensor& p = named.param;
         TORCH_INTERNAL_ASSERT(seg.param_offset == 0 && seg.numel == p.numel(), "Muon matrix '", named.name,
                               "' is not whole in DP rank's shard of bucket ", shard.bucket);
-        muon_.push_back({b, seg, p.size(0), p.size(1)});
+        // A TP-sharded matrix is orthogonalized whole (update_muon gathers it over TP), so the result
+        // does not depend on the TP size; every TP rank owns the same pieces (same layout), in order.
+        const Placement placement = buffer_->placement(static_cast<int64_t>(seg.param));
+        const int64_t tp_dim = placement.is_shard() && buffer_->groups().tp_size > 1 ? placement.dim : -1;
+        muon_.push_back({b, seg, p.size(0), p.size(1), tp_dim});
         continue;
       }
       SegmentViews& v = views_[group_of_[seg.param]];
@@ -368,8 +367,29 @@ void DistributedOptimizer::update_muon() {
       return flat.narrow(0, m.segment.shard_offset, m.segment.numel).view({m.rows, m.cols});
     };
     const Group& g = groups_[group_of_[m.segment.param]];
+    if (m.tp_dim < 0) {
+      muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
+                g.weight_decay, settings);
+      continue;
+    }
+    // TP-sharded: the TP pieces of the update gathered into the whole matrix, orthogonalized, and this
+    // rank's piece taken back; the scale rule sees the whole shape.
+    c10d::ProcessGroup& tp = *buffer_->groups().tp;
+    const int64_t tp_size = tp.getSize(), tp_rank = tp.getRank();
+    const std::string what = "the TP pieces of Muon matrix '" + buffer_->params()[m.segment.param].name + "'";
+    auto orthogonalize = [&](const at::Tensor& update) {
+      const at::Tensor local = update.contiguous();
+      at::Tensor pieces = at::empty({tp_size * local.numel()}, local.options());
+      wait_collective(all_gather_into(tp, pieces, local.view({-1}), what), tp, what);
+      pieces = pieces.view({tp_size, m.rows, m.cols});
+      const at::Tensor whole = m.tp_dim == 0 ? pieces.reshape({tp_size * m.rows, m.cols})
+                                             : pieces.permute({1, 0, 2}).reshape({m.rows, tp_size * m.cols});
+      const int64_t piece = m.tp_dim == 0 ? m.rows : m.cols;
+      return newton_schulz(whole, settings).narrow(m.tp_dim, tp_rank * piece, piece);
+    };
     muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
-              g.weight_decay, settings);
+              g.weight_decay, settings, orthogonalize, m.tp_dim == 0 ? tp_size * m.rows : m.rows,
+              m.tp_dim == 1 ? tp_size * m.cols : m.cols);
   }
 }
 

@@ -193,7 +193,8 @@ class DistributedOptimizer {
   struct MuonMatrix {  // a matrix this rank owns whole and updates with Muon
     size_t bucket_shard;
     ShardSegment segment;
-    int64_t rows, cols;
+    int64_t rows, cols;   // this TP rank's piece
+    int64_t tp_dim = -1;  // a TP-sharded matrix: the dim its TP pieces are cut along (-1: whole here)
   };
   // stats += [non-finite count, sum of squares of what this rank counts (counts_toward_norm in the .cpp)]
   void add_stats_fused(const at::Tensor& stats);

@@ -50,12 +50,13 @@ double muon_lr_scale(const MuonSettings& s, int64_t rows, int64_t cols) {
 }
 
 void muon_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& momentum_buffer, double lr,
-               double weight_decay, const MuonSettings& s) {
+               double weight_decay, const MuonSettings& s, const Orthogonalize& orthogonalize, int64_t rows,
+               int64_t cols) {
   momentum_buffer.lerp_(grad, 1 - s.momentum);
   const at::Tensor update = s.nesterov ? grad.lerp(momentum_buffer, s.momentum) : momentum_buffer;
-  const at::Tensor ortho = newton_schulz(update, s);
+  const at::Tensor ortho = orthogonalize ? orthogonalize(update) : newton_schulz(update, s);
   master.mul_(1 - lr * weight_decay);
-  master.add_(ortho, -lr * muon_lr_scale(s, master.size(0), master.size(1)));
+  master.add_(ortho, -lr * muon_lr_scale(s, rows >= 0 ? rows : master.size(0), cols >= 0 ? cols : master.size(1)));
 }
 
 }  // namespace meshddp

@@ -19,6 +19,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace meshddp {
@@ -48,8 +49,12 @@ at::Tensor newton_schulz(const at::Tensor& update, const MuonSettings& s);
 double muon_lr_scale(const MuonSettings& s, int64_t rows, int64_t cols);
 
 // One step on one matrix: `master` (fp32, rows x cols), `grad` (fp32, same shape), `momentum_buffer`
-// (fp32, same shape) are updated in place.
+// (fp32, same shape) are updated in place. `orthogonalize` maps the local update to its orthogonalized
+// counterpart (default: newton_schulz on it; a TP-sharded matrix gathers the whole one first), and
+// `rows` x `cols` is the whole matrix's shape for the scale rule (default: master's).
+using Orthogonalize = std::function<at::Tensor(const at::Tensor& update)>;
 void muon_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& momentum_buffer, double lr,
-               double weight_decay, const MuonSettings& s);
+               double weight_decay, const MuonSettings& s, const Orthogonalize& orthogonalize = {}, int64_t rows = -1,
+               int64_t cols = -1);
 
 }  // namespace meshddp
