@@ -12,32 +12,12 @@ from torch.distributed import pipelining as tpp
 
 import meshddp
 import meshddp.pipelining
+# The toy stages of the pipeline controls' tests: the embedding and a layer first, a layer and the LM
+# head last (registered after fc1, so first in its stage's buffer layout: the tied copies sit at
+# different offsets of the two stages' layouts).
+from pipeline_workers import Stage0 as First, Stage1 as Last
 
 VOCAB, HIDDEN, SEQ, LOCAL_BATCH, MICRO, STEPS, LR = 16, 8, 4, 8, 4, 3, 0.5
-
-
-class First(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(310)
-        self.wte = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.fc0 = torch.nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, tokens):
-        return torch.tanh(self.fc0(self.wte(tokens)))
-
-
-class Last(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(311)
-        self.fc1 = torch.nn.Linear(HIDDEN, HIDDEN)
-        # The LM head first in registration order here, the embedding first on the other stage: the tied
-        # copies sit at different offsets of the two stages' dense layouts.
-        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, h):
-        return self.lm_head(torch.tanh(self.fc1(h)))
 
 
 def batch(step, dp_size, ignore):
