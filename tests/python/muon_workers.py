@@ -8,6 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import meshddp
 
@@ -77,11 +79,17 @@ def reference_muon_step(params, bufs, *, lr, wd, momentum, nesterov, coefficient
 
 
 def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coefficients="torch", scale="original",
-                        nesterov=True, extra=1.0, clip=0.0):
+                        nesterov=True, extra=1.0, clip=0.0, tp=1):
+    """With tp 2: fc1 column-parallel and fc2 row-parallel (torch's DTensor TP), each orthogonalized
+    whole (gathered over TP)."""
     torch.manual_seed(0)
     model = MuonNet()
     ref = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    dp = world_size // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    me = mesh.get_local_rank("dp")
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         bucket_bytes=8192, use_distributed_optimizer=True, shard_policy="whole_param"))
     opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
@@ -96,9 +104,9 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
     bufs = [torch.zeros_like(p) for p in matrices]
     norms, golden_norms = [], []
     for step in range(STEPS):
-        x, y = global_batch(step, world_size)
+        x, y = global_batch(step, dp)
         ddp.zero_grad_buffer()
-        F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        F.mse_loss(ddp(x.chunk(dp)[me]), y.chunk(dp)[me]).backward()
         norms.append(opt.step().grad_norm)
         adamw.zero_grad()
         for p in matrices:
@@ -116,11 +124,13 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
                                     extra=extra)
     opt.finish_param_sync()
     got, want = dict(ddp.module.named_parameters()), dict(ref.named_parameters())
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in got.items()}
     names = muon_names(ref)
-    diff = {n: (got[n].detach() - want[n].detach()).abs().max().item() for n in want}
+    diff = {n: (full[n] - want[n].detach()).abs().max().item() for n in want}
     moved = {n: (want[n].detach() - dict(MuonNet().named_parameters())[n]).abs().max().item() for n in names}
     return {"muon_diff": max(diff[n] for n in names), "adamw_diff": max(diff[n] for n in want if n not in names),
-            "norm_diff": max(abs(a - b) for a, b in zip(norms, golden_norms)), "moved": min(moved.values())}
+            "norm_diff": max(abs(a - b) for a, b in zip(norms, golden_norms)), "moved": min(moved.values()),
+            "dtensors": sorted(n for n, p in got.items() if isinstance(p, DTensor))}
 
 
 def train(world_size, rank, shard_policy, kind, overlap, steps=STEPS):
@@ -182,46 +192,3 @@ def muon_resumable(rank, world_size, first, last, save_dir=None, load_dir=None):
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
     return [p.detach().clone() for p in ddp.module.parameters()]
-
-
-def muon_with_tp(rank, world_size):
-    """dp 2 x tp 2: fc1 column-parallel and fc2 row-parallel (torch's DTensor TP), each orthogonalized
-    whole (gathered over TP), against the fp32 reference in one process on the global batch."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    dp = world_size // 2
-    torch.manual_seed(0)
-    model = MuonNet()
-    ref = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
-        bucket_bytes=8192, use_distributed_optimizer=True, shard_policy="whole_param"))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
-        kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, muon_ns_dtype="fp32"))
-    matrices = [p for n, p in ref.named_parameters() if n in muon_names(ref)]
-    others = [p for n, p in ref.named_parameters() if n not in muon_names(ref)]
-    adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=WD, foreach=False)
-    bufs = [torch.zeros_like(p) for p in matrices]
-    me = mesh.get_local_rank("dp")
-    for step in range(STEPS):
-        x, y = global_batch(step, dp)
-        ddp.zero_grad_buffer()
-        F.mse_loss(ddp(x.chunk(dp)[me]), y.chunk(dp)[me]).backward()
-        opt.step()
-        adamw.zero_grad()
-        for p in matrices:
-            p.grad = None
-        F.mse_loss(ref(x), y).backward()
-        adamw.step()
-        with torch.no_grad():
-            reference_muon_step(matrices, bufs, lr=LR, wd=WD, momentum=0.95, nesterov=True, coefficients="torch",
-                                steps=5, dtype=torch.float32, scale="original", extra=1.0)
-    opt.finish_param_sync()
-    got, want = dict(ddp.module.named_parameters()), dict(ref.named_parameters())
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in got.items()}
-    names = muon_names(ref)
-    diff = {n: (full[n] - want[n].detach()).abs().max().item() for n in want}
-    moved = {n: (want[n].detach() - dict(MuonNet().named_parameters())[n]).abs().max().item() for n in names}
-    return {"muon_diff": max(diff[n] for n in names), "adamw_diff": max(diff[n] for n in want if n not in names),
-            "tp_sharded": sorted(n for n, p in got.items() if isinstance(p, DTensor)), "moved": min(moved.values())}

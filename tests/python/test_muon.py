@@ -75,8 +75,10 @@ def test_checkpoint_saved_at_dp4_resumes_at_dp2_and_dp1_on_the_uninterrupted_cur
 def test_tp_sharded_matrices_are_orthogonalized_whole_at_dp2_x_tp2():
     # fc1 (column-parallel) and fc2 (row-parallel) gathered over TP before Newton-Schulz: the result
     # equals one process's (fp32 iteration), not a per-piece orthogonalization that depends on the TP size.
-    for rank, r in enumerate(run_once(4, "muon_workers.muon_with_tp")):
-        assert r["tp_sharded"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], r["tp_sharded"]
+    for rank, r in enumerate(run_once(4, "muon_workers.muon_vs_one_process", golden="reference", ns_dtype="fp32",
+                                      tp=2)):
+        assert r["dtensors"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], r["dtensors"]
         assert r["muon_diff"] <= FP32_TOL, f"rank {rank}: TP-sharded Muon matrices differ by {r['muon_diff']}"
         assert r["adamw_diff"] <= ADAMW_TOL, f"rank {rank}: AdamW params differ by {r['adamw_diff']}"
+        assert r["norm_diff"] <= NORM_TOL, f"rank {rank}: grad norms differ by {r['norm_diff']}"
         assert r["moved"] > 100 * FP32_TOL
