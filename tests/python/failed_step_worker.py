@@ -1,7 +1,8 @@
 """Rank script for test_failed_step.py, run under torchrun on 2 ranks (Gloo, CPU): the ranks disagree
-in the middle of training, every rank catches the error, prints it with the time, and returns, so
-that the time from the failure to the process's exit (the engine's destructors included) can be
-measured by the launcher.
+in the middle of training, every rank catches the error, prints it with the time (and writes both to
+DIRECTORY.rankN.failure: the ranks' lines on the shared stdout can interleave), and returns, so that
+the time from the failure to the process's exit (the engine's destructors included) can be measured
+by the launcher.
 
   skipped_save    rank 0 saves a checkpoint that rank 1 skips: rank 0 waits in the save's agreement,
                   rank 1 in the next step's gradient reduction, with more buckets in flight
@@ -34,7 +35,11 @@ def run(scenario, directory):
             opt.wait_checkpoint()
         print(f"rank {rank}: no error", flush=True)
     except RuntimeError as e:
-        print(f"rank {rank} failed at {time.time():.3f}: {e}", flush=True)
+        failed_at = time.time()
+        print(f"rank {rank} failed at {failed_at:.3f}: {e}", flush=True)
+        # Also to a file of its own: the two ranks' lines on the shared stdout can interleave.
+        with open(f"{directory}.rank{rank}.failure", "w") as f:
+            f.write(f"{failed_at:.3f}\n{e}")
     # ddp and opt (their flat buffers and in-flight collectives) are destroyed on return.
 
 

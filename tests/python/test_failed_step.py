@@ -5,7 +5,6 @@ collective timeout of TIMEOUT_S: a destructor that waited would hold each proces
 long after its failure."""
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,7 +20,12 @@ def launch(scenario, directory):
                           str(TIMEOUT_S)], capture_output=True, text=True, timeout=4 * TIMEOUT_S,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     ended = time.time()
-    failures = {int(r): (float(t), msg) for r, t, msg in re.findall(r"rank (\d) failed at ([\d.]+): (.*)", out.stdout)}
+    failures = {}
+    for rank in range(2):
+        path = f"{directory}.rank{rank}.failure"
+        if os.path.exists(path):
+            failed_at, msg = open(path).read().split("\n", 1)
+            failures[rank] = (float(failed_at), msg)
     return out, failures, ended
 
 
