@@ -24,7 +24,7 @@
 // layout]; BucketReduction below). Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K, dense
 // buckets): still pre-divided by the whole D; reduce-scattered within the instance, then the shard
 // all-reduced across instances once its reduce-scatter (and comm hook write-back) is done: Note
-// [Hierarchical ZeRO-1] in grad_buffer.cpp.
+// [Hierarchical ZeRO-1] in bucket_sync.cpp.
 #pragma once
 
 #include "../mesh/placement.h"

@@ -121,7 +121,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> dp_group_over(const DeviceMesh& mesh, con
 // Hierarchical ZeRO-1 (num_distributed_optimizer_instances = K > 1): `groups.dp` becomes this rank's
 // optimizer instance, the block of D/K consecutive ranks of its DP (x CP) group, and
 // `groups.cross_instance` the ranks at its position in every instance (Note [Hierarchical ZeRO-1],
-// grad_buffer/grad_buffer.cpp). Collective over the mesh: every rank makes both groups.
+// grad_buffer/bucket_sync.cpp). Collective over the mesh: every rank makes both groups.
 void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::string>& dp_dims, const DdpConfig& config,
                              SyncGroups& groups) {
   const int64_t k = config.num_distributed_optimizer_instances;
@@ -150,7 +150,7 @@ void use_optimizer_instances(const DeviceMesh& mesh, const std::vector<std::stri
 // Hierarchical ZeRO-1 with expert params: expert buckets are sharded within the optimizer instance
 // too (Megatron-core's intra-instance expert-DP group), over `groups.expert_instance`, the expert-DP
 // ranks of this rank's instance; their shards are then all-reduced over groups.cross_instance, whose K
-// ranks hold the same experts (Note [Hierarchical ZeRO-1], grad_buffer/grad_buffer.cpp). Called by
+// ranks hold the same experts (Note [Hierarchical ZeRO-1], grad_buffer/bucket_sync.cpp). Called by
 // every rank with the same (agreed) settings, so every rank refuses alike or makes the same groups.
 void use_expert_optimizer_instances(const DeviceMesh& mesh, const RankGroups& expert_groups, const std::string& name,
                                     const DdpConfig& config, SyncGroups& groups) {

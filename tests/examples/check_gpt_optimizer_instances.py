@@ -5,7 +5,7 @@ AdamW's would hide), and dp 2 x cp 2 in 2 instances (the flattened DP x CP group
 Tolerance: rtol 1e-5 over 10 steps, as check_gpt_example.py -- the runs differ only in how fp32 sums
 are split (per-rank partial sums, a reduce-scatter within the instance then an all-reduce across),
 ~1e-7 per step: measured max relative differences 1.55e-7 (AdamW), 1.72e-7 (SGD), 2.30e-7 (dp2 x cp2
-SGD), printed below. Broken on purpose (the all-reduce across instances skipped in grad_buffer.cpp):
+SGD), printed below. Broken on purpose (the all-reduce across instances skipped in bucket_sync.cpp):
 each instance steps on its half of the batch, and step 1's loss moves by 1.3e-3 relative (4.5e-2 by
 step 9): the check fails at step 1."""
 import sys

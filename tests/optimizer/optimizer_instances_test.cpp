@@ -9,7 +9,7 @@
 // update is torch::optim's arithmetic per element. Measured max |diff| over 8 steps: 3.0e-8 (AdamW),
 // 1.5e-8 (SGD), about one ulp of the params (|w| < 0.5); allowed 3e-7 (10x). Norms: measured 8e-8
 // relative, allowed 1e-6. Broken on purpose (the all-reduce across instances skipped in
-// grad_buffer.cpp): each instance steps on its half of the batch; after one step params differ by
+// bucket_sync.cpp): each instance steps on its half of the batch; after one step params differ by
 // 2e-2 (AdamW) / 4.2e-4 (SGD) and the norm by 34%, and the golden tests fail.
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"

@@ -9,7 +9,7 @@
 // to them, weighted 1/b as the tokens' own ranks would (b = B / DP, the local batch): exactly what an
 // expert receives through the all-to-all. Golden gradients come out only if dense buckets are averaged
 // over DP and expert buckets summed over the expert-DP group and divided by DP (Note [Expert gradient
-// scale], grad_buffer.cpp); an expert reduced over DP mixes different experts (O(1) errors).
+// scale], bucket_reduction.cpp); an expert reduced over DP mixes different experts (O(1) errors).
 //
 // Tolerance: fp32 sums split differently across ranks (a few ulps per step): 5e-7 absolute +
 // relative. Measured max |diff| over 3 steps: gradients 7.5e-8, params 2.4e-7 (SGD and AdamW, also

@@ -122,7 +122,9 @@ TEST(PipelineControls, HooksThenStartGradSyncLaunchEachBucketOnce) {
     for (int64_t m = 0; m < kMicro; ++m) {
       ddp.set_requires_gradient_sync(m == kMicro - 1);
       (torch::mse_loss(ddp.forward(x.chunk(kMicro)[m]), y.chunk(kMicro)[m]) / kMicro).backward();
-      if (m < kMicro - 1) EXPECT_EQ(bucket_collectives(dp, before), 0);
+      if (m < kMicro - 1) {
+        EXPECT_EQ(bucket_collectives(dp, before), 0);
+      }
     }
     EXPECT_LT(ddp.grad_buffer()->stats().buckets_launched, buckets);  // the side layer's bucket waits
     ddp.start_grad_sync();
