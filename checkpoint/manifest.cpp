@@ -116,12 +116,14 @@ CheckpointValues parse_values(const Json& json, const ManifestChecker& check) {
   return values;
 }
 
-void check_optimizer(const Json& json, const ManifestChecker& check) {
-  if (json.is_null()) return;
-  const std::string& kind = check.string(check.member(json, "optimizer", "kind"), "optimizer.kind");
-  if (kind != "adamw" && kind != "sgd" && kind != "muon")
-    check.fail("optimizer.kind", "is '" + kind + "'; expected 'adamw', 'sgd' or 'muon'");
-  check.integer(check.member(json, "optimizer", "step"), "optimizer.step", 0, INT64_MAX);
+std::optional<CheckpointOptimizer> parse_optimizer(const Json& json, const ManifestChecker& check) {
+  if (json.is_null()) return std::nullopt;
+  CheckpointOptimizer optimizer;
+  optimizer.kind = check.string(check.member(json, "optimizer", "kind"), "optimizer.kind");
+  if (optimizer.kind != "adamw" && optimizer.kind != "sgd" && optimizer.kind != "muon")
+    check.fail("optimizer.kind", "is '" + optimizer.kind + "'; expected 'adamw', 'sgd' or 'muon'");
+  optimizer.step = check.integer(check.member(json, "optimizer", "step"), "optimizer.step", 0, INT64_MAX);
+  return optimizer;
 }
 
 ManifestTensor parse_tensor(const Json& json, const std::string& field, const Manifest& m,
@@ -220,6 +222,11 @@ uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std
   return crc32c(label.data(), label.size(), data_crc);
 }
 
+Json optimizer_json(const std::optional<CheckpointOptimizer>& optimizer) {
+  if (!optimizer) return nullptr;
+  return {{"kind", optimizer->kind}, {"step", optimizer->step}};
+}
+
 std::string manifest_text(const Json& manifest) {
   Json m = manifest;
   m["manifest_crc32c"] = "0x00000000";
@@ -273,8 +280,7 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
                            " != world_size " + std::to_string(m.world_size));
   }
   m.values = parse_values(check.member(json, "the manifest", "values"), check);
-  m.optimizer = check.member(json, "the manifest", "optimizer");
-  check_optimizer(m.optimizer, check);
+  m.optimizer = parse_optimizer(check.member(json, "the manifest", "optimizer"), check);
   // The live run's link (Note [The live run], checkpoint/lineage.h): null or a step directory name.
   if (json.contains("parent") && !json_at(json, "parent", "the manifest").is_null()) {
     const std::string& parent = check.string(json_at(json, "parent", "the manifest"), "parent");

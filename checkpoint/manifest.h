@@ -16,10 +16,12 @@
 // mistakes, not signatures: whoever can write the directory can forge a consistent checkpoint.
 #pragma once
 
+#include "checkpoint_values.h"
 #include "json.h"
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -29,11 +31,6 @@ namespace meshddp {
 constexpr const char* kCheckpointFormat = "meshddp-checkpoint";
 constexpr int64_t kCheckpointVersion = 3;         // 3: adds manifest_crc32c and per-piece crc32c
 constexpr int64_t kMaxManifestBytes = 1ll << 30;  // a 110M-param model's is 161 KB
-
-// User key-values saved with a checkpoint (data position, LR schedule state, anything): numbers are
-// kept exactly (int64) or as double; strings may hold anything, e.g. a JSON document of one's own.
-using CheckpointValue = std::variant<int64_t, double, std::string>;
-using CheckpointValues = std::map<std::string, CheckpointValue>;
 
 // "rank00003.safetensors": the only file names a manifest may use.
 std::string checkpoint_file_name(int64_t rank);
@@ -63,7 +60,7 @@ struct Manifest {
   int64_t step = 0;
   int64_t world_size = 1, dp_size = 1, tp_size = 1, pp_size = 1;  // pp_size: pipeline stages (1 if absent)
   CheckpointValues values;
-  Json optimizer;                             // null, or {"kind": "adamw" | "sgd", "step": >= 0}
+  std::optional<CheckpointOptimizer> optimizer;  // JSON: null, or {"kind": "adamw" | "sgd" | "muon", "step": >= 0}
   std::map<std::string, ManifestFile> files;  // exactly checkpoint_file_name(0 .. world_size - 1)
   std::map<std::string, ManifestTensor> tensors;
 };
@@ -71,6 +68,9 @@ struct Manifest {
 // Parses and checks the text of the manifest at `path`. Throws naming `path`, the field (e.g.
 // tensors."model/fc1.weight".pieces[2].begin) and expected vs actual, on anything wrong.
 Manifest parse_manifest(const std::string& text, const std::string& path);
+
+// The manifest's "optimizer" field: null without an optimizer, else {"kind": ..., "step": ...}.
+Json optimizer_json(const std::optional<CheckpointOptimizer>& optimizer);
 
 // `manifest` (a JSON object without manifest_crc32c) as the text to write, with its checksum.
 std::string manifest_text(const Json& manifest);

@@ -1,6 +1,7 @@
 #include "checkpoint/store.h"
 
 #include "checkpoint/file_check.h"
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/save_phases.h"
 #include "mesh/collectives.h"
@@ -218,7 +219,7 @@ void write_rank_file(const Save& s, const std::string& save_id, const std::vecto
                                                  {"world_size", std::to_string(s.world_size)}};
   if (s.rank == 0) {  // the manifest's too; a load compares them (file_problem): bound by this file's CRC
     metadata["values"] = json_text(values_to_json(s.meta.values));
-    metadata["optimizer"] = json_text(s.meta.optimizer);
+    metadata["optimizer"] = json_text(optimizer_json(s.meta.optimizer));
   }
   if (options.before_file_written) options.before_file_written(s.step_dir + "/" + file);
   const WrittenFile written = write_safetensors_file(s.step_dir + "/" + file, named, metadata);
@@ -255,7 +256,7 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
   m["mesh"] = {{"world_size", s.world_size}, {"dp_size", s.mesh.dp_size}, {"tp_size", s.mesh.tp_size}};
   if (s.mesh.pp_size > 1) m["mesh"]["pp_size"] = s.mesh.pp_size;
   m["values"] = values_to_json(s.meta.values);
-  m["optimizer"] = s.meta.optimizer;
+  m["optimizer"] = optimizer_json(s.meta.optimizer);
   Json files = Json::object(), entries = Json::object();
   for (int64_t r = 0; r < s.world_size; ++r) {
     const Json& f = json_at(statuses[r], "file", "status");
@@ -412,22 +413,23 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
   c10d::ProcessGroup& world = *mesh_.world;
   path_ = *agree_on_checkpoint(mesh_, dir, step, /*allow_none=*/false);
   Json mine = status_ok();
+  manifest_ = std::make_shared<const Manifest>();  // empty until parsed: a rank that fails reports no save id
   try {
     const std::string path = path_ + "/" + kManifest;
-    manifest_ = parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path);
+    manifest_ = std::make_shared<const Manifest>(parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path));
     const std::string dir_name = path_.substr(path_.rfind('/') + 1);
-    TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_.step, "checkpoint: '", path, "' holds step ", manifest_.step,
+    TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_->step, "checkpoint: '", path, "' holds step ", manifest_->step,
                 " but its directory is named '", dir_name,
                 "' (a step directory renamed or copied under another name?); ",
-                "a step directory holds the step it is named after: rename it to step-", manifest_.step,
+                "a step directory holds the step it is named after: rename it to step-", manifest_->step,
                 " or pick another checkpoint");
-    meta_.step = manifest_.step;
-    meta_.values = manifest_.values;
-    meta_.optimizer = manifest_.optimizer;
+    meta_.step = manifest_->step;
+    meta_.values = manifest_->values;
+    meta_.optimizer = manifest_->optimizer;
   } catch (const std::exception& e) {
     mine = status_error(message_of(e));
   }
-  if (!manifest_.save_id.empty()) mine["save_id"] = manifest_.save_id;
+  if (!manifest_->save_id.empty()) mine["save_id"] = manifest_->save_id;
   const std::vector<Json> statuses = agree(world, mine, "checkpoint load: manifest");
   const std::string errors = errors_of(statuses);
   TORCH_CHECK(errors.empty(), "checkpoint load from '", path_, "' failed; nothing was loaded on any rank:", errors);
@@ -534,19 +536,19 @@ std::vector<at::Tensor> CheckpointReader::read(const std::vector<CheckpointTenso
   Json mine = status_ok();
   try {
     Problems problems;  // (1) the model against the manifest
-    check_model_against_manifest(manifest_, wanted, model_keys, problems);
+    check_model_against_manifest(*manifest_, wanted, model_keys, problems);
     // (2) Every world_size-th file, verified in full.
     int64_t index = 0;
-    for (const auto& [name, f] : manifest_.files) {
+    for (const auto& [name, f] : manifest_->files) {
       if (index++ % world_size != rank) continue;
-      const std::string p = file_problem(path_, name, manifest_);
+      const std::string p = file_problem(path_, name, *manifest_);
       if (!p.empty()) problems.add(p);
     }
     // (3) Every wanted piece (any rank's damage shows in the agreement below).
     std::map<std::string, SafetensorsHeader> headers;
     for (size_t i = 0; i < wanted.size() && problems.found.empty(); ++i) {
-      auto it = manifest_.tensors.find(wanted[i].key);
-      if (it != manifest_.tensors.end()) loaded[i] = read_wanted(path_, it->second, wanted[i], headers);
+      auto it = manifest_->tensors.find(wanted[i].key);
+      if (it != manifest_->tensors.end()) loaded[i] = read_wanted(path_, it->second, wanted[i], headers);
     }
     if (!problems.found.empty()) mine = status_error(problems.text());
   } catch (const std::exception& e) {
@@ -568,6 +570,8 @@ std::set<std::string> model_keys_of_every_rank(const CheckpointMesh& mesh, const
   }
   return all;
 }
+
+bool CheckpointReader::has(const std::string& key) const { return manifest_->tensors.count(key) > 0; }
 
 void commit_loaded(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded) {
   TORCH_INTERNAL_ASSERT(wanted.size() == loaded.size());

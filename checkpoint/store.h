@@ -27,7 +27,7 @@
 
 #include "../mesh/placement.h"
 #include "lineage.h"
-#include "manifest.h"
+#include "checkpoint_values.h"
 #include "reshard.h"
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +35,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -42,6 +43,8 @@
 #include <vector>
 
 namespace meshddp {
+
+struct Manifest;  // checkpoint/manifest.h
 
 // One rank's piece of one tensor of the checkpoint.
 struct CheckpointTensor {
@@ -85,7 +88,7 @@ struct CheckpointSaveOptions {
 struct CheckpointMeta {
   int64_t step = 0;         // names the directory: step-<step>
   CheckpointValues values;  // world rank 0's are saved
-  Json optimizer;           // e.g. {"kind": "adamw", "step": 12}; null without an optimizer
+  std::optional<CheckpointOptimizer> optimizer;  // e.g. {"adamw", 12}; none without an optimizer
 };
 
 // Collective over mesh.world. Writes <dir>/step-<meta.step>/ as in the Note and moves `latest` to
@@ -111,8 +114,8 @@ class CheckpointReader {
 
   const std::string& path() const { return path_; }  // <dir>/step-<N>
   const CheckpointMeta& meta() const { return meta_; }
-  const Manifest& manifest() const { return manifest_; }
-  bool has(const std::string& key) const { return manifest_.tensors.count(key) > 0; }
+  const Manifest& manifest() const { return *manifest_; }  // checkpoint/manifest.h
+  bool has(const std::string& key) const;
 
   // Collective: verifies files (size, CRC32C, header: save id, rank, every piece's dtype, shape and
   // checksum), checks `wanted` against the manifest (missing, reshaped, dtype;
@@ -128,7 +131,7 @@ class CheckpointReader {
  private:
   CheckpointMesh mesh_;
   std::string path_;
-  Manifest manifest_;
+  std::shared_ptr<const Manifest> manifest_;  // parsed and checked by the constructor
   CheckpointMeta meta_;
 };
 

@@ -165,8 +165,8 @@ class DistributedOptimizer {
   // check_checkpoint_info before a load. finish_checkpoint_load: after commit_loaded() of
   // checkpoint_tensors(false): masters for params saved without one, the step, the all-gather.
   std::vector<CheckpointTensor> checkpoint_tensors(bool for_save);
-  Json checkpoint_info() const;
-  void check_checkpoint_info(const Json& saved, const std::string& where) const;
+  CheckpointOptimizer checkpoint_info() const;
+  void check_checkpoint_info(const std::optional<CheckpointOptimizer>& saved, const std::string& where) const;
   void finish_checkpoint_load(const std::vector<CheckpointTensor>& wanted, const std::vector<at::Tensor>& loaded,
                               int64_t step);
   CheckpointMesh checkpoint_mesh() const;

@@ -41,13 +41,16 @@ CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
   return {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
 }
 
-Json DistributedOptimizer::checkpoint_info() const { return {{"kind", kind_name(config_.kind)}, {"step", step_}}; }
+CheckpointOptimizer DistributedOptimizer::checkpoint_info() const {
+  return CheckpointOptimizer{kind_name(config_.kind), step_};
+}
 
-void DistributedOptimizer::check_checkpoint_info(const Json& saved, const std::string& where) const {
+void DistributedOptimizer::check_checkpoint_info(const std::optional<CheckpointOptimizer>& saved,
+                                                 const std::string& where) const {
   TORCH_CHECK(
-      !saved.is_null(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
+      saved.has_value(), "checkpoint '", where, "' holds no optimizer state (saved without an optimizer); ",
       "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
-  const std::string kind = json_string(json_at(saved, "kind", where), "optimizer.kind");
+  const std::string& kind = saved->kind;
   TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind, " state but this optimizer is ",
               kind_name(config_.kind));
 }
@@ -131,8 +134,7 @@ int64_t DistributedOptimizer::load_checkpoint(const std::string& dir, std::optio
   }
   const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
   commit_loaded(wanted, loaded);
-  finish_checkpoint_load(wanted, loaded,
-                         json_int(json_at(reader.meta().optimizer, "step", reader.path()), "optimizer.step"));
+  finish_checkpoint_load(wanted, loaded, reader.meta().optimizer->step);
   return reader.meta().step;
 }
 

@@ -150,7 +150,7 @@ TrainingStatePieces pieces_of(const Chunks& chunks, int64_t step, const Checkpoi
                             is_expert_param(item.value()), parts, /*for_save=*/true);
         }
       }
-      meta.optimizer = {{"kind", kind.kind}, {"step", opt_step}};
+      meta.optimizer = CheckpointOptimizer{kind.kind, opt_step};
     }
   }
   return {parts.mesh, std::move(meta), std::move(tensors)};
@@ -182,13 +182,13 @@ ChunkLoad want_chunk(const TrainingState& state, const Parts& parts, const Check
   state.ddp->grad_buffer()->check_no_sync_pending("meshddp::load_checkpoint");
   for (auto& t : module_tensors(state, parts, /*for_save=*/false, local_model_keys)) wanted.push_back(std::move(t));
   out.optimizer_begin = wanted.size();
-  const Json& saved_optimizer = reader.meta().optimizer;
+  const std::optional<CheckpointOptimizer>& saved_optimizer = reader.meta().optimizer;
   if (state.distributed_optimizer) {
     state.distributed_optimizer->check_checkpoint_info(saved_optimizer, reader.path());
     for (auto& t : state.distributed_optimizer->checkpoint_tensors(/*for_save=*/false)) wanted.push_back(std::move(t));
   } else if (state.optimizer) {
     const TorchOptimizerState kind = torch_kind(*state.optimizer);
-    const std::string saved_kind = json_string(json_at(saved_optimizer, "kind", reader.path()), "optimizer.kind");
+    const std::string saved_kind = saved_optimizer ? saved_optimizer->kind : "no optimizer";
     TORCH_CHECK(saved_kind == kind.kind, "checkpoint '", reader.path(), "' holds ", saved_kind,
                 " state but this optimizer is ", kind.kind);
     for (const auto& item : state.module->named_parameters(/*recurse=*/true)) {
@@ -265,14 +265,13 @@ LoadedCheckpoint load_chunks(const Chunks& chunks, const std::string& dir, std::
   int64_t optimizer_step = 0;
   // A rank that fails here (its optimizer or model differs) tells the others, which are in read().
   try {
-    const Json& saved_optimizer = reader.meta().optimizer;
+    const std::optional<CheckpointOptimizer>& saved_optimizer = reader.meta().optimizer;
     const TrainingState& first = chunks.states[0];
-    TORCH_CHECK(!first.optimizer || !saved_optimizer.is_null(), "checkpoint '", reader.path(),
+    TORCH_CHECK(!first.optimizer || saved_optimizer.has_value(), "checkpoint '", reader.path(),
                 "' holds no optimizer state; load it without an optimizer in the TrainingState, or start the ",
                 "optimizer afresh");
     // (a DistributedOptimizer names a missing state itself: check_checkpoint_info in want_chunk)
-    if ((first.distributed_optimizer || first.optimizer) && !saved_optimizer.is_null())
-      optimizer_step = json_int(json_at(saved_optimizer, "step", reader.path()), "optimizer.step");
+    if ((first.distributed_optimizer || first.optimizer) && saved_optimizer) optimizer_step = saved_optimizer->step;
     for (const TrainingState& state : chunks.states) {
       loads.push_back(want_chunk(state, parts, reader, optimizer_step, local_model_keys, wanted));
     }

@@ -27,7 +27,7 @@ void bind_async_checkpoint(py::module_& m) {
           [](AsyncCheckpointSave& a, DistributedOptimizer& o, const std::string& dir, int64_t keep_last, bool refuse) {
             CheckpointMeta meta;
             meta.optimizer = o.checkpoint_info();
-            meta.step = json_int(json_at(meta.optimizer, "step", "optimizer"), "step");
+            meta.step = meta.optimizer->step;
             CheckpointSaveOptions options;
             options.keep_last = keep_last;
             options.async_save = true;

@@ -79,7 +79,7 @@ TEST(GpuAsyncSave, SnapshotsCudaTensorsAtTheStepBoundaryIntoReusedHostBuffers) {
       release.wait();
     };
     const std::vector<torch::Tensor> at_step1{w.cpu().clone(), h.cpu().clone()};
-    saver.start(dir, CheckpointMeta{1, {}, nullptr}, pieces_of(rank, w, h), options);
+    saver.start(dir, CheckpointMeta{1, {}, std::nullopt}, pieces_of(rank, w, h), options);
     const int64_t held_bytes = saver.snapshot_bytes();
     EXPECT_EQ(held_bytes, w.numel() * 4 + h.numel() * 2);
     w.mul_(-3).add_(1);  // the GPU changes the state while the writer waits
@@ -95,7 +95,7 @@ TEST(GpuAsyncSave, SnapshotsCudaTensorsAtTheStepBoundaryIntoReusedHostBuffers) {
 
     options.before_file_written = nullptr;
     const std::vector<torch::Tensor> at_step2{w.cpu().clone(), h.cpu().clone()};
-    saver.start(dir, CheckpointMeta{2, {}, nullptr}, pieces_of(rank, w, h), options);
+    saver.start(dir, CheckpointMeta{2, {}, std::nullopt}, pieces_of(rank, w, h), options);
     EXPECT_EQ(saver.snapshot_bytes(), held_bytes) << "the second save of the same pieces must reuse the host buffers";
     r = saver.wait();
     ASSERT_EQ(r.kind, AsyncSaveReport::Kind::kCommitted) << r.message;

@@ -5,6 +5,7 @@
 // a save started while the previous one is still being written waits for it or is refused by name.
 // (Kills at random points of async saves: tests/examples/check_async_save_kills.py.)
 #include "checkpoint/json.h"
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "plugin/checkpoint_saver.h"
 #include "tests/support/error_of.h"

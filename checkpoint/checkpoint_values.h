@@ -1,0 +1,24 @@
+// The values a checkpoint holds beside its tensors, in plain C++ types (no JSON library in a public
+// header): the user's key-values and the optimizer record. manifest.h reads and writes them as JSON.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+
+namespace meshddp {
+
+// User key-values saved with a checkpoint (data position, LR schedule state, anything): numbers are
+// kept exactly (int64) or as double; strings may hold anything, e.g. a JSON document of one's own.
+using CheckpointValue = std::variant<int64_t, double, std::string>;
+using CheckpointValues = std::map<std::string, CheckpointValue>;
+
+// The optimizer a checkpoint was saved with: the manifest's "optimizer" {"kind", "step"} (absent,
+// i.e. JSON null, for a checkpoint saved without an optimizer).
+struct CheckpointOptimizer {
+  std::string kind;  // "adamw", "sgd" or "muon"
+  int64_t step = 0;  // the optimizer's step count at the save, >= 0
+};
+
+}  // namespace meshddp
