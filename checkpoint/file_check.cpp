@@ -90,8 +90,8 @@ std::string file_problem(const std::string& step_dir, const std::string& name, c
   if (meta("step") != std::to_string(m.step))
     return who + " says it holds step " + meta("step") + " but the manifest says " + std::to_string(m.step);
   if (f.rank == 0) {  // rank 0's file also records the values and the optimizer's state summary
-    for (const auto& [key, saved] :
-         {std::pair{"values", json_text(values_to_json(m.values))}, std::pair{"optimizer", json_text(optimizer_json(m.optimizer))}}) {
+    for (const auto& [key, saved] : {std::pair{"values", json_text(values_to_json(m.values))},
+                                     std::pair{"optimizer", json_text(optimizer_json(m.optimizer))}}) {
       if (rewritten(meta(key)) != saved)
         return who + " records " + key + " " + meta(key) + " but the manifest says " + saved;
     }

@@ -418,8 +418,8 @@ CheckpointReader::CheckpointReader(const CheckpointMesh& mesh, const std::string
     const std::string path = path_ + "/" + kManifest;
     manifest_ = std::make_shared<const Manifest>(parse_manifest(read_file(path, kMaxManifestBytes, "manifest"), path));
     const std::string dir_name = path_.substr(path_.rfind('/') + 1);
-    TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_->step, "checkpoint: '", path, "' holds step ", manifest_->step,
-                " but its directory is named '", dir_name,
+    TORCH_CHECK(checkpoint_step_of(dir_name) == manifest_->step, "checkpoint: '", path, "' holds step ",
+                manifest_->step, " but its directory is named '", dir_name,
                 "' (a step directory renamed or copied under another name?); ",
                 "a step directory holds the step it is named after: rename it to step-", manifest_->step,
                 " or pick another checkpoint");

@@ -26,8 +26,8 @@
 #pragma once
 
 #include "../mesh/placement.h"
-#include "lineage.h"
 #include "checkpoint_values.h"
+#include "lineage.h"
 #include "reshard.h"
 
 #include <ATen/core/Tensor.h>
@@ -86,8 +86,8 @@ struct CheckpointSaveOptions {
 };
 
 struct CheckpointMeta {
-  int64_t step = 0;         // names the directory: step-<step>
-  CheckpointValues values;  // world rank 0's are saved
+  int64_t step = 0;                              // names the directory: step-<step>
+  CheckpointValues values;                       // world rank 0's are saved
   std::optional<CheckpointOptimizer> optimizer;  // e.g. {"adamw", 12}; none without an optimizer
 };
 
