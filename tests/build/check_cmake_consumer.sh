@@ -5,8 +5,9 @@
 # REQUIRED)) against the moved prefix and a torch found only through the consumer's CMAKE_PREFIX_PATH:
 # the venv's torch (and nvidia wheels) hard-linked into another directory, so the venv's path is on
 # none of the consumer's command lines, cache entries or RUNPATH (checked); with a trainer's own
-# folders named like ours first on its include path; and run it on 2 ranks under torchrun; it checks
-# its params against a one-process golden every step. Then: a consumer with no torch on its
+# folders named like ours first on its include path, compiled with the precompiled header of
+# meshddp_target_precompile_headers() (checked); and run it on 2 ranks under torchrun; it checks its
+# params against a one-process golden every step. Then: a consumer with no torch on its
 # CMAKE_PREFIX_PATH is refused naming the way out; one pointed at a torch of another major.minor is
 # refused at configure time, naming both versions; one of another patch release is accepted.
 # No compiler cache for the consumer: it sees meshddp's headers as system headers, which a cache set to
@@ -56,6 +57,12 @@ cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer" -DCMAKE_BUILD_TYP
       -DCMAKE_PREFIX_PATH="$prefix;$torch_cmake" -DCMAKE_CXX_FLAGS="-I$work/shadow" > "$work/configure.log"
 grep -q "consumer: meshddp 0" "$work/configure.log"
 cmake --build "$work/consumer" -j 2 > "$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
+# The example calls meshddp_target_precompile_headers(): its source was compiled with the header made.
+pch="$(find "$work/consumer/CMakeFiles/consumer.dir" -name 'cmake_pch.hxx.gch' | head -1)"
+[ -n "$pch" ] || { echo "the consumer's precompiled header (meshddp_target_precompile_headers) was not made"; exit 1; }
+grep -q "cmake_pch.hxx" "$work/consumer/CMakeFiles/consumer.dir/flags.make" ||
+  { echo "the consumer's sources are not compiled with the precompiled header"; exit 1; }
+echo "the consumer was built with meshddp_target_precompile_headers()'s header ($(du -h "$pch" | cut -f1))"
 # The venv and the install's first place are on none of the consumer's command lines, cache entries or RUNPATH.
 if grep -rIl -e "$venv_site" -e "$work/staging" "$work/consumer" > "$work/venv_refs.txt"; then
   echo "the consumer's build names the build machine's venv or the install's first place (expected only the given paths):"
