@@ -1,0 +1,105 @@
+"""The Python half of test_moe_python_vs_cpp.py: a small MoE trained by the Python package, step for
+step as tests/python/moe_vs_cpp_worker.cpp trains it through the C++ API (same initial values and
+batches, read from one file; same DdpConfig; same ops in the same order), so that the two runs of the
+one engine can be compared param by param after every step.
+
+The model: a LayerNorm, a router (no bias) and a head, and E experts (w1 [E, d, h], w2 [E, h, d]) of
+which each EP rank holds E / EP. torchtitan-style: the layer's experts in one 3-D param, a DTensor
+Shard(0) over mesh["ep"]; HF-style: one module per expert, named by its global index
+("experts.<e>.w1"), declared with expert_params=["experts.*"]. A rank's loss (the C++ worker computes
+the same): its own tokens through norm and head, plus every token of its EP group through each of its
+experts (a dense MoE: no routing decisions), the squared error weighted by the token's gate; both
+scaled by 1 / (local batch * d). The all-to-all of a real MoE is stood in for by the data: every rank
+reads the whole batch, so no collective runs in forward and the two sides differ only in who drives
+the engine."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import meshddp
+
+D, H, EXPERTS, ROWS, STEPS = 8, 12, 4, 4, 4  # ROWS: tokens per rank
+LR, WEIGHT_DECAY, BUCKET_BYTES = 1e-2, 0.1, 512
+
+
+def write_inputs(path, world_size):
+    """Initial values of the whole model (every expert) and the global batch of every step, to
+    torch.save's file `path` (the C++ worker reads it with torch::pickle_load)."""
+    g = torch.Generator().manual_seed(7)
+    t = {"norm.weight": 1 + 0.1 * torch.randn(D, generator=g), "norm.bias": 0.1 * torch.randn(D, generator=g),
+         "router.weight": 0.3 * torch.randn(EXPERTS, D, generator=g), "head.weight": 0.3 * torch.randn(D, D, generator=g),
+         "head.bias": 0.1 * torch.randn(D, generator=g), "w1": 0.3 * torch.randn(EXPERTS, D, H, generator=g),
+         "w2": 0.3 * torch.randn(EXPERTS, H, D, generator=g)}
+    for step in range(STEPS):
+        t[f"x{step}"] = torch.randn(ROWS * world_size, D, generator=g)
+        t[f"y{step}"] = torch.randn(ROWS * world_size, D, generator=g)
+    torch.save(t, path)
+
+
+class Moe(torch.nn.Module):
+    def __init__(self, init, ep_mesh, hf_style):
+        super().__init__()
+        ep, e = ep_mesh.size(), ep_mesh.get_local_rank()
+        self.local = EXPERTS // ep
+        self.first = e * self.local
+        self.norm = torch.nn.LayerNorm(D)
+        self.router = torch.nn.Linear(D, EXPERTS, bias=False)
+        self.head = torch.nn.Linear(D, D)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(init[name])
+        self.experts = None
+        if hf_style:
+            self.experts = torch.nn.ModuleDict({str(i): torch.nn.ParameterDict(
+                {w: torch.nn.Parameter(init[w][i].clone()) for w in ("w1", "w2")})
+                for i in range(self.first, self.first + self.local)})
+        else:
+            self.w1 = torch.nn.Parameter(distribute_tensor(init["w1"], ep_mesh, [Shard(0)]))
+            self.w2 = torch.nn.Parameter(distribute_tensor(init["w2"], ep_mesh, [Shard(0)]))
+
+    def forward(self, x, y, xg, yg, scale):
+        dense = (self.head(self.norm(x)) - y).pow(2).sum() * scale
+        z = self.norm(xg)
+        gates = torch.softmax(self.router(z), -1)
+        if self.experts is not None:
+            w1, w2 = (torch.stack([e[w] for e in self.experts.values()]) for w in ("w1", "w2"))
+        else:
+            w1, w2 = self.w1.to_local(), self.w2.to_local()
+        hidden = torch.relu(torch.einsum("td,edh->teh", z, w1))
+        out = torch.einsum("teh,ehd->ted", hidden, w2)
+        err = (out - yg.unsqueeze(1)).pow(2).sum(-1)
+        return dense + (err * gates.narrow(1, self.first, self.local)).sum() * scale
+
+
+def batch(inputs, step, rank, ep):
+    """This rank's tokens and its EP group's (what the all-to-all would bring to its experts)."""
+    x, y = inputs[f"x{step}"], inputs[f"y{step}"]
+    group = rank // ep * ep * ROWS
+    return (x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS], x[group:group + ep * ROWS],
+            y[group:group + ep * ROWS], 1.0 / (ROWS * D))
+
+
+def train(rank, world_size, inputs, style, ep, instances):
+    """STEPS ZeRO-1 AdamW steps at dp = world_size with EP `ep` and `instances` optimizer instances:
+    the engine's params by engine name after every step, the engine's param order and the losses."""
+    mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
+    init = torch.load(inputs)
+    model = Moe(init, mesh["ep"], hf_style=style == "hf")
+    config = meshddp.DdpConfig(use_distributed_optimizer=True, expert_parallel_size=ep, bucket_bytes=BUCKET_BYTES,
+                               num_distributed_optimizer_instances=instances)
+    ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
+                                          expert_params=["experts.*"] if style == "hf" else ())
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
+    params, losses = [], []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        loss = ddp(*batch(init, step, rank, ep))
+        loss.backward()
+        opt.step()
+        opt.finish_param_sync()
+        losses.append(loss.item())
+        params.append({ddp._engine_names.get(n, n): (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                       for n, p in model.named_parameters()})
+    return {"params": params, "losses": losses, "order": ddp._engine.param_names(),
+            "sharding": ddp._engine._bucket_sharding()}
