@@ -12,7 +12,7 @@
 // order as moe_vs_cpp_workers.Moe.forward.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python moe_vs_cpp_worker <inputs.pt> <out dir> <titan|hf>
-//            <ep> <optimizer instances>
+//            <ep> <optimizer instances> <comm hook: none|bf16_compress|...>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -105,8 +105,8 @@ Inputs read_inputs(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::cerr << "usage: " << argv[0] << " <inputs.pt> <out dir> <titan|hf> <ep> <optimizer instances>\n";
+  if (argc != 7) {
+    std::cerr << "usage: " << argv[0] << " <inputs.pt> <out dir> <titan|hf> <ep> <optimizer instances> <comm hook>\n";
     return 2;
   }
   const std::string style = argv[3];
@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
     config.expert_parallel_size = ep;
     config.bucket_bytes = kBucketBytes;
     config.num_distributed_optimizer_instances = instances;
+    config.comm_hook = argv[6];
     meshddp::DistributedDataParallel ddp(model.ptr(), mesh, "dp", config);
     meshddp::DistributedOptimizerConfig opt_config;
     opt_config.lr = kLr;

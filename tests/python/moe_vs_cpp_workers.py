@@ -80,14 +80,15 @@ def batch(inputs, step, rank, ep):
             y[group:group + ep * ROWS], 1.0 / (ROWS * D))
 
 
-def train(rank, world_size, inputs, style, ep, instances):
-    """STEPS ZeRO-1 AdamW steps at dp = world_size with EP `ep` and `instances` optimizer instances:
+def train(rank, world_size, inputs, style, ep, instances, comm_hook):
+    """STEPS ZeRO-1 AdamW steps at dp = world_size with EP `ep`, `instances` optimizer instances and
+    DdpConfig.comm_hook `comm_hook`:
     the engine's params by engine name after every step, the engine's param order and the losses."""
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
     init = torch.load(inputs)
     model = Moe(init, mesh["ep"], hf_style=style == "hf")
     config = meshddp.DdpConfig(use_distributed_optimizer=True, expert_parallel_size=ep, bucket_bytes=BUCKET_BYTES,
-                               num_distributed_optimizer_instances=instances)
+                               num_distributed_optimizer_instances=instances, comm_hook=comm_hook)
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
                                           expert_params=["experts.*"] if style == "hf" else ())
     opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
