@@ -90,7 +90,7 @@ struct MoeImpl : torch::nn::Module {
   bool hf_style;
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear router{nullptr}, head{nullptr};
-  torch::Tensor w1, w2;                                     // torchtitan-style
+  torch::Tensor w1, w2;                                      // torchtitan-style
   std::vector<std::shared_ptr<torch::nn::Module>> by_index;  // HF-style
 };
 TORCH_MODULE(Moe);
