@@ -11,7 +11,7 @@ the same): its own tokens through norm and head, plus every token of its EP grou
 experts (a dense MoE: no routing decisions), the squared error weighted by the token's gate; both
 scaled by 1 / (local batch * d). The all-to-all of a real MoE is stood in for by the data: every rank
 reads the whole batch, so no collective runs in forward and the two sides differ only in who drives
-the engine."""
+the engine. golden(): the same model in one process (every expert local) on the global batch."""
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,8 +28,8 @@ def write_inputs(path, world_size):
     torch.save's file `path` (the C++ worker reads it with torch::pickle_load)."""
     g = torch.Generator().manual_seed(7)
     t = {"norm.weight": 1 + 0.1 * torch.randn(D, generator=g), "norm.bias": 0.1 * torch.randn(D, generator=g),
-         "router.weight": 0.3 * torch.randn(EXPERTS, D, generator=g), "head.weight": 0.3 * torch.randn(D, D, generator=g),
-         "head.bias": 0.1 * torch.randn(D, generator=g), "w1": 0.3 * torch.randn(EXPERTS, D, H, generator=g),
+         "router.weight": 0.3 * torch.randn(EXPERTS, D, generator=g),
+         "head.weight": 0.3 * torch.randn(D, D, generator=g), "head.bias": 0.1 * torch.randn(D, generator=g), "w1": 0.3 * torch.randn(EXPERTS, D, H, generator=g),
          "w2": 0.3 * torch.randn(EXPERTS, H, D, generator=g)}
     for step in range(STEPS):
         t[f"x{step}"] = torch.randn(ROWS * world_size, D, generator=g)
@@ -39,8 +39,9 @@ def write_inputs(path, world_size):
 
 class Moe(torch.nn.Module):
     def __init__(self, init, ep_mesh, hf_style):
+        """ep_mesh None: every expert, plain params (the one-process golden)."""
         super().__init__()
-        ep, e = ep_mesh.size(), ep_mesh.get_local_rank()
+        ep, e = (1, 0) if ep_mesh is None else (ep_mesh.size(), ep_mesh.get_local_rank())
         self.local = EXPERTS // ep
         self.first = e * self.local
         self.norm = torch.nn.LayerNorm(D)
@@ -54,6 +55,8 @@ class Moe(torch.nn.Module):
             self.experts = torch.nn.ModuleDict({str(i): torch.nn.ParameterDict(
                 {w: torch.nn.Parameter(init[w][i].clone()) for w in ("w1", "w2")})
                 for i in range(self.first, self.first + self.local)})
+        elif ep_mesh is None:
+            self.w1, self.w2 = (torch.nn.Parameter(init[w].clone()) for w in ("w1", "w2"))
         else:
             self.w1 = torch.nn.Parameter(distribute_tensor(init["w1"], ep_mesh, [Shard(0)]))
             self.w2 = torch.nn.Parameter(distribute_tensor(init["w2"], ep_mesh, [Shard(0)]))
@@ -65,7 +68,7 @@ class Moe(torch.nn.Module):
         if self.experts is not None:
             w1, w2 = (torch.stack([e[w] for e in self.experts.values()]) for w in ("w1", "w2"))
         else:
-            w1, w2 = self.w1.to_local(), self.w2.to_local()
+            w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
         hidden = torch.relu(torch.einsum("td,edh->teh", z, w1))
         out = torch.einsum("teh,ehd->ted", hidden, w2)
         err = (out - yg.unsqueeze(1)).pow(2).sum(-1)
@@ -78,6 +81,36 @@ def batch(inputs, step, rank, ep):
     group = rank // ep * ep * ROWS
     return (x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS], x[group:group + ep * ROWS],
             y[group:group + ep * ROWS], 1.0 / (ROWS * D))
+
+
+def golden(inputs, world_size):
+    """The same STEPS steps in one process on the global batch (every expert local, torch AdamW):
+    the whole model's params after every step. The ranks' losses sum to this one's: dense terms
+    over their own tokens, expert terms over each (token, expert) pair once, all over the
+    global batch times d, given the engine's expert gradient scale (divided by the whole DP size)."""
+    init = torch.load(inputs)
+    model = Moe(init, None, hf_style=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    params = []
+    for step in range(STEPS):
+        x, y = init[f"x{step}"], init[f"y{step}"]
+        opt.zero_grad()
+        model(x, y, x, y, 1.0 / (ROWS * world_size * D)).backward()
+        opt.step()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return params
+
+
+def golden_of(name, golden, ep):
+    """The one-process value of engine param `name`: 'w1@ep<e>of<EP>' is chunk e of w1,
+    'experts.<i>.w1' is w1[i]."""
+    if "@ep" in name:
+        base, e = name.split("@ep")
+        return golden[base].chunk(ep)[int(e.split("of")[0])]
+    if name.startswith("experts."):
+        _, i, w = name.split(".")
+        return golden[w][int(i)]
+    return golden[name]
 
 
 def train(rank, world_size, inputs, style, ep, instances, comm_hook):
