@@ -29,8 +29,8 @@ def write_inputs(path, world_size):
     g = torch.Generator().manual_seed(7)
     t = {"norm.weight": 1 + 0.1 * torch.randn(D, generator=g), "norm.bias": 0.1 * torch.randn(D, generator=g),
          "router.weight": 0.3 * torch.randn(EXPERTS, D, generator=g),
-         "head.weight": 0.3 * torch.randn(D, D, generator=g), "head.bias": 0.1 * torch.randn(D, generator=g), "w1": 0.3 * torch.randn(EXPERTS, D, H, generator=g),
-         "w2": 0.3 * torch.randn(EXPERTS, H, D, generator=g)}
+         "head.weight": 0.3 * torch.randn(D, D, generator=g), "head.bias": 0.1 * torch.randn(D, generator=g),
+         "w1": 0.3 * torch.randn(EXPERTS, D, H, generator=g), "w2": 0.3 * torch.randn(EXPERTS, H, D, generator=g)}
     for step in range(STEPS):
         t[f"x{step}"] = torch.randn(ROWS * world_size, D, generator=g)
         t[f"y{step}"] = torch.randn(ROWS * world_size, D, generator=g)
