@@ -1,9 +1,10 @@
 // The C++ half of tests/python/test_moe_python_vs_cpp.py: the MoE of moe_vs_cpp_workers.py trained
-// through the C++ API (DistributedDataParallel + DistributedOptimizer, experts declared with
-// declare_expert_param), launched by torchrun. Not a test by itself: it reads the initial values and
-// the batches the Python side wrote (torch.save, read with torch::pickle_load), trains, and writes per
-// rank what the pytest compares with the Python package's run: the engine's param order, each bucket's
-// sharding, the loss and every param after every step (torch::pickle_save, read with torch.load).
+// through the C++ API (DistributedDataParallel + DistributedOptimizer with clipping, experts declared
+// with declare_expert_param), launched by torchrun. Not a test by itself: it reads the initial values
+// and the batches the Python side wrote (torch.save, read with torch::pickle_load), trains, and writes
+// per rank what the pytest compares with the Python package's run: the engine's param order, each
+// bucket's sharding, the loss, the gradient norm and every param after every step (torch::pickle_save,
+// read with torch.load).
 //
 // The module mirrors the Python one param for param, in the same registration order and under the
 // engine's names, so both build the same bucket layout: torchtitan-style, this rank's experts as one
@@ -26,7 +27,7 @@ namespace {
 
 // The constants of moe_vs_cpp_workers.py.
 constexpr int64_t kD = 8, kExperts = 4, kRows = 4, kSteps = 4;
-constexpr double kLr = 1e-2, kWeightDecay = 0.1;
+constexpr double kLr = 1e-2, kWeightDecay = 0.1, kClip = 1.2;
 constexpr size_t kBucketBytes = 512;
 
 using Inputs = c10::Dict<c10::IValue, c10::IValue>;
@@ -133,6 +134,7 @@ int main(int argc, char** argv) {
     meshddp::DistributedOptimizerConfig opt_config;
     opt_config.lr = kLr;
     opt_config.weight_decay = kWeightDecay;
+    opt_config.clip_grad_norm = kClip;
     meshddp::DistributedOptimizer opt(ddp.grad_buffer(), opt_config);
 
     c10::Dict<std::string, torch::Tensor> out;
@@ -145,7 +147,7 @@ int main(int argc, char** argv) {
       sharding.insert(sharding.end(), {r.expert ? 1 : 0, r.shard_size, r.cross_group ? r.cross_group->getSize() : 0});
     }
     out.insert("sharding", torch::tensor(sharding).reshape({-1, 3}));
-    std::vector<double> losses;
+    std::vector<double> losses, norms;
     const int64_t group = rank / ep * ep * kRows;
     for (int64_t step = 0; step < kSteps; ++step) {
       const torch::Tensor x = input(inputs, "x" + std::to_string(step)), y = input(inputs, "y" + std::to_string(step));
@@ -156,6 +158,7 @@ int main(int argc, char** argv) {
       loss.backward();
       const meshddp::StepResult result = opt.step();
       TORCH_CHECK(!result.skipped, "moe_vs_cpp_worker: step ", step, " was skipped: ", result.report);
+      norms.push_back(result.grad_norm);
       opt.finish_param_sync();
       losses.push_back(loss.item<double>());
       for (const auto& item : model->named_parameters()) {
@@ -163,6 +166,7 @@ int main(int argc, char** argv) {
       }
     }
     out.insert("losses", torch::tensor(losses, torch::kDouble));
+    out.insert("grad_norms", torch::tensor(norms, torch::kDouble));
     const std::vector<char> bytes = torch::pickle_save(c10::ivalue::Tuple::create({out, order}));  // (tensors, order)
     std::ofstream(std::string(argv[2]) + "/rank" + std::to_string(mesh.rank()) + ".pt", std::ios::binary)
         .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

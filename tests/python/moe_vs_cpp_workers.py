@@ -21,6 +21,7 @@ import meshddp
 
 D, H, EXPERTS, ROWS, STEPS = 8, 12, 4, 4, 4  # ROWS: tokens per rank
 LR, WEIGHT_DECAY, BUCKET_BYTES = 1e-2, 0.1, 512
+CLIP = 1.2  # OptimizerConfig.clip_grad_norm: the steps' gradient norms are 1.44, 1.25, 1.28, 1.06
 
 
 def write_inputs(path, world_size):
@@ -84,21 +85,24 @@ def batch(inputs, step, rank, ep):
 
 
 def golden(inputs, world_size):
-    """The same STEPS steps in one process on the global batch (every expert local, torch AdamW):
-    the whole model's params after every step. The ranks' losses sum to this one's: dense terms
-    over their own tokens, expert terms over each (token, expert) pair once, all over the
-    global batch times d, given the engine's expert gradient scale (divided by the whole DP size)."""
+    """The same STEPS steps in one process on the global batch (every expert local, torch AdamW and
+    clip_grad_norm_): the whole model's params after every step and the steps' gradient norms. The
+    ranks' losses sum to this one's (dense terms over their own tokens, expert terms over each
+    (token, expert) pair once, all over the global batch times d), given the engine's expert
+    gradient scale (divided by the whole DP size)."""
     init = torch.load(inputs)
     model = Moe(init, None, hf_style=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    params = []
+    params, norms = [], []
     for step in range(STEPS):
         x, y = init[f"x{step}"], init[f"y{step}"]
         opt.zero_grad()
         model(x, y, x, y, 1.0 / (ROWS * world_size * D)).backward()
+        norms.append(sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # max_norm / (norm + 1e-6), as meshddp
         opt.step()
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return params
+    return {"params": params, "grad_norms": norms}
 
 
 def golden_of(name, golden, ep):
@@ -114,9 +118,10 @@ def golden_of(name, golden, ep):
 
 
 def train(rank, world_size, inputs, style, ep, instances, comm_hook):
-    """STEPS ZeRO-1 AdamW steps at dp = world_size with EP `ep`, `instances` optimizer instances and
-    DdpConfig.comm_hook `comm_hook`:
-    the engine's params by engine name after every step, the engine's param order and the losses."""
+    """STEPS ZeRO-1 AdamW steps (gradients clipped to CLIP) at dp = world_size with EP `ep`,
+    `instances` optimizer instances and DdpConfig.comm_hook `comm_hook`: the engine's params by
+    engine name after every step, the engine's param order, each bucket's sharding, the losses and
+    the steps' gradient norms."""
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
     init = torch.load(inputs)
     model = Moe(init, mesh["ep"], hf_style=style == "hf")
@@ -124,16 +129,17 @@ def train(rank, world_size, inputs, style, ep, instances, comm_hook):
                                num_distributed_optimizer_instances=instances, comm_hook=comm_hook)
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
                                           expert_params=["experts.*"] if style == "hf" else ())
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
-    params, losses = [], []
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY,
+                                                                    clip_grad_norm=CLIP))
+    params, losses, norms = [], [], []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         loss = ddp(*batch(init, step, rank, ep))
         loss.backward()
-        opt.step()
+        norms.append(opt.step().grad_norm)
         opt.finish_param_sync()
         losses.append(loss.item())
         params.append({ddp._engine_names.get(n, n): (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
                        for n, p in model.named_parameters()})
-    return {"params": params, "losses": losses, "order": ddp._engine.param_names(),
+    return {"params": params, "losses": losses, "grad_norms": norms, "order": ddp._engine.param_names(),
             "sharding": ddp._engine._bucket_sharding()}
