@@ -143,3 +143,24 @@ def train(rank, world_size, inputs, style, ep, instances, comm_hook):
                        for n, p in model.named_parameters()})
     return {"params": params, "losses": losses, "grad_norms": norms, "order": ddp._engine.param_names(),
             "sharding": ddp._engine._bucket_sharding()}
+
+
+def nan_on_rank_2(rank, world_size, inputs):
+    """The HF-style MoE at EP 2 in 2 optimizer instances with check_for_nan_in_grad: rank 2 (instance
+    1) makes its first expert's gradient NaN. Each rank's error from step(), or None."""
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("edp", "ep"))
+    init = torch.load(inputs)
+    model = Moe(init, mesh["ep"], hf_style=True)
+    config = meshddp.DdpConfig(use_distributed_optimizer=True, expert_parallel_size=2, bucket_bytes=BUCKET_BYTES,
+                               num_distributed_optimizer_instances=2, check_for_nan_in_grad=True)
+    ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config, expert_params=["experts.*"])
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR))
+    loss = ddp(*batch(init, 0, rank, 2))
+    if rank == 2:
+        loss = loss + model.experts[str(model.first)]["w1"].sum() * float("nan")
+    loss.backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -105,3 +105,13 @@ def test_python_and_cpp_train_the_moe_bit_identically_and_as_one_process_does(in
     print(f"{style}, {comm_hook}: max |C++ - Python| over {WORLD} ranks and {moe_vs_cpp_workers.STEPS} steps: {worst}; "
           f"max |Python - one process|: {worst_golden}; gradient norms' max relative difference to one process: "
           f"{worst_norm}; losses {py[0]['losses']}")
+
+
+def test_a_nan_on_one_instance_is_named_on_every_rank(inputs):
+    # check_for_nan_in_grad counts over the whole DP group, not this rank's optimizer instance: rank 2
+    # (instance 1) is named on all 4 ranks, instance 0's included (when it counted over the instance,
+    # instance 0's ranks failed in the cross-instance report's collective instead).
+    errors = multiprocess.run(WORLD, "moe_vs_cpp_workers.nan_on_rank_2", inputs=inputs)
+    for rank, error in enumerate(errors):
+        want = "rank 2 (DP rank 2): parameter 'experts.0.w1' has 96 NaN/Inf"
+        assert error is not None and want in error, (rank, error)
