@@ -17,6 +17,9 @@ every step, compared exactly (measured: 0). The Python
 run's params are also compared with the same model trained by torch AdamW in one process on the
 global batch (GOLDEN_TOL), which catches what both sides of the one engine would get wrong alike.
 
+Also here, Python only: a NaN on one optimizer instance's rank named on every rank
+(check_for_nan_in_grad).
+
 ctest passes the C++ worker's path in MESHDDP_MOE_CPP_WORKER (tests/CMakeLists.txt)."""
 
 import os
