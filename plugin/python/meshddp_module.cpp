@@ -191,6 +191,11 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
              // Hierarchical ZeRO-1: buckets reduce-scatter over the instance, the DP group stays whole.
+             // The world group (the optimizer's gradient norm and non-finite check, check_for_nan_in_grad:
+             // SyncGroups::stats_group) is then at least the whole DP group, as the C++ mesh constructor
+             // has it: with no TP dim there is none, and the instance in its place would give each
+             // instance its own norm (the other instances' ranks 0), clipping and skipping apart.
+             if (!world_group && instance_group) world_group = dp_group;
              meshddp::SyncGroups groups{instance_group.value_or(dp_group), world_group.value_or(nullptr), tp_rank,
                                         tp_size, tp_group.value_or(nullptr), cross_instance_group.value_or(nullptr),
                                         expert_dp_group.value_or(nullptr)};
