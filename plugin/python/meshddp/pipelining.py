@@ -26,6 +26,16 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   between two stages of one rank never use these ops (torch passes them locally).
 - finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
   optimizer step.
+- clear_runtime_states (the start of every schedule.step()): gradient accumulation across
+  schedule.step() calls (several steps, then one optimizer step, no zero_grad_buffer() between), as with
+  torch's DDP in torch's stage, whose every step syncs and adds onto .grad. A sync the previous step
+  started is finished first (finish_grad_sync between the steps is optional); the synced gradients are
+  set aside (one copy of the chunk's trainable grads) and the buffers zeroed, so that this step scales
+  (by its own micro-batch count: torch's stage divides the earlier steps' gradients again) and reduces
+  its own gradients only; finish_grad_sync adds the set-aside gradients back. The result is the sum of
+  the steps' gradients, as one process backpropagating each step's loss. A step after an optimizer step
+  that changed the params, with no zero_grad_buffer() between, is refused (the stepped gradients would be
+  added to the next step's).
 
 grad_reduction="sum" is for a loss already normalised over the whole batch mesh (torchtitan's
 per-token loss: the sum over a micro-batch's valid tokens divided by the global count of valid
@@ -61,6 +71,8 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
+        self._set_aside = None  # the earlier steps' synced gradients while accumulating (clear_runtime_states)
+        self._param_versions = None  # the params' versions at this chunk's last finish_grad_sync
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
 
@@ -88,7 +100,29 @@ class PipelineStage(_TorchPipelineStage):
         """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
         sync of the previous step still in flight is caught by the DDP's forward check."""
         super().clear_runtime_states()
+        if self.has_backward:
+            if self._sync_started:  # the previous step's sync, never finished: accumulation across steps
+                self.finish_grad_sync()
+            self._resume_accumulation()
         self._sync_started = False
+
+    def _resume_accumulation(self):
+        """A step whose buffers hold an earlier step's synced gradients (no zero_grad_buffer() since): sets
+        them aside and zeroes the buffers (see the module's docstring), or refuses when the params were
+        changed since that sync (an optimizer step before this one, then no zero_grad_buffer())."""
+        ddp = self.submod
+        if ddp._synced_grad_version is None:
+            return
+        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        if self._param_versions is not None and self._param_versions != [p._version for _, p in params]:
+            changed = next(n for (n, p), v in zip(params, self._param_versions) if p._version != v)
+            raise _error(f"PipelineStage {self.stage_index}: schedule.step() after an optimizer step without "
+                         f"zero_grad_buffer(): the gradient buffers still hold the gradients the optimizer stepped "
+                         f"on (parameter '{changed}' changed since the last finish_grad_sync), and this step would "
+                         f"add to them. Call submod.zero_grad_buffer() on every chunk before each optimizer step's "
+                         f"first schedule.step() (several schedule.step() calls before one optimizer step accumulate)")
+        self._set_aside = [ddp.main_grad(n).clone() for n, _ in params]
+        ddp.zero_grad_buffer()
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         ddp = self.submod
@@ -143,8 +177,17 @@ class PipelineStage(_TorchPipelineStage):
         """Waits for this chunk's sync (starting it first if the schedule never did); idempotent."""
         if not self._sync_started:
             self.scale_grads(1)
-        self.submod.finish_grad_sync()
+        ddp = self.submod
+        ddp.finish_grad_sync()
         self._sync_started = False
+        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        if self._set_aside is not None:
+            with torch.no_grad():
+                for (n, _), g in zip(params, self._set_aside):
+                    ddp.main_grad(n).add_(g)
+            self._set_aside = None
+            ddp._record_synced_grads()  # the stage's own add, not a foreign write (ZeRO-1's check)
+        self._param_versions = [p._version for _, p in params]
 
 
 def finish_grad_sync(stages):
