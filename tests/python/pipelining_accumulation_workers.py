@@ -67,14 +67,15 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
             max((p - ref_params[i]).abs().max().item() for p, i in zip([p.detach() for p in params], mine)))
 
 
-def step_without_zeroing(rank, world_size):
-    """schedule.step(), finish_grad_sync, SGD step, then schedule.step() again without zero_grad_buffer():
-    the error message this rank got (None if none)."""
+def step_without_zeroing(rank, world_size, zero1=False):
+    """schedule.step(), finish_grad_sync, SGD step (zero1: meshddp's ZeRO-1 DistributedOptimizer), then
+    schedule.step() again without zero_grad_buffer(): the error message this rank got (None if none)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    stages, wrapped = build(mesh, "1F1B")
+    stages, wrapped = build(mesh, "1F1B", zero1=zero1)
     sched = SCHEDULES["1F1B"][0](stages[0], MICRO, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD([p for _, ddp in wrapped for p in ddp.parameters()], lr=LR)
+    opt = (meshddp.DistributedOptimizer(wrapped[0][1], meshddp.OptimizerConfig(kind="sgd", lr=LR)) if zero1 else
+           torch.optim.SGD([p for _, ddp in wrapped for p in ddp.parameters()], lr=LR))
     x, y = batch(0, dp_size)
     x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
     args = dict(target=y) if stages[0].is_last else {}

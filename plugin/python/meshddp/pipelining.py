@@ -34,8 +34,8 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   (by its own micro-batch count: torch's stage divides the earlier steps' gradients again) and reduces
   its own gradients only; finish_grad_sync adds the set-aside gradients back. The result is the sum of
   the steps' gradients, as one process backpropagating each step's loss. A step after an optimizer step
-  that changed the params, with no zero_grad_buffer() between, is refused (the stepped gradients would be
-  added to the next step's).
+  on the gradients with no zero_grad_buffer() after it is refused (the stepped gradients would be added
+  to the next step's).
 
 grad_reduction="sum" is for a loss already normalised over the whole batch mesh (torchtitan's
 per-token loss: the sum over a micro-batch's valid tokens divided by the global count of valid
@@ -72,7 +72,6 @@ class PipelineStage(_TorchPipelineStage):
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
         self._set_aside = None  # the earlier steps' synced gradients while accumulating (clear_runtime_states)
-        self._param_versions = None  # the params' versions at this chunk's last finish_grad_sync
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
 
@@ -101,26 +100,26 @@ class PipelineStage(_TorchPipelineStage):
         sync of the previous step still in flight is caught by the DDP's forward check."""
         super().clear_runtime_states()
         if self.has_backward:
-            if self._sync_started:  # the previous step's sync, never finished: accumulation across steps
+            # The previous step's sync, never finished (its optimizer step not taken yet): accumulation.
+            if self._sync_started and self.submod._engine.sync_pending():
                 self.finish_grad_sync()
             self._resume_accumulation()
         self._sync_started = False
 
     def _resume_accumulation(self):
         """A step whose buffers hold an earlier step's synced gradients (no zero_grad_buffer() since): sets
-        them aside and zeroes the buffers (see the module's docstring), or refuses when the params were
-        changed since that sync (an optimizer step before this one, then no zero_grad_buffer())."""
+        them aside and zeroes the buffers (see the module's docstring), or refuses when an optimizer stepped
+        on them (its step, then no zero_grad_buffer())."""
         ddp = self.submod
-        if ddp._synced_grad_version is None:
+        if ddp._grads_state == "zeroed":
             return
-        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-        if self._param_versions is not None and self._param_versions != [p._version for _, p in params]:
-            changed = next(n for (n, p), v in zip(params, self._param_versions) if p._version != v)
+        if ddp._grads_state == "stepped":
             raise _error(f"PipelineStage {self.stage_index}: schedule.step() after an optimizer step without "
-                         f"zero_grad_buffer(): the gradient buffers still hold the gradients the optimizer stepped "
-                         f"on (parameter '{changed}' changed since the last finish_grad_sync), and this step would "
-                         f"add to them. Call submod.zero_grad_buffer() on every chunk before each optimizer step's "
-                         f"first schedule.step() (several schedule.step() calls before one optimizer step accumulate)")
+                         f"zero_grad_buffer(): the gradient buffers of this stage's DistributedDataParallel still hold "
+                         f"the gradients the optimizer stepped on, and this step would add to them. Call "
+                         f"submod.zero_grad_buffer() on every chunk before each optimizer step's first schedule.step() "
+                         f"(several schedule.step() calls before one optimizer step accumulate)")
+        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self._set_aside = [ddp.main_grad(n).clone() for n, _ in params]
         ddp.zero_grad_buffer()
 
@@ -180,14 +179,13 @@ class PipelineStage(_TorchPipelineStage):
         ddp = self.submod
         ddp.finish_grad_sync()
         self._sync_started = False
-        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         if self._set_aside is not None:
+            names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
             with torch.no_grad():
-                for (n, _), g in zip(params, self._set_aside):
+                for n, g in zip(names, self._set_aside):
                     ddp.main_grad(n).add_(g)
             self._set_aside = None
             ddp._record_synced_grads()  # the stage's own add, not a foreign write (ZeRO-1's check)
-        self._param_versions = [p._version for _, p in params]
 
 
 def finish_grad_sync(stages):
