@@ -17,8 +17,9 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   scale_grads (called by the schedules without that action right after the last backward): the flat
   buffers are scaled (scale_gradients) and the chunk's sync is started (start_grad_sync), overlapping
   the other chunks' backward; both at most once per step.
-- _prepare_backward_infra (the schedule's first step): the micro-batch count must be the same on
-  every DP rank of the chunk (an all-gather over its DP group), else every rank raises naming them.
+- _prepare_backward_infra (the schedule's first step): the micro-batch count and grad_reduction must be
+  the same on every DP rank of the chunk (an all-gather over its DP group), else every rank raises
+  naming them.
 - _get_init_p2p_neighbors_ops (the schedule's first step): torch's warm-up send/recv to the neighbour
   stages, without those to this rank itself. V-shaped schedules (ScheduleZBVZeroBubble,
   ScheduleDualPipeV) put stages pp-1 and pp on one rank, and Gloo has no connection from a rank to
@@ -73,6 +74,7 @@ class PipelineStage(_TorchPipelineStage):
         self._sync_started = False
         self._set_aside = None  # the earlier steps' synced gradients while accumulating (clear_runtime_states)
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
+        self._grad_reduction = grad_reduction
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
 
     def _get_init_p2p_neighbors_ops(self):
@@ -84,16 +86,22 @@ class PipelineStage(_TorchPipelineStage):
         DP group: a rank scaling by another count would silently train on other gradients."""
         super()._prepare_backward_infra(num_microbatches)
         group = self.submod._dp_group
-        mine = torch.tensor([int(num_microbatches)], dtype=torch.int64, device=self.device)
-        counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(counts, mine, group=group)
-        counts = [int(c.item()) for c in counts]
+        mine = torch.tensor([int(num_microbatches), int(self._grad_reduction == "sum")], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        counts = [int(c[0].item()) for c in gathered]
         if len(set(counts)) > 1:
-            ranks = dist.get_process_group_ranks(group)
             per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
             raise _error(f"PipelineStage {self.stage_index}: the schedule's micro-batch count (n_microbatches) "
                          f"differs across the stage's DP ranks ({per_rank}); every DP rank must split its batch "
                          f"into the same number of micro-batches (the gradients are scaled and reduced per step)")
+        kinds = ["sum" if c[1].item() else "mean" for c in gathered]
+        if len(set(kinds)) > 1:
+            per_rank = ", ".join(f"rank {r}: '{k}'" for r, k in zip(ranks, kinds))
+            raise _error(f"PipelineStage {self.stage_index}: grad_reduction differs across the stage's DP ranks "
+                         f"({per_rank}); give every rank's PipelineStage the same grad_reduction (the DP reduction "
+                         f"would mix sums and means silently)")
 
     def clear_runtime_states(self):
         """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
