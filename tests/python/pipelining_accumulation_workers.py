@@ -27,10 +27,12 @@ def golden(dp_size):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_grads=True, zero1=False, broken=None):
+def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_grads=True, zero1=False,
+                eval_between=False, broken=None):
     """(max |grad - golden|, max |param - golden|) over this rank's params after OPT_STEPS optimizer steps,
     each over ACCUMULATE schedule.step() calls; finish_between: meshddp.pipelining.finish_grad_sync(stages)
-    after every schedule.step(), not only the last. Returns the error message instead when one is raised.
+    after every schedule.step(), not only the last; eval_between: a schedule.eval() on the step's batch after
+    every schedule.step() but the last (forward only; it must not disturb the accumulation); Returns the error message instead when one is raised.
     broken="no_add_back": the earlier steps' gradients set aside at a step's start and never added back."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -53,6 +55,8 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
                 x, y = batch(step * ACCUMULATE + k, dp_size)
                 x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
                 sched.step(*((x,) if has_first else ()), target=y if has_last else None)
+                if eval_between and k < ACCUMULATE - 1:
+                    sched.eval(*((x,) if has_first else ()), target=y if has_last else None)
                 if finish_between or k == ACCUMULATE - 1:
                     meshddp.pipelining.finish_grad_sync(stages)
             grads = [p.grad.clone() for p in params]

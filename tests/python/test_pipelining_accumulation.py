@@ -13,16 +13,20 @@ import multiprocess
 TOL = 3e-7
 
 
-@pytest.mark.parametrize("schedule,finish_between,scale_grads,zero1", [
-    ("1F1B", False, True, False),
-    ("1F1B", True, False, False),
-    ("Interleaved1F1B", False, True, False),
-    ("ZBVZeroBubble", True, True, False),
-    ("1F1B", False, True, True),
+@pytest.mark.parametrize("schedule,finish_between,scale_grads,zero1,eval_between", [
+    ("1F1B", False, True, False, False),
+    ("1F1B", True, False, False, False),
+    ("Interleaved1F1B", False, True, False, True),
+    ("ZBVZeroBubble", True, True, False, False),
+    ("1F1B", False, True, True, False),
 ])
-def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finish_between, scale_grads, zero1):
+def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finish_between, scale_grads, zero1,
+                                                                 eval_between):
+    """eval_between: a schedule.eval() (forward only) between the two schedule.step() calls; torch's schedules
+    call the stage's scale_grads even then, which divided the first step's synced gradients (0.087 off)."""
     diffs = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", schedule=schedule,
-                             finish_between=finish_between, scale_grads=scale_grads, zero1=zero1)
+                             finish_between=finish_between, scale_grads=scale_grads, zero1=zero1,
+                             eval_between=eval_between)
     assert all(isinstance(d, tuple) for d in diffs), diffs
     assert max(max(d) for d in diffs) < TOL, diffs
 

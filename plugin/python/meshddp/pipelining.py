@@ -25,6 +25,9 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   ScheduleDualPipeV) put stages pp-1 and pp on one rank, and Gloo has no connection from a rank to
   itself (pytorch/gloo#344): torch's own stage fails there with "Pair is not connected". Activations
   between two stages of one rank never use these ops (torch passes them locally).
+- scale_grads under schedule.eval() (forward only, yet torch's schedules still call perform_reduce_grad
+  or scale_grads): nothing. Scaling then would divide the buffers (a finished step's gradients, kept
+  for the optimizer step or for accumulation) and start a sync of them.
 - finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
   optimizer step.
 - clear_runtime_states (the start of every schedule.step()): gradient accumulation across
@@ -107,10 +110,11 @@ class PipelineStage(_TorchPipelineStage):
         """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
         sync of the previous step still in flight is caught by the DDP's forward check."""
         super().clear_runtime_states()
+        # The previous step's sync, never finished (its optimizer step not taken yet): accumulation, or an
+        # eval() between the steps (forward only: the synced gradients wait for the next training step).
+        if self._sync_started and self.submod._engine.sync_pending():
+            self.finish_grad_sync()
         if self.has_backward:
-            # The previous step's sync, never finished (its optimizer step not taken yet): accumulation.
-            if self._sync_started and self.submod._engine.sync_pending():
-                self.finish_grad_sync()
             self._resume_accumulation()
         self._sync_started = False
 
@@ -171,6 +175,8 @@ class PipelineStage(_TorchPipelineStage):
         size), then starts the chunk's sync (once per step)."""
         if self._sync_started:
             return  # the schedule's REDUCE_GRAD already scaled and started this chunk
+        if not self.has_backward:
+            return  # schedule.eval(): torch's schedules reduce after a forward-only step too; nothing to scale
         factor = self._dp_factor / grad_scale_factor
         if factor != 1:
             self.submod.scale_gradients(factor)
