@@ -12,7 +12,8 @@ overlaps step n+1, and its commit comes at a later step boundary):
    reaches the end and commits the last step.
 Reports how many kills landed inside a save (a step directory without manifest, or a manifest that
 `latest` does not name yet) and how many saves were started. Usage: check_async_save_kills.py
-<gpt_example> [kills]. The random seed is printed; MESHDDP_KILL_SEED=<n> repeats a run."""
+<gpt_example> [kills] [pp]; with `pp` the same on a 2-stage pipeline (--pp 2, dp 1: each rank saves its
+stage's chunk). The random seed is printed; MESHDDP_KILL_SEED=<n> repeats a run."""
 import os
 import random
 import re
@@ -26,9 +27,10 @@ import time
 
 binary = sys.argv[1]
 KILLS = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+MESH = ["--pp", "2"] if sys.argv[3:] == ["pp"] else ["--dp", "2"]
 STEPS = 30
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-BASE = [torchrun, "--standalone", "--nproc-per-node=2", "--no-python", binary, "--dp", "2", "--tp", "1",
+BASE = [torchrun, "--standalone", "--nproc-per-node=2", "--no-python", binary, *MESH, "--tp", "1",
         "--steps", str(STEPS), "--seed", "3", "--global-batch", "8", "--distributed-optimizer"]
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$")
 

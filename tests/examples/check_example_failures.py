@@ -44,6 +44,13 @@ for binary, args, message in (
     (gpt_binary, ["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --dtype bf16"),
     (gpt_binary, ["--dtype", "bf16", "--save-dir", "ckpt"], "--dtype bf16 with --save-dir needs --distributed-optimizer"),
     (gpt_binary, ["--micro-batches", "3"], "--global-batch 16 must divide by --dp 1 x --micro-batches 3"),
+    # Pipeline flags (--pp, --vpp, --grad-sync): refused before any rank starts, expected vs given.
+    (gpt_binary, ["--pp", "3"], "--layers 2 must divide by --pp 3 x --vpp 1 (each model chunk holds"),
+    (gpt_binary, ["--vpp", "2"], "--vpp 2 needs --pp > 1"),
+    (gpt_binary, ["--pp", "2", "--vpp", "2", "--layers", "4", "--micro-batches", "3", "--global-batch", "12"],
+     "--micro-batches 3 must divide by --pp 2 with --vpp > 1"),
+    (gpt_binary, ["--grad-sync", "end"], "--grad-sync end needs a pipeline (--pp)"),
+    (gpt_binary, ["--pp", "2", "--grad-sync", "later"], "--grad-sync: 'later' is not one of bubble, end"),
     (ddp_binary, ["--dtype", "bf16", "--save-dir", "ckpt"], "--dtype bf16 with --save-dir needs --distributed-optimizer"),
     (ddp_binary, ["--global-batch", "-4"], "--global-batch must be in [1, ...], got -4"),
     (ddp_binary, ["--log-interval", "2.5"], "--log-interval: '2.5' is not an integer"),

@@ -28,6 +28,24 @@ def microbatches_differ(rank, world_size, broken=None):
     return None
 
 
+def grad_reduction_differs(rank, world_size, broken=None):
+    """DP rank 0's stages built with grad_reduction="mean", DP rank 1's with "sum" (each pipeline agrees
+    within itself): the error message this rank got (None if none). broken="no_check": the agreement
+    left out (the run then trains silently)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    stages, wrapped = build(mesh, "1F1B")
+    if mesh["dp"].get_local_rank() == 1:
+        stages = [meshddp.pipelining.PipelineStage(s.submod, s.stage_index, s.num_stages, s.device,
+                                                   group=mesh["pp"].get_group(), grad_reduction="sum") for s in stages]
+    for s in stages if broken == "no_check" else []:
+        s._prepare_backward_infra = lambda n, s=s: tpp.PipelineStage._prepare_backward_infra(s, n)
+    try:
+        train(mesh, stages, wrapped, "1F1B")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def step_before_finish(rank, world_size, schedule="1F1B", finished=0, broken=None):
     """schedule.step(), then finish_grad_sync on only the first `finished` of this rank's stages, then
     torch's SGD step over all of them. broken="no_guard": the optimizer step guard removed."""

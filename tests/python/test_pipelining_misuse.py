@@ -16,6 +16,12 @@ def test_a_micro_batch_count_that_differs_across_dp_ranks_is_named_on_every_rank
     assert "rank 0: 4, rank 2: 2" in messages[0] and "rank 1: 4, rank 3: 2" in messages[1], messages
 
 
+def test_a_grad_reduction_that_differs_across_dp_ranks_is_named_on_every_rank():
+    messages = multiprocess.run(4, "pipelining_misuse_workers.grad_reduction_differs")
+    assert all(m is not None and "grad_reduction differs across the stage's DP ranks" in m for m in messages), messages
+    assert "rank 0: 'mean', rank 2: 'sum'" in messages[0] and "rank 1: 'mean', rank 3: 'sum'" in messages[1], messages
+
+
 @pytest.mark.parametrize("schedule,finished", [("1F1B", 0), ("Interleaved1F1B", 1)])
 def test_an_optimizer_step_before_every_chunk_finished_its_sync_is_refused(schedule, finished):
     """1F1B: no finish_grad_sync at all; Interleaved1F1B: only the rank's first chunk finished; the

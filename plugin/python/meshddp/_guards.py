@@ -127,10 +127,13 @@ def _before_optimizer_step(optimizer, args, kwargs):
                         f"gradient is in param.main_grad ({p.main_grad.dtype}), which torch optimizers do not read. "
                         f"Use meshddp.DistributedOptimizer (fp32 master weights; use_distributed_optimizer=True), or "
                         f"grad_reduce_in_fp32=False, or set p.grad = p.main_grad.to(p.dtype) yourself before step()")
-        if not engine.sync_pending():
-            continue
         ids = ddp._param_ids
-        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+        steps_on_it = any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
+        if not engine.sync_pending():
+            if ddp._grads_state == "synced" and steps_on_it:  # meshddp.pipelining refuses adding to them
+                ddp._grads_state = "stepped"
+            continue
+        if steps_on_it:
             names = [n for n, _ in ddp.named_parameters()]
             which = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise _error(

@@ -282,6 +282,10 @@ class DistributedDataParallel(torch.nn.Module):
                 probes.setdefault(g.untyped_storage().data_ptr(), g)
         self._version_probes = list(probes.values())
         self._synced_grad_version = None
+        # What the buffers hold: "zeroed" (nothing since zero_grad_buffer(), or accumulating), "synced" (a
+        # finished sync), "stepped" (an optimizer stepped on them; _guards.py, DistributedOptimizer.step):
+        # meshddp.pipelining accumulates across steps on "synced" and refuses "stepped".
+        self._grads_state = "zeroed"
         self._find_unused = config.find_unused_parameters
         # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
         # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
@@ -313,6 +317,7 @@ class DistributedDataParallel(torch.nn.Module):
         Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
         self._engine.finish_grad_sync()
         self._record_synced_grads()
+        self._grads_state = "synced"  # until zero_grad_buffer(); "stepped" after an optimizer step on them
 
     def _record_synced_grads(self):
         """ZeRO-1: the gradients are synced as they are now (DistributedOptimizer.step() refuses later writes
@@ -324,6 +329,7 @@ class DistributedDataParallel(torch.nn.Module):
         optimizer.zero_grad(), which would set the grads to None) before each step's first backward."""
         self._engine.zero_grad_buffer()
         self._synced_grad_version = None
+        self._grads_state = "zeroed"
 
     def _grads_written_since_sync(self):
         """ZeRO-1: whether the gradients were changed in place after this step's finish_grad_sync()."""

@@ -167,6 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._push_groups()
         result = self._impl.step()
         self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
+        self.ddp._grads_state = "stepped"
         return result
 
     def _step_with_grad_scaler(self, grad_scaler):

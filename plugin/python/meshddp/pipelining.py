@@ -17,15 +17,29 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   scale_grads (called by the schedules without that action right after the last backward): the flat
   buffers are scaled (scale_gradients) and the chunk's sync is started (start_grad_sync), overlapping
   the other chunks' backward; both at most once per step.
-- _prepare_backward_infra (the schedule's first step): the micro-batch count must be the same on
-  every DP rank of the chunk (an all-gather over its DP group), else every rank raises naming them.
+- _prepare_backward_infra (the schedule's first step): the micro-batch count and grad_reduction must be
+  the same on every DP rank of the chunk (an all-gather over its DP group), else every rank raises
+  naming them.
 - _get_init_p2p_neighbors_ops (the schedule's first step): torch's warm-up send/recv to the neighbour
   stages, without those to this rank itself. V-shaped schedules (ScheduleZBVZeroBubble,
   ScheduleDualPipeV) put stages pp-1 and pp on one rank, and Gloo has no connection from a rank to
   itself (pytorch/gloo#344): torch's own stage fails there with "Pair is not connected". Activations
   between two stages of one rank never use these ops (torch passes them locally).
+- scale_grads under schedule.eval() (forward only, yet torch's schedules still call perform_reduce_grad
+  or scale_grads): nothing. Scaling then would divide the buffers (a finished step's gradients, kept
+  for the optimizer step or for accumulation) and start a sync of them.
 - finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
   optimizer step.
+- clear_runtime_states (the start of every schedule.step()): gradient accumulation across
+  schedule.step() calls (several steps, then one optimizer step, no zero_grad_buffer() between), as with
+  torch's DDP in torch's stage, whose every step syncs and adds onto .grad. A sync the previous step
+  started is finished first (finish_grad_sync between the steps is optional); the synced gradients are
+  set aside (one copy of the chunk's trainable grads) and the buffers zeroed, so that this step scales
+  (by its own micro-batch count: torch's stage divides the earlier steps' gradients again) and reduces
+  its own gradients only; finish_grad_sync adds the set-aside gradients back. The result is the sum of
+  the steps' gradients, as one process backpropagating each step's loss. A step after an optimizer step
+  on the gradients with no zero_grad_buffer() after it is refused (the stepped gradients would be added
+  to the next step's).
 
 grad_reduction="sum" is for a loss already normalised over the whole batch mesh (torchtitan's
 per-token loss: the sum over a micro-batch's valid tokens divided by the global count of valid
@@ -61,7 +75,9 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
+        self._set_aside = None  # the earlier steps' synced gradients while accumulating (clear_runtime_states)
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
+        self._grad_reduction = grad_reduction
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
 
     def _get_init_p2p_neighbors_ops(self):
@@ -73,22 +89,51 @@ class PipelineStage(_TorchPipelineStage):
         DP group: a rank scaling by another count would silently train on other gradients."""
         super()._prepare_backward_infra(num_microbatches)
         group = self.submod._dp_group
-        mine = torch.tensor([int(num_microbatches)], dtype=torch.int64, device=self.device)
-        counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(counts, mine, group=group)
-        counts = [int(c.item()) for c in counts]
+        mine = torch.tensor([int(num_microbatches), int(self._grad_reduction == "sum")], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        counts = [int(c[0].item()) for c in gathered]
         if len(set(counts)) > 1:
-            ranks = dist.get_process_group_ranks(group)
             per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
             raise _error(f"PipelineStage {self.stage_index}: the schedule's micro-batch count (n_microbatches) "
                          f"differs across the stage's DP ranks ({per_rank}); every DP rank must split its batch "
                          f"into the same number of micro-batches (the gradients are scaled and reduced per step)")
+        kinds = ["sum" if c[1].item() else "mean" for c in gathered]
+        if len(set(kinds)) > 1:
+            per_rank = ", ".join(f"rank {r}: '{k}'" for r, k in zip(ranks, kinds))
+            raise _error(f"PipelineStage {self.stage_index}: grad_reduction differs across the stage's DP ranks "
+                         f"({per_rank}); give every rank's PipelineStage the same grad_reduction (the DP reduction "
+                         f"would mix sums and means silently)")
 
     def clear_runtime_states(self):
         """torch's per-step reset (schedule.step() calls it first): this step's sync not started yet. A
         sync of the previous step still in flight is caught by the DDP's forward check."""
         super().clear_runtime_states()
+        # The previous step's sync, never finished (its optimizer step not taken yet): accumulation, or an
+        # eval() between the steps (forward only: the synced gradients wait for the next training step).
+        if self._sync_started and self.submod._engine.sync_pending():
+            self.finish_grad_sync()
+        if self.has_backward:
+            self._resume_accumulation()
         self._sync_started = False
+
+    def _resume_accumulation(self):
+        """A step whose buffers hold an earlier step's synced gradients (no zero_grad_buffer() since): sets
+        them aside and zeroes the buffers (see the module's docstring), or refuses when an optimizer stepped
+        on them (its step, then no zero_grad_buffer())."""
+        ddp = self.submod
+        if ddp._grads_state == "zeroed":
+            return
+        if ddp._grads_state == "stepped":
+            raise _error(f"PipelineStage {self.stage_index}: schedule.step() after an optimizer step without "
+                         f"zero_grad_buffer(): the gradient buffers of this stage's DistributedDataParallel still hold "
+                         f"the gradients the optimizer stepped on, and this step would add to them. Call "
+                         f"submod.zero_grad_buffer() on every chunk before each optimizer step's first schedule.step() "
+                         f"(several schedule.step() calls before one optimizer step accumulate)")
+        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        self._set_aside = [ddp.main_grad(n).clone() for n, _ in params]
+        ddp.zero_grad_buffer()
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         ddp = self.submod
@@ -130,6 +175,8 @@ class PipelineStage(_TorchPipelineStage):
         size), then starts the chunk's sync (once per step)."""
         if self._sync_started:
             return  # the schedule's REDUCE_GRAD already scaled and started this chunk
+        if not self.has_backward:
+            return  # schedule.eval(): torch's schedules reduce after a forward-only step too; nothing to scale
         factor = self._dp_factor / grad_scale_factor
         if factor != 1:
             self.submod.scale_gradients(factor)
@@ -143,8 +190,16 @@ class PipelineStage(_TorchPipelineStage):
         """Waits for this chunk's sync (starting it first if the schedule never did); idempotent."""
         if not self._sync_started:
             self.scale_grads(1)
-        self.submod.finish_grad_sync()
+        ddp = self.submod
+        ddp.finish_grad_sync()
         self._sync_started = False
+        if self._set_aside is not None:
+            names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
+            with torch.no_grad():
+                for n, g in zip(names, self._set_aside):
+                    ddp.main_grad(n).add_(g)
+            self._set_aside = None
+            ddp._record_synced_grads()  # the stage's own add, not a foreign write (ZeRO-1's check)
 
 
 def finish_grad_sync(stages):

@@ -1,0 +1,39 @@
+"""Gradient accumulation across torch.distributed.pipelining schedule.step() calls with
+meshddp.pipelining.PipelineStage (pipelining_accumulation_workers.py): dp 2 x pp 2 on 4 Gloo
+processes, the MLP of pipelining_workers.py, 2 schedule.step() calls of 4 micro-batches per optimizer
+step, 2 SGD steps. Golden: one process on the same global batches, the two steps' mean losses
+backpropagated one after the other (their gradients summed). Tolerance 3e-7 (fp32; measured 7e-9 to
+3e-8). torch's own DDP in torch's stage accumulates too (each step syncs and adds onto .grad), but its
+scale_grads divides the earlier steps' gradients again; meshddp's stage scales each step's own."""
+
+import pytest
+
+import multiprocess
+
+TOL = 3e-7
+
+
+@pytest.mark.parametrize("schedule,finish_between,scale_grads,zero1,eval_between", [
+    ("1F1B", False, True, False, False),
+    ("1F1B", True, False, False, False),
+    ("Interleaved1F1B", False, True, False, True),
+    ("ZBVZeroBubble", True, True, False, False),
+    ("1F1B", False, True, True, False),
+])
+def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finish_between, scale_grads, zero1,
+                                                                 eval_between):
+    """eval_between: a schedule.eval() (forward only) between the two schedule.step() calls; torch's schedules
+    call the stage's scale_grads even then, which divided the first step's synced gradients (0.087 off)."""
+    diffs = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", schedule=schedule,
+                             finish_between=finish_between, scale_grads=scale_grads, zero1=zero1,
+                             eval_between=eval_between)
+    assert all(isinstance(d, tuple) for d in diffs), diffs
+    assert max(max(d) for d in diffs) < TOL, diffs
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_a_step_after_an_optimizer_step_without_zeroing_is_refused_on_every_rank(zero1):
+    messages = multiprocess.run(4, "pipelining_accumulation_workers.step_without_zeroing", zero1=zero1)
+    for m in messages:
+        assert m is not None and "schedule.step() after an optimizer step without zero_grad_buffer()" in m, m
+        assert "still hold the gradients the optimizer stepped on" in m and "zero_grad_buffer() on every chunk" in m, m
