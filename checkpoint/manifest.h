@@ -63,7 +63,7 @@ struct Manifest {
   int64_t step = 0;
   int64_t world_size = 1, dp_size = 1, tp_size = 1, pp_size = 1;  // pp_size: pipeline stages (1 if absent)
   CheckpointValues values;
-  Json optimizer;                             // null, or {"kind": "adamw" | "sgd", "step": >= 0}
+  Json optimizer;                             // null, or {"kind": "adamw" | "sgd" | "muon", "step": >= 0}
   std::map<std::string, ManifestFile> files;  // exactly checkpoint_file_name(0 .. world_size - 1)
   std::map<std::string, ManifestTensor> tensors;
 };

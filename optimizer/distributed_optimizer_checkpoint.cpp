@@ -41,7 +41,13 @@ CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
   return {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
 }
 
-Json DistributedOptimizer::checkpoint_info() const { return {{"kind", kind_name(config_.kind)}, {"step", step_}}; }
+// kMuon also records muon_adamw_params: which 2-D params took Muon decides what their "exp_avg" holds
+// (Muon's momentum, or AdamW's first moment), so a load must choose them alike.
+Json DistributedOptimizer::checkpoint_info() const {
+  Json info = {{"kind", kind_name(config_.kind)}, {"step", step_}};
+  if (config_.kind == OptimizerKind::kMuon) info["muon_adamw_params"] = config_.muon_adamw_params;
+  return info;
+}
 
 void DistributedOptimizer::check_checkpoint_info(const Json& saved, const std::string& where) const {
   TORCH_CHECK(
@@ -49,7 +55,18 @@ void DistributedOptimizer::check_checkpoint_info(const Json& saved, const std::s
       "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
   const std::string kind = json_string(json_at(saved, "kind", where), "optimizer.kind");
   TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind, " state but this optimizer is ",
-              kind_name(config_.kind));
+              kind_name(config_.kind),
+              " (the state tensors of one kind mean something else to the other); resume with kind = ", kind,
+              ", or, to switch optimizers, load the params alone (plugin/training_checkpoint.h's ",
+              "load_checkpoint with no optimizer; from Python, ddp.load_state_dict of meshddp-consolidate's output) ",
+              "and start this optimizer afresh");
+  if (config_.kind == OptimizerKind::kMuon && saved.contains("muon_adamw_params")) {
+    const std::string saved_patterns = json_string(saved["muon_adamw_params"], "optimizer.muon_adamw_params");
+    TORCH_CHECK(saved_patterns == config_.muon_adamw_params, "checkpoint '", where,
+                "' was saved with muon_adamw_params = '", saved_patterns, "', but this optimizer has '",
+                config_.muon_adamw_params, "': a matrix moved between Muon and AdamW would take the other's state ",
+                "(Muon's momentum buffer as AdamW's exp_avg); load with muon_adamw_params = '", saved_patterns, "'");
+  }
 }
 
 std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_save) {

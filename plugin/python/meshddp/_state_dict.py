@@ -56,7 +56,7 @@ def _kinds(opt, dtype):
     """The state kinds of a param of `dtype` (as state_pieces() names them)."""
     config = opt.config
     kinds = [] if dtype == torch.float32 else ["master"]
-    if config.kind == "adamw":
+    if config.kind in ("adamw", "muon"):  # muon: a Muon matrix's momentum buffer is its "exp_avg"
         return kinds + ["exp_avg", "exp_avg_sq"]
     return kinds + (["momentum_buffer"] if config.momentum > 0 else [])
 
