@@ -129,6 +129,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
       if (adamw) continue;
       takes_muon[i] = true;
     }
+    check_muon_tp_pieces(takes_muon);
   }
 
   c10::NoGradGuard no_grad;
@@ -187,6 +188,26 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   fused_ = config_.kind != OptimizerKind::kMuon && fusable &&
            (config_.fused_step == FusedStep::kAlways ||
             (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
+}
+
+void DistributedOptimizer::check_muon_tp_pieces(const std::vector<bool>& takes_muon) const {
+  // update_muon all-gathers a TP-sharded matrix's pieces into the whole one, which needs the same
+  // piece shape on every TP rank; uneven pieces (a dim the TP size does not divide) would reach the
+  // all-gather with different sizes (Gloo aborts the process; NCCL reads past the smaller piece).
+  const SyncGroups& groups = buffer_->groups();
+  if (groups.tp_size <= 1 || !groups.tp) return;
+  std::vector<Setting> pieces;
+  const auto& params = buffer_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!takes_muon[i] || !buffer_->placement(static_cast<int64_t>(i)).is_shard()) continue;
+    const at::Tensor& p = params[i].param;
+    pieces.push_back({"Muon matrix '" + params[i].name + "' (this TP rank's piece)",
+                      std::to_string(p.size(0)) + " x " + std::to_string(p.size(1))});
+  }
+  verify_same_settings_across_ranks(*groups.tp, pieces, "DistributedOptimizer",
+                                    "the TP pieces of the Muon matrices (kind = muon gathers a TP-sharded matrix "
+                                    "whole, which needs equal pieces: choose a TP size that divides the sharded "
+                                    "dim, or keep the matrix on AdamW with muon_adamw_params)");
 }
 
 void DistributedOptimizer::check_group(int64_t group, const char* who) const {

@@ -190,6 +190,7 @@ class DistributedOptimizer {
   void update_sgd();
   void update_muon();
   MuonSettings muon_settings() const;
+  void check_muon_tp_pieces(const std::vector<bool>& takes_muon) const;  // collective over TP
   struct MuonMatrix {  // a matrix this rank owns whole and updates with Muon
     size_t bucket_shard;
     ShardSegment segment;

@@ -1,0 +1,39 @@
+"""Workers for test_muon_misuse.py: Muon (meshddp.DistributedOptimizer(kind="muon")) given models and
+settings it must refuse by name or handle."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import meshddp
+
+
+class UnevenTp(torch.nn.Module):
+    """`w` (rows x 32) sharded on dim 0 over TP with distribute_tensor: uneven pieces when TP does not
+    divide `rows` (63 over 2: 32 and 31 rows)."""
+
+    def __init__(self, tp_mesh, rows):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(rows, 32), tp_mesh, [Shard(0)]))
+        self.v = torch.nn.Parameter(torch.randn(4, rows))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w.full_tensor().T) @ self.v.T
+
+
+def uneven_tp_pieces(rank, world_size, rows, kind="muon", tp=2):
+    """Two steps at dp (world_size / tp) x tp: None, or the error text."""
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    ddp = meshddp.DistributedDataParallel(UnevenTp(mesh["tp"], rows), mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param"))
+    try:
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=0.02))
+    except RuntimeError as e:
+        return str(e)
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+    opt.finish_param_sync()
+    return None
