@@ -111,7 +111,8 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
 
   // Muon: which params take it (2-D, not kept on AdamW by muon_adamw_params); each must be whole in
   // one shard (the whole_param policy); TP-sharded ones are gathered over TP in update_muon().
-  std::vector<bool> takes_muon(params.size(), false);
+  std::vector<bool>& takes_muon = takes_muon_;
+  takes_muon.assign(params.size(), false);
   if (config_.kind == OptimizerKind::kMuon) {
     TORCH_CHECK(buffer_->config().shard_policy == kWholeParamShards,
                 "DistributedOptimizer: kind = muon orthogonalizes whole matrices, but the gradient buffer's ",
@@ -120,7 +121,9 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     std::vector<std::string> keep_adamw;
     std::stringstream list(config_.muon_adamw_params);
     for (std::string pattern; std::getline(list, pattern, ',');) {
-      if (!pattern.empty()) keep_adamw.push_back(pattern);
+      // "*embed*, *lm_head*": the space is the list's, not the pattern's (" *lm_head*" matched nothing).
+      const size_t first = pattern.find_first_not_of(" \t"), last = pattern.find_last_not_of(" \t");
+      if (first != std::string::npos) keep_adamw.push_back(pattern.substr(first, last - first + 1));
     }
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].param.dim() != 2) continue;
@@ -145,8 +148,19 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     grad32_.push_back(grad_shard.scalar_type() == at::kFloat ? grad_shard : at::zeros({shard.numel}, f32(grad_shard)));
     const int64_t states = num_state_tensors();
     state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
-    state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
+    // State 2 (AdamW's exp_avg_sq) is per shard for the fused kernels; under kMuon only the AdamW
+    // segments have one, packed in segment order (a Muon matrix has its momentum buffer only).
+    std::vector<int64_t>& offsets2 = state2_offsets_.emplace_back();
+    int64_t state2_numel = 0;
     for (const ShardSegment& seg : shard.segments) {
+      const bool packed = config_.kind == OptimizerKind::kMuon;
+      offsets2.push_back(packed && takes_muon[seg.param] ? -1 : packed ? state2_numel : seg.shard_offset);
+      if (packed && !takes_muon[seg.param]) state2_numel += seg.numel;
+    }
+    if (config_.kind != OptimizerKind::kMuon) state2_numel = shard.numel;
+    state2_.push_back(states >= 2 ? at::zeros({state2_numel}, f32(params)) : at::Tensor());
+    for (size_t si = 0; si < shard.segments.size(); ++si) {
+      const ShardSegment& seg = shard.segments[si];
       if (takes_muon[seg.param]) {
         const NamedParam& named = buffer_->params()[seg.param];
         const at::Tensor& p = named.param;
@@ -163,7 +177,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
       v.master.push_back(master_[b].narrow(0, seg.shard_offset, seg.numel));
       v.grad.push_back(grad32_[b].narrow(0, seg.shard_offset, seg.numel));
       if (states >= 1) v.state1.push_back(state1_[b].narrow(0, seg.shard_offset, seg.numel));
-      if (states >= 2) v.state2.push_back(state2_[b].narrow(0, seg.shard_offset, seg.numel));
+      if (states >= 2) v.state2.push_back(state2_[b].narrow(0, offsets2[si], seg.numel));
     }
   }
   params_version_seen_ = param_buffer_->params_version();
@@ -254,7 +268,7 @@ double DistributedOptimizer::group_weight_decay(int64_t group) const {
 }
 
 int64_t DistributedOptimizer::num_state_tensors() const {
-  // kMuon: the momentum buffer of a Muon matrix is state 1 (its state 2 stays unused).
+  // kMuon: the momentum buffer of a Muon matrix is state 1; state 2 is the AdamW params' only.
   if (config_.kind == OptimizerKind::kAdamW || config_.kind == OptimizerKind::kMuon) return 2;
   return config_.momentum > 0 ? 1 : 0;
 }
@@ -534,6 +548,14 @@ std::string DistributedOptimizer::nonfinite_report() {
     lines = std::move(all);
   }
   return "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n" + lines;
+}
+
+std::vector<std::string> DistributedOptimizer::muon_params() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < takes_muon_.size(); ++i) {
+    if (takes_muon_[i]) out.push_back(buffer_->params()[i].name);
+  }
+  return out;
 }
 
 MemoryReport DistributedOptimizer::memory() const {

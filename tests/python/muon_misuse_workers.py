@@ -37,3 +37,34 @@ def uneven_tp_pieces(rank, world_size, rows, kind="muon", tp=2):
         opt.step()
     opt.finish_param_sync()
     return None
+
+
+class Gpt2Names(torch.nn.Module):
+    """GPT-2's names: the token embedding "wte" and the head "lm_head" (default muon_adamw_params
+    catch the head by name, not the embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 32)
+        self.fc = torch.nn.Linear(32, 32)
+        self.lm_head = torch.nn.Linear(32, 16)
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.fc(self.wte(idx))))
+
+
+def muon_params_and_warnings(rank, world_size, muon_adamw_params):
+    """The params Muon takes, the warnings the optimizer raised, and memory(), on Gpt2Names."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = Gpt2Names()
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon", muon_adamw_params=muon_adamw_params))
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught if "Muon" in str(w.message)],
+            "memory": opt.memory(), "numel": numel}

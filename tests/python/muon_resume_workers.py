@@ -78,9 +78,12 @@ def save_after(rank, world_size, tp, steps, save_dir, dcp_dir=None, **settings):
     ddp, opt, me, dp = build(world_size, tp, **settings)
     train(ddp, opt, me, dp, 0, steps)
     opt.save_checkpoint(save_dir)
+    out = full_params(ddp)
     if dcp_dir is not None:
-        dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=dcp_dir)
-    return full_params(ddp)
+        sd = opt.state_dict()
+        out["state kinds"] = {name: sorted(kinds) for name, kinds in sd["state"].items()}
+        dcp.save({"model": ddp.state_dict(), "optim": sd}, checkpoint_id=dcp_dir)
+    return out
 
 
 def resume_from_dcp(rank, world_size, tp, first, last, dcp_dir, resave_dir):

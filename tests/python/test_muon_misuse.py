@@ -14,3 +14,33 @@ def test_uneven_tp_pieces_of_a_muon_matrix_are_refused_naming_the_param_and_each
     # Even pieces (64 rows), and uneven ones under AdamW (elementwise: no gather), train.
     assert run_once(2, "muon_misuse_workers.uneven_tp_pieces", rows=64) == [None, None]
     assert run_once(2, "muon_misuse_workers.uneven_tp_pieces", rows=63, kind="adamw") == [None, None]
+
+
+def test_spaces_around_muon_adamw_params_patterns_are_the_lists_not_the_patterns():
+    # " *lm_head*" (after ", ") matched no param, and the LM head went to Muon without a word.
+    r = run_once(1, "muon_misuse_workers.muon_params_and_warnings", muon_adamw_params=" wte* , *lm_head* ")[0]
+    assert r["muon"] == ["fc.weight"], r["muon"]
+
+
+def test_an_embedding_that_muon_would_take_is_warned_of_naming_it_and_the_fix():
+    r = run_once(1, "muon_misuse_workers.muon_params_and_warnings", muon_adamw_params="*embed*,*lm_head*")[0]
+    assert r["muon"] == ["wte.weight", "fc.weight"], r["muon"]
+    assert len(r["warnings"]) == 1 and "'wte.weight'" in r["warnings"][0], r["warnings"]
+    assert "muon_adamw_params='*embed*,*lm_head*,wte.weight'" in r["warnings"][0], r["warnings"][0]
+    fixed = run_once(1, "muon_misuse_workers.muon_params_and_warnings", muon_adamw_params="*embed*,*lm_head*,wte*")[0]
+    assert fixed["muon"] == ["fc.weight"] and fixed["warnings"] == [], fixed
+
+
+def test_muon_matrices_hold_one_state_tensor_and_the_adamw_params_two():
+    # Per rank: the momentum buffer over the whole shard (state 1, padding included, as the other
+    # kinds), AdamW's exp_avg_sq over the AdamW params' elements only (was: over the whole shard too).
+    for world_size in (1, 2):
+        for rank, r in enumerate(run_once(world_size, "muon_misuse_workers.muon_params_and_warnings",
+                                          muon_adamw_params="wte*,lm_head*")):
+            shard_bytes = r["memory"]["param_buffer_bytes"] // world_size
+            adamw_elements = sum(n for name, n in r["numel"].items() if name not in r["muon"])
+            # Every AdamW param is in some rank's shard: this rank's share is at most all of them.
+            assert shard_bytes <= r["memory"]["optimizer_state_bytes"] <= shard_bytes + 4 * adamw_elements, (
+                f"dp {world_size} rank {rank}: {r['memory']} (AdamW elements {adamw_elements})")
+            if world_size == 1:
+                assert r["memory"]["optimizer_state_bytes"] == shard_bytes + 4 * adamw_elements, r["memory"]

@@ -37,13 +37,15 @@ def test_muon_checkpoint_saved_at_dp2_x_tp2_resumes_at_another_tp_size_on_the_un
     results = run_once(world_size, "muon_resume_workers.muon_tp_resumable", tp=tp, first=3, last=5,
                        load_dir=str(root / "saved"), resave_dir=str(resaved))
     # The state as the new mesh holds it, saved again: every tensor (params, Muon momentum buffers
-    # under "optim/exp_avg/", AdamW moments) equal bit for bit to the saved one.
+    # under "optim/momentum_buffer/", AdamW moments) equal bit for bit to the saved one.
     before, after = checkpoint_tensors(str(root / "saved")), checkpoint_tensors(str(resaved))
     assert sorted(before) == sorted(after), (sorted(before), sorted(after))
-    assert any(k.startswith("optim/exp_avg/fc1") for k in before), sorted(before)
+    for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
+        assert f"optim/momentum_buffer/{name}" in before and f"optim/exp_avg_sq/{name}" not in before, sorted(before)
+    assert "optim/exp_avg_sq/embed.weight" in before and "optim/exp_avg_sq/fc1.bias" in before, sorted(before)
     for key in before:
         assert before[key].equal(after[key]), f"dp {world_size // tp} x tp {tp}: '{key}' changed through the load"
-    assert before["optim/exp_avg/fc2.weight"].abs().max() > 0, "a vacuous test: no Muon momentum was saved"
+    assert before["optim/momentum_buffer/fc2.weight"].abs().max() > 0, "a vacuous test: no Muon momentum was saved"
     for rank, resumed in enumerate(results):
         diff = max((uninterrupted[n] - resumed[n]).abs().max().item() for n in uninterrupted)
         assert diff <= RESUME_TOL, (f"rank {rank}: resumed at dp {world_size // tp} x tp {tp}, the params differ "
@@ -58,10 +60,13 @@ def assert_same_tensors(before_dir, after_dir, what):
 
 
 def test_muon_state_dict_through_dcp_resumes_at_another_dp_size(saved, tmp_path):
-    # opt.state_dict() under Muon: each matrix's momentum buffer is its "exp_avg" ShardedTensor.
+    # opt.state_dict() under Muon: each matrix's "momentum_buffer" (torch.optim.Muon's name), AdamW's
+    # two moments for the rest.
     _, uninterrupted = saved
-    run_once(2, "muon_resume_workers.save_after", tp=1, steps=3, save_dir=str(tmp_path / "native"),
-             dcp_dir=str(tmp_path / "dcp"))
+    kinds = run_once(2, "muon_resume_workers.save_after", tp=1, steps=3, save_dir=str(tmp_path / "native"),
+                     dcp_dir=str(tmp_path / "dcp"))[0]["state kinds"]
+    assert kinds["fc1.weight"] == ["momentum_buffer"] and kinds["fc3.weight"] == ["momentum_buffer"], kinds
+    assert kinds["embed.weight"] == ["exp_avg", "exp_avg_sq"] and kinds["fc1.bias"] == ["exp_avg", "exp_avg_sq"], kinds
     results = run_once(4, "muon_resume_workers.resume_from_dcp", tp=1, first=3, last=5, dcp_dir=str(tmp_path / "dcp"),
                        resave_dir=str(tmp_path / "resaved"))
     assert_same_tensors(str(tmp_path / "native"), str(tmp_path / "resaved"), "saved at dp 2 by DCP, loaded at dp 4")
