@@ -204,26 +204,6 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
             (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
 }
 
-void DistributedOptimizer::check_muon_tp_pieces(const std::vector<bool>& takes_muon) const {
-  // update_muon all-gathers a TP-sharded matrix's pieces into the whole one, which needs the same
-  // piece shape on every TP rank; uneven pieces (a dim the TP size does not divide) would reach the
-  // all-gather with different sizes (Gloo aborts the process; NCCL reads past the smaller piece).
-  const SyncGroups& groups = buffer_->groups();
-  if (groups.tp_size <= 1 || !groups.tp) return;
-  std::vector<Setting> pieces;
-  const auto& params = buffer_->params();
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!takes_muon[i] || !buffer_->placement(static_cast<int64_t>(i)).is_shard()) continue;
-    const at::Tensor& p = params[i].param;
-    pieces.push_back({"Muon matrix '" + params[i].name + "' (this TP rank's piece)",
-                      std::to_string(p.size(0)) + " x " + std::to_string(p.size(1))});
-  }
-  verify_same_settings_across_ranks(*groups.tp, pieces, "DistributedOptimizer",
-                                    "the TP pieces of the Muon matrices (kind = muon gathers a TP-sharded matrix "
-                                    "whole, which needs equal pieces: choose a TP size that divides the sharded "
-                                    "dim, or keep the matrix on AdamW with muon_adamw_params)");
-}
-
 void DistributedOptimizer::check_group(int64_t group, const char* who) const {
   TORCH_CHECK(group >= 0 && group < num_groups(), "DistributedOptimizer::", who, ": group ", group,
               " does not exist; there are ", num_groups(), " (0 = the default, then one per ParamGroupRule)");
@@ -387,44 +367,6 @@ void DistributedOptimizer::update_adamw() {
     at::_foreach_div_(denom, std::sqrt(bias_correction2));
     at::_foreach_add_(denom, config_.eps);
     at::_foreach_addcdiv_(v.master, v.state1, denom, -lr / bias_correction1);
-  }
-}
-
-MuonSettings DistributedOptimizer::muon_settings() const {
-  return {config_.muon_momentum, config_.muon_nesterov, config_.muon_ns_steps,    config_.muon_ns_coefficients,
-          config_.muon_ns_dtype, config_.muon_scale,    config_.muon_extra_scale, config_.muon_eps};
-}
-
-void DistributedOptimizer::update_muon() {
-  const MuonSettings settings = muon_settings();
-  for (const MuonMatrix& m : muon_) {
-    auto matrix = [&](const at::Tensor& flat) {
-      return flat.narrow(0, m.segment.shard_offset, m.segment.numel).view({m.rows, m.cols});
-    };
-    const Group& g = groups_[group_of_[m.segment.param]];
-    if (m.tp_dim < 0) {
-      muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
-                g.weight_decay, settings);
-      continue;
-    }
-    // TP-sharded: the TP pieces of the update gathered into the whole matrix, orthogonalized, and this
-    // rank's piece taken back; the scale rule sees the whole shape.
-    c10d::ProcessGroup& tp = *buffer_->groups().tp;
-    const int64_t tp_size = tp.getSize(), tp_rank = tp.getRank();
-    const std::string what = "the TP pieces of Muon matrix '" + buffer_->params()[m.segment.param].name + "'";
-    auto orthogonalize = [&](const at::Tensor& update) {
-      const at::Tensor local = update.contiguous();
-      at::Tensor pieces = at::empty({tp_size * local.numel()}, local.options());
-      wait_collective(all_gather_into(tp, pieces, local.view({-1}), what), tp, what);
-      pieces = pieces.view({tp_size, m.rows, m.cols});
-      const at::Tensor whole = m.tp_dim == 0 ? pieces.reshape({tp_size * m.rows, m.cols})
-                                             : pieces.permute({1, 0, 2}).reshape({m.rows, tp_size * m.cols});
-      const int64_t piece = m.tp_dim == 0 ? m.rows : m.cols;
-      return newton_schulz(whole, settings).narrow(m.tp_dim, tp_rank * piece, piece);
-    };
-    muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
-              g.weight_decay, settings, orthogonalize, m.tp_dim == 0 ? tp_size * m.rows : m.rows,
-              m.tp_dim == 1 ? tp_size * m.cols : m.cols);
   }
 }
 
