@@ -68,3 +68,16 @@ def muon_params_and_warnings(rank, world_size, muon_adamw_params):
     numel = {n: p.numel() for n, p in model.named_parameters()}
     return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught if "Muon" in str(w.message)],
             "memory": opt.memory(), "numel": numel}
+
+
+def ranks_with_other_muon_settings(rank, world_size, field, values):
+    """Rank r builds its optimizer with `field` = values[r]: the error text, or None."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    ddp = meshddp.DistributedDataParallel(Gpt2Names(), mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param"))
+    try:
+        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon", **{field: values[rank]}))
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -44,3 +44,13 @@ def test_muon_matrices_hold_one_state_tensor_and_the_adamw_params_two():
                 f"dp {world_size} rank {rank}: {r['memory']} (AdamW elements {adamw_elements})")
             if world_size == 1:
                 assert r["memory"]["optimizer_state_bytes"] == shard_bytes + 4 * adamw_elements, r["memory"]
+
+
+def test_ranks_with_different_muon_settings_are_refused_on_every_rank_naming_the_field_and_values():
+    cases = {"muon_ns_steps": (5, 4), "muon_scale": ("original", "spectral"),
+             "muon_adamw_params": ("*embed*,*lm_head*", "wte*,lm_head*")}
+    for field, values in cases.items():
+        for rank, message in enumerate(run_once(2, "muon_misuse_workers.ranks_with_other_muon_settings", field=field,
+                                                values=values)):
+            assert message is not None, f"rank {rank}: {field} = {values} accepted"
+            assert f"'{field}' is rank 0: " in message and f"{values[1]}" in message, message
