@@ -81,3 +81,25 @@ def ranks_with_other_muon_settings(rank, world_size, field, values):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def instances_with_clipping(rank, world_size, kind):
+    """dp 4 (a 1-D mesh) in 2 optimizer instances, clip_grad_norm below the norm: this rank's grad
+    norms, clip flags and final params."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = Gpt2Names()
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param", num_distributed_optimizer_instances=2))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=0.02, clip_grad_norm=0.05))
+    norms, clipped = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 16, (world_size, 3), generator=g)
+        ddp.zero_grad_buffer()
+        ddp(idx[rank:rank + 1]).square().mean().backward()
+        r = opt.step()
+        norms.append(r.grad_norm)
+        clipped.append(r.clipped)
+    opt.finish_param_sync()
+    return {"norms": norms, "clipped": clipped, "params": [p.detach().clone() for p in model.parameters()]}

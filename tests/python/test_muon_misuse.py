@@ -1,6 +1,7 @@
 """Muon and whole-param ownership misused: each refused by name (param, rank, expected vs actual, the
 way out) before any collective could hang or abort, or handled. Workers: muon_misuse_workers.py."""
 
+import pytest
 from multiprocess import run_once
 
 
@@ -54,3 +55,15 @@ def test_ranks_with_different_muon_settings_are_refused_on_every_rank_naming_the
                                                 values=values)):
             assert message is not None, f"rank {rank}: {field} = {values} accepted"
             assert f"'{field}' is rank 0: " in message and f"{values[1]}" in message, message
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_two_optimizer_instances_on_a_1d_mesh_clip_alike_and_stay_replicas(kind):
+    # The gradient norm was summed within each instance of a 1-D mesh only: instance 0's ranks saw
+    # the whole norm and clipped, instance 1's saw 0 and did not, and the replicas drifted apart.
+    results = run_once(4, "muon_misuse_workers.instances_with_clipping", kind=kind)
+    for rank, r in enumerate(results):
+        assert r["norms"] == results[0]["norms"], f"rank {rank}: grad norms {r['norms']} vs rank 0's {results[0]['norms']}"
+        assert r["clipped"] == [True, True, True], f"rank {rank}: clipped {r['clipped']}"
+        for a, b in zip(r["params"], results[0]["params"]):
+            assert a.equal(b), f"rank {rank}'s params differ from rank 0's by {(a - b).abs().max().item()}"
