@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <variant>
 
@@ -14,11 +15,14 @@ namespace meshddp {
 using CheckpointValue = std::variant<int64_t, double, std::string>;
 using CheckpointValues = std::map<std::string, CheckpointValue>;
 
-// The optimizer a checkpoint was saved with: the manifest's "optimizer" {"kind", "step"} (absent,
-// i.e. JSON null, for a checkpoint saved without an optimizer).
+// The optimizer a checkpoint was saved with: the manifest's "optimizer" {"kind", "step"[,
+// "muon_adamw_params"]} (absent, i.e. JSON null, for a checkpoint saved without an optimizer).
 struct CheckpointOptimizer {
   std::string kind;  // "adamw", "sgd" or "muon"
   int64_t step = 0;  // the optimizer's step count at the save, >= 0
+  // Muon: the patterns of the 2-D params that stepped with AdamW (they decide what each matrix's
+  // state means); absent for other kinds and in the first Muon format.
+  std::optional<std::string> muon_adamw_params;
 };
 
 }  // namespace meshddp

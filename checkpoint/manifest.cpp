@@ -123,6 +123,10 @@ std::optional<CheckpointOptimizer> parse_optimizer(const Json& json, const Manif
   if (optimizer.kind != "adamw" && optimizer.kind != "sgd" && optimizer.kind != "muon")
     check.fail("optimizer.kind", "is '" + optimizer.kind + "'; expected 'adamw', 'sgd' or 'muon'");
   optimizer.step = check.integer(check.member(json, "optimizer", "step"), "optimizer.step", 0, INT64_MAX);
+  if (json.contains("muon_adamw_params")) {
+    optimizer.muon_adamw_params =
+        check.string(check.member(json, "optimizer", "muon_adamw_params"), "optimizer.muon_adamw_params");
+  }
   return optimizer;
 }
 
@@ -224,7 +228,9 @@ uint32_t piece_checksum(uint32_t data_crc, const std::string& save_id, const std
 
 Json optimizer_json(const std::optional<CheckpointOptimizer>& optimizer) {
   if (!optimizer) return nullptr;
-  return {{"kind", optimizer->kind}, {"step", optimizer->step}};
+  Json json = {{"kind", optimizer->kind}, {"step", optimizer->step}};
+  if (optimizer->muon_adamw_params) json["muon_adamw_params"] = *optimizer->muon_adamw_params;
+  return json;
 }
 
 std::string manifest_text(const Json& manifest) {

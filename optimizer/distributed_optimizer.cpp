@@ -111,7 +111,8 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
 
   // Muon: which params take it (2-D, not kept on AdamW by muon_adamw_params); each must be whole in
   // one shard (the whole_param policy); TP-sharded ones are gathered over TP in update_muon().
-  std::vector<bool> takes_muon(params.size(), false);
+  std::vector<bool>& takes_muon = takes_muon_;
+  takes_muon.assign(params.size(), false);
   if (config_.kind == OptimizerKind::kMuon) {
     TORCH_CHECK(buffer_->config().shard_policy == kWholeParamShards,
                 "DistributedOptimizer: kind = muon orthogonalizes whole matrices, but the gradient buffer's ",
@@ -120,7 +121,9 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     std::vector<std::string> keep_adamw;
     std::stringstream list(config_.muon_adamw_params);
     for (std::string pattern; std::getline(list, pattern, ',');) {
-      if (!pattern.empty()) keep_adamw.push_back(pattern);
+      // "*embed*, *lm_head*": the space is the list's, not the pattern's (" *lm_head*" matched nothing).
+      const size_t first = pattern.find_first_not_of(" \t"), last = pattern.find_last_not_of(" \t");
+      if (first != std::string::npos) keep_adamw.push_back(pattern.substr(first, last - first + 1));
     }
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].param.dim() != 2) continue;
@@ -129,6 +132,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
       if (adamw) continue;
       takes_muon[i] = true;
     }
+    check_muon_tp_pieces(takes_muon);
   }
 
   c10::NoGradGuard no_grad;
@@ -144,8 +148,19 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     grad32_.push_back(grad_shard.scalar_type() == at::kFloat ? grad_shard : at::zeros({shard.numel}, f32(grad_shard)));
     const int64_t states = num_state_tensors();
     state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
-    state2_.push_back(states >= 2 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
+    // State 2 (AdamW's exp_avg_sq) is per shard for the fused kernels; under kMuon only the AdamW
+    // segments have one, packed in segment order (a Muon matrix has its momentum buffer only).
+    std::vector<int64_t>& offsets2 = state2_offsets_.emplace_back();
+    int64_t state2_numel = 0;
     for (const ShardSegment& seg : shard.segments) {
+      const bool packed = config_.kind == OptimizerKind::kMuon;
+      offsets2.push_back(packed && takes_muon[seg.param] ? -1 : packed ? state2_numel : seg.shard_offset);
+      if (packed && !takes_muon[seg.param]) state2_numel += seg.numel;
+    }
+    if (config_.kind != OptimizerKind::kMuon) state2_numel = shard.numel;
+    state2_.push_back(states >= 2 ? at::zeros({state2_numel}, f32(params)) : at::Tensor());
+    for (size_t si = 0; si < shard.segments.size(); ++si) {
+      const ShardSegment& seg = shard.segments[si];
       if (takes_muon[seg.param]) {
         const NamedParam& named = buffer_->params()[seg.param];
         const at::Tensor& p = named.param;
@@ -162,7 +177,7 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
       v.master.push_back(master_[b].narrow(0, seg.shard_offset, seg.numel));
       v.grad.push_back(grad32_[b].narrow(0, seg.shard_offset, seg.numel));
       if (states >= 1) v.state1.push_back(state1_[b].narrow(0, seg.shard_offset, seg.numel));
-      if (states >= 2) v.state2.push_back(state2_[b].narrow(0, seg.shard_offset, seg.numel));
+      if (states >= 2) v.state2.push_back(state2_[b].narrow(0, offsets2[si], seg.numel));
     }
   }
   params_version_seen_ = param_buffer_->params_version();
@@ -233,7 +248,7 @@ double DistributedOptimizer::group_weight_decay(int64_t group) const {
 }
 
 int64_t DistributedOptimizer::num_state_tensors() const {
-  // kMuon: the momentum buffer of a Muon matrix is state 1 (its state 2 stays unused).
+  // kMuon: the momentum buffer of a Muon matrix is state 1; state 2 is the AdamW params' only.
   if (config_.kind == OptimizerKind::kAdamW || config_.kind == OptimizerKind::kMuon) return 2;
   return config_.momentum > 0 ? 1 : 0;
 }
@@ -352,44 +367,6 @@ void DistributedOptimizer::update_adamw() {
     at::_foreach_div_(denom, std::sqrt(bias_correction2));
     at::_foreach_add_(denom, config_.eps);
     at::_foreach_addcdiv_(v.master, v.state1, denom, -lr / bias_correction1);
-  }
-}
-
-MuonSettings DistributedOptimizer::muon_settings() const {
-  return {config_.muon_momentum, config_.muon_nesterov, config_.muon_ns_steps,    config_.muon_ns_coefficients,
-          config_.muon_ns_dtype, config_.muon_scale,    config_.muon_extra_scale, config_.muon_eps};
-}
-
-void DistributedOptimizer::update_muon() {
-  const MuonSettings settings = muon_settings();
-  for (const MuonMatrix& m : muon_) {
-    auto matrix = [&](const at::Tensor& flat) {
-      return flat.narrow(0, m.segment.shard_offset, m.segment.numel).view({m.rows, m.cols});
-    };
-    const Group& g = groups_[group_of_[m.segment.param]];
-    if (m.tp_dim < 0) {
-      muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
-                g.weight_decay, settings);
-      continue;
-    }
-    // TP-sharded: the TP pieces of the update gathered into the whole matrix, orthogonalized, and this
-    // rank's piece taken back; the scale rule sees the whole shape.
-    c10d::ProcessGroup& tp = *buffer_->groups().tp;
-    const int64_t tp_size = tp.getSize(), tp_rank = tp.getRank();
-    const std::string what = "the TP pieces of Muon matrix '" + buffer_->params()[m.segment.param].name + "'";
-    auto orthogonalize = [&](const at::Tensor& update) {
-      const at::Tensor local = update.contiguous();
-      at::Tensor pieces = at::empty({tp_size * local.numel()}, local.options());
-      wait_collective(all_gather_into(tp, pieces, local.view({-1}), what), tp, what);
-      pieces = pieces.view({tp_size, m.rows, m.cols});
-      const at::Tensor whole = m.tp_dim == 0 ? pieces.reshape({tp_size * m.rows, m.cols})
-                                             : pieces.permute({1, 0, 2}).reshape({m.rows, tp_size * m.cols});
-      const int64_t piece = m.tp_dim == 0 ? m.rows : m.cols;
-      return newton_schulz(whole, settings).narrow(m.tp_dim, tp_rank * piece, piece);
-    };
-    muon_step(matrix(master_[m.bucket_shard]), matrix(grad32_[m.bucket_shard]), matrix(state1_[m.bucket_shard]), g.lr,
-              g.weight_decay, settings, orthogonalize, m.tp_dim == 0 ? tp_size * m.rows : m.rows,
-              m.tp_dim == 1 ? tp_size * m.cols : m.cols);
   }
 }
 
@@ -513,6 +490,14 @@ std::string DistributedOptimizer::nonfinite_report() {
     lines = std::move(all);
   }
   return "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n" + lines;
+}
+
+std::vector<std::string> DistributedOptimizer::muon_params() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < takes_muon_.size(); ++i) {
+    if (takes_muon_[i]) out.push_back(buffer_->params()[i].name);
+  }
+  return out;
 }
 
 MemoryReport DistributedOptimizer::memory() const {

@@ -129,6 +129,9 @@ class DistributedOptimizer {
 
   int64_t steps_taken() const { return step_; }
   MemoryReport memory() const;
+  // kMuon: the names of the params Muon updates (2-D, matching none of muon_adamw_params), on every
+  // DP rank, owned or not; empty for the other kinds.
+  std::vector<std::string> muon_params() const;
   const std::vector<BucketShard>& shards() const { return shards_; }
   const DistributedOptimizerConfig& config() const { return config_; }
   // Learning rate of param `index` (after group rules), e.g. for checks.
@@ -190,6 +193,7 @@ class DistributedOptimizer {
   void update_sgd();
   void update_muon();
   MuonSettings muon_settings() const;
+  void check_muon_tp_pieces(const std::vector<bool>& takes_muon) const;  // collective over TP
   struct MuonMatrix {  // a matrix this rank owns whole and updates with Muon
     size_t bucket_shard;
     ShardSegment segment;
@@ -212,6 +216,9 @@ class DistributedOptimizer {
   std::vector<at::Tensor> master_;  // per bucket shard, fp32
   std::vector<at::Tensor> grad32_;  // per bucket shard, fp32 view or scratch
   std::vector<at::Tensor> state1_, state2_;
+  std::vector<std::vector<int64_t>> state2_offsets_;  // per bucket shard, per segment: its offset in state2_
+                                                      // (-1: none, a Muon matrix)
+  std::vector<bool> takes_muon_;                      // per param: kMuon updates it with Muon
   std::vector<bool> master_is_param_view_;
   bool fused_ = false;               // config.fused_step resolved for these shards' device and dtypes
   std::vector<SegmentViews> views_;  // per group

@@ -6,7 +6,8 @@
 // for every segment of its shards; it writes exactly those elements of "model/<p>" (the param, in
 // its dtype), "optim/master/<p>" (fp32, only for bf16/fp16 params: for fp32 ones the param is the
 // master) and the state ("optim/exp_avg/<p>", "optim/exp_avg_sq/<p>" for AdamW,
-// "optim/momentum_buffer/<p>" for SGD with momentum). Replicated params are written by TP rank 0's
+// "optim/momentum_buffer/<p>" for SGD with momentum and for the Muon matrices of kind muon, whose
+// other params have AdamW's two). Replicated params are written by TP rank 0's
 // DP group only, and with K optimizer instances (num_distributed_optimizer_instances) each dense shard,
 // held by one rank of every instance, by instance 0's rank only: every element is in exactly one
 // file. Expert params are sharded over their expert-data-parallel group (GradBuffer::bucket_reduction;
@@ -28,7 +29,8 @@ namespace {
 
 std::string kind_name(OptimizerKind kind) { return field_text(kind); }
 
-// kMuon: a Muon matrix's momentum buffer is stored as its "exp_avg" (its "exp_avg_sq" stays zero).
+// kMuon: a Muon matrix has one state, stored as "momentum_buffer" (torch.optim.Muon's name); the
+// AdamW params have "exp_avg" and "exp_avg_sq".
 std::vector<std::string> state_names(OptimizerKind kind, int64_t states) {
   if (kind == OptimizerKind::kAdamW || kind == OptimizerKind::kMuon) return {"exp_avg", "exp_avg_sq"};
   return states > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
@@ -41,8 +43,12 @@ CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
   return {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
 }
 
+// kMuon also records muon_adamw_params: which 2-D params took Muon decides what their "exp_avg" holds
+// (Muon's momentum_buffer, or AdamW's exp_avg and exp_avg_sq), so a load must choose them alike.
 CheckpointOptimizer DistributedOptimizer::checkpoint_info() const {
-  return CheckpointOptimizer{kind_name(config_.kind), step_};
+  CheckpointOptimizer info{kind_name(config_.kind), step_, std::nullopt};
+  if (config_.kind == OptimizerKind::kMuon) info.muon_adamw_params = config_.muon_adamw_params;
+  return info;
 }
 
 void DistributedOptimizer::check_checkpoint_info(const std::optional<CheckpointOptimizer>& saved,
@@ -52,7 +58,23 @@ void DistributedOptimizer::check_checkpoint_info(const std::optional<CheckpointO
       "load it with plugin/training_checkpoint.h's load_checkpoint and no optimizer, or start the optimizer afresh");
   const std::string& kind = saved->kind;
   TORCH_CHECK(kind == kind_name(config_.kind), "checkpoint '", where, "' holds ", kind, " state but this optimizer is ",
-              kind_name(config_.kind));
+              kind_name(config_.kind),
+              " (the state tensors of one kind mean something else to the other); resume with kind = ", kind,
+              ", or, to switch optimizers, load the params alone (plugin/training_checkpoint.h's ",
+              "load_checkpoint with no optimizer; from Python, ddp.load_state_dict of meshddp-consolidate's output) ",
+              "and start this optimizer afresh");
+  TORCH_CHECK(config_.kind != OptimizerKind::kMuon || saved->muon_adamw_params.has_value(), "checkpoint '", where,
+              "' holds Muon state in the first Muon format (each matrix's momentum buffer under 'optim/exp_avg/', ",
+              "without the muon_adamw_params it was saved with), which this version does not read; resume it with ",
+              "the version that saved it, or load the params alone and start this optimizer afresh");
+  if (config_.kind == OptimizerKind::kMuon) {
+    const std::string& saved_patterns = *saved->muon_adamw_params;
+    TORCH_CHECK(saved_patterns == config_.muon_adamw_params, "checkpoint '", where,
+                "' was saved with muon_adamw_params = '", saved_patterns, "', but this optimizer has '",
+                config_.muon_adamw_params, "': a matrix moved between Muon and AdamW would take the other's state ",
+                "(Muon's momentum_buffer for AdamW's exp_avg and exp_avg_sq); load with muon_adamw_params = '",
+                saved_patterns, "'");
+  }
 }
 
 std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_save) {
@@ -62,7 +84,8 @@ std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_
   const std::vector<std::string> names = state_names(config_.kind, num_state_tensors());
   std::vector<CheckpointTensor> out;
   for (size_t b = 0; b < shards_.size(); ++b) {
-    for (const ShardSegment& seg : shards_[b].segments) {
+    for (size_t si = 0; si < shards_[b].segments.size(); ++si) {
+      const ShardSegment& seg = shards_[b].segments[si];
       const NamedParam& p = params[seg.param];
       const Placement& placement = buffer_->placement(seg.param);
       if (for_save && !placement.is_shard() && tp_rank != 0) continue;
@@ -72,14 +95,18 @@ std::vector<CheckpointTensor> DistributedOptimizer::checkpoint_tensors(bool for_
         continue;
       const std::vector<int64_t> global = global_shape_of(p.param, placement);
       const TpSlice slice = tp_slice_of(placement);
-      auto piece = [&](const std::string& key, const at::Tensor& source, bool optional) {
-        out.push_back({key, source.narrow(0, seg.shard_offset, seg.numel), global, slice, seg.param_offset,
+      auto piece = [&](const std::string& key, const at::Tensor& source, bool optional, int64_t offset) {
+        out.push_back({key, source.narrow(0, offset, seg.numel), global, slice, seg.param_offset,
                        seg.param_offset + seg.numel, optional});
       };
-      piece("model/" + p.name, param_shard(b), false);
-      if (!master_is_param_view_[b]) piece("optim/master/" + p.name, master_[b], /*optional=*/true);
-      if (names.size() >= 1) piece("optim/" + names[0] + "/" + p.name, state1_[b], false);
-      if (names.size() >= 2) piece("optim/" + names[1] + "/" + p.name, state2_[b], false);
+      piece("model/" + p.name, param_shard(b), false, seg.shard_offset);
+      if (!master_is_param_view_[b]) piece("optim/master/" + p.name, master_[b], /*optional=*/true, seg.shard_offset);
+      if (takes_muon_[seg.param]) {
+        piece("optim/momentum_buffer/" + p.name, state1_[b], false, seg.shard_offset);
+        continue;
+      }
+      if (names.size() >= 1) piece("optim/" + names[0] + "/" + p.name, state1_[b], false, seg.shard_offset);
+      if (names.size() >= 2) piece("optim/" + names[1] + "/" + p.name, state2_[b], false, state2_offsets_[b][si]);
     }
   }
   return out;

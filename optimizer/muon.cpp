@@ -49,14 +49,21 @@ double muon_lr_scale(const MuonSettings& s, int64_t rows, int64_t cols) {
   TORCH_INTERNAL_ASSERT(false, "a MuonScale without a rule");
 }
 
-void muon_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& momentum_buffer, double lr,
-               double weight_decay, const MuonSettings& s, const Orthogonalize& orthogonalize, int64_t rows,
-               int64_t cols) {
+at::Tensor muon_momentum(const at::Tensor& grad, const at::Tensor& momentum_buffer, const MuonSettings& s) {
   momentum_buffer.lerp_(grad, 1 - s.momentum);
-  const at::Tensor update = s.nesterov ? grad.lerp(momentum_buffer, s.momentum) : momentum_buffer;
-  const at::Tensor ortho = orthogonalize ? orthogonalize(update) : newton_schulz(update, s);
+  return s.nesterov ? grad.lerp(momentum_buffer, s.momentum) : momentum_buffer;
+}
+
+void muon_apply(const at::Tensor& master, const at::Tensor& ortho, double lr, double weight_decay,
+                const MuonSettings& s, int64_t rows, int64_t cols) {
   master.mul_(1 - lr * weight_decay);
-  master.add_(ortho, -lr * muon_lr_scale(s, rows >= 0 ? rows : master.size(0), cols >= 0 ? cols : master.size(1)));
+  master.add_(ortho, -lr * muon_lr_scale(s, rows, cols));
+}
+
+void muon_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& momentum_buffer, double lr,
+               double weight_decay, const MuonSettings& s) {
+  const at::Tensor ortho = newton_schulz(muon_momentum(grad, momentum_buffer, s), s);
+  muon_apply(master, ortho, lr, weight_decay, s, master.size(0), master.size(1));
 }
 
 }  // namespace meshddp

@@ -19,7 +19,6 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 namespace meshddp {
@@ -48,13 +47,19 @@ at::Tensor newton_schulz(const at::Tensor& update, const MuonSettings& s);
 // The factor on lr for an m x n matrix.
 double muon_lr_scale(const MuonSettings& s, int64_t rows, int64_t cols);
 
-// One step on one matrix: `master` (fp32, rows x cols), `grad` (fp32, same shape), `momentum_buffer`
-// (fp32, same shape) are updated in place. `orthogonalize` maps the local update to its orthogonalized
-// counterpart (default: newton_schulz on it; a TP-sharded matrix gathers the whole one first), and
-// `rows` x `cols` is the whole matrix's shape for the scale rule (default: master's).
-using Orthogonalize = std::function<at::Tensor(const at::Tensor& update)>;
+// The first steps of Note [Muon arithmetic]: `momentum_buffer` (fp32) updated in place from `grad`;
+// returns the update u to orthogonalize.
+at::Tensor muon_momentum(const at::Tensor& grad, const at::Tensor& momentum_buffer, const MuonSettings& s);
+
+// The last step: decoupled weight decay on `master` (fp32, in place), then the orthogonalized update
+// `ortho` (master's shape) scaled by lr and the scale rule of the whole matrix's `rows` x `cols`.
+void muon_apply(const at::Tensor& master, const at::Tensor& ortho, double lr, double weight_decay,
+                const MuonSettings& s, int64_t rows, int64_t cols);
+
+// One step on one whole matrix: `master`, `grad`, `momentum_buffer` (fp32, the same shape); the
+// master and the buffer are updated in place. (A TP-sharded matrix: the DistributedOptimizer runs
+// the three parts with a TP all-gather between the first two.)
 void muon_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& momentum_buffer, double lr,
-               double weight_decay, const MuonSettings& s, const Orthogonalize& orthogonalize = {}, int64_t rows = -1,
-               int64_t cols = -1);
+               double weight_decay, const MuonSettings& s);
 
 }  // namespace meshddp

@@ -150,7 +150,7 @@ TrainingStatePieces pieces_of(const Chunks& chunks, int64_t step, const Checkpoi
                             is_expert_param(item.value()), parts, /*for_save=*/true);
         }
       }
-      meta.optimizer = CheckpointOptimizer{kind.kind, opt_step};
+      meta.optimizer = CheckpointOptimizer{kind.kind, opt_step, std::nullopt};
     }
   }
   return {parts.mesh, std::move(meta), std::move(tensors)};

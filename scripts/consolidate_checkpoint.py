@@ -393,8 +393,9 @@ def load_manifest(step_dir):
             fail(f"values[{k!r}] is {json.dumps(v)}; expected an integer, a number or a string")
     opt = get(m, "the manifest", "optimizer", None)
     if opt is not None:
-        if get(opt, "optimizer", "kind", str) not in ("adamw", "sgd"):
-            fail("optimizer.kind is not 'adamw' or 'sgd'")
+        kind = get(opt, "optimizer", "kind", str)
+        if kind not in ("adamw", "sgd", "muon"):
+            fail(f"optimizer.kind is {kind!r}; expected 'adamw', 'sgd' or 'muon' (as checkpoint/manifest.cpp)")
         _int(get(opt, "optimizer", "step", None), "optimizer.step", 0, 2**63 - 1, fail)
     files = get(m, "the manifest", "files", dict)
     for name, f in files.items():

@@ -377,6 +377,7 @@ PYBIND11_MODULE(_C, m) {
       .def("group_weight_decay", &DistributedOptimizer::group_weight_decay, py::arg("group"))
       .def("steps_taken", &DistributedOptimizer::steps_taken)
       .def("lr_of", &DistributedOptimizer::lr_of)
+      .def("muon_params", &DistributedOptimizer::muon_params)
       .def("memory",
            [](const DistributedOptimizer& o) {
              const auto m = o.memory();

@@ -18,6 +18,7 @@ Note [The optimizer state for DCP]
   The layout of the dict (torch's optimizer state_dict shape, keyed by parameter name as DCP
   wants, e.g. torch.distributed.checkpoint.state_dict.get_state_dict):
     {"state": {"<param>": {"exp_avg": ShardedTensor, "exp_avg_sq": ..., "master": ...}},
+    (kind "muon": a Muon matrix has "momentum_buffer" instead of the two moments)
      "step": 0-dim int64 tensor, "lr": float, "param_groups": [{"lr": float, "weight_decay": float}]}
   "master" is there for bf16/fp16 params only (an fp32 param is its own master: it comes from the
   model's state_dict, which is to be saved and loaded with this one). With TP > 1 a param's state is
@@ -52,11 +53,14 @@ def _ownership(engine, dp_size):
     return owners
 
 
-def _kinds(opt, dtype):
-    """The state kinds of a param of `dtype` (as state_pieces() names them)."""
+def _kinds(opt, name, dtype, muon):
+    """The state kinds of param `name` of `dtype` (as state_pieces() names them); `muon`: the names
+    of the params Muon updates."""
     config = opt.config
     kinds = [] if dtype == torch.float32 else ["master"]
-    if config.kind == "adamw":
+    if name in muon:
+        return kinds + ["momentum_buffer"]  # a Muon matrix (torch.optim.Muon's name); the rest take AdamW
+    if config.kind in ("adamw", "muon"):
         return kinds + ["exp_avg", "exp_avg_sq"]
     return kinds + (["momentum_buffer"] if config.momentum > 0 else [])
 
@@ -75,10 +79,11 @@ def build(opt):
     local = {n: (p._local_tensor if isinstance(p, DTensor) else p) for n, p in ddp.module.named_parameters()}
     pieces = {(name, kind): (view, offset) for kind, name, view, offset in opt._impl.state_pieces()}
     state = {}
+    muon = set(opt._impl.muon_params())
     for name, (param_numel, segments) in _ownership(ddp._engine, len(dp_ranks)).items():
         param = local[name]
         per_param = state.setdefault(_state_key(name, ddp._tp_rank, ddp._tp_size), {})
-        for kind in _kinds(opt, param.dtype):
+        for kind in _kinds(opt, name, param.dtype, muon):
             shards_metadata = [ShardMetadata([off], [n], f"rank:{dp_ranks[r]}/{param.device}") for r, off, n in segments]
             view, offset = pieces.pop((name, kind), (None, None))
             if view is None:

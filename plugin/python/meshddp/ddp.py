@@ -215,6 +215,11 @@ class DistributedDataParallel(torch.nn.Module):
         dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dims, process_group, tp_dim)
         ep = config.expert_parallel_size
         instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
+        if instance_group is not None and world is None:
+            # The engine's DP group becomes the instance; the gradient norm, the non-finite check and
+            # checkpoints still span every DP rank (world), as with a mesh that has a TP dim. Without it
+            # a 1-D mesh summed the norm within each instance: one instance clipped, the other did not.
+            world = dp_group
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
         expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
         _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,

@@ -37,6 +37,19 @@ def _finish_pending_gathers(impl):
 _TORCH_ONLY_OPTIONS = ("dampening", "nesterov", "amsgrad", "maximize")
 
 
+def _warn_of_muon_embeddings(module, by_name, muon_names, patterns):
+    """Muon orthogonalizes an embedding table whole, moving the rows of tokens not in the batch too;
+    Muon's authors (and torch.optim.Muon's docs) keep embeddings on AdamW. muon_adamw_params catches
+    them by name ("*embed*"), which misses e.g. GPT-2's "wte": warn, naming the param and the fix."""
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    caught = [name for name in muon_names if id(by_name[name]) in tables]
+    if caught:
+        warnings.warn(
+            f"meshddp.DistributedOptimizer: kind='muon' updates the nn.Embedding weight(s) {caught} with Muon: their "
+            f"names match none of muon_adamw_params ({patterns!r}). Embeddings belong on AdamW: add them, e.g. "
+            f"muon_adamw_params={(patterns + ',' + ','.join(caught)).lstrip(',')!r}", UserWarning, stacklevel=3)
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
     # lets it through.
@@ -76,6 +89,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._built_params = [list(group["params"]) for group in self.param_groups]
         self._built_names = [list(group["param_names"]) for group in self.param_groups]
         self._config_values = {"betas": (config.beta1, config.beta2), "eps": config.eps, "momentum": config.momentum}
+        self._module_path = module_path
+        if config.kind == "muon":
+            _warn_of_muon_embeddings(ddp.module, by_name, self._impl.muon_params(), config.muon_adamw_params)
 
     def add_param_group(self, param_group):
         if getattr(self, "_impl", None) is not None and len(self.param_groups) == self._impl.num_groups():
@@ -322,3 +338,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def memory(self):
         """Bytes held by this rank, by component (param/grad buffers, masters, optimizer state)."""
         return self._impl.memory()
+
+    @property
+    def muon_params(self):
+        """kind="muon": the names of the params Muon updates (2-D, matching none of
+        muon_adamw_params), in registration order; the others take AdamW. Empty for other kinds."""
+        return [self._module_path.get(name, name) for name in self._impl.muon_params()]
