@@ -273,8 +273,19 @@ Json manifest_of(const Save& s, const std::string& save_id, const std::vector<Js
       }
       Json& listed = entries[key];
       for (const char* field : {"dtype", "shape", "dim", "tp_size"}) {
-        TORCH_CHECK(json_text(listed[field]) == json_text(entry[field]), "tensor '", key, "' has ", field, " ",
-                    json_text(entry[field]), " on rank ", r, " but ", json_text(listed[field]), " on a lower rank");
+        if (json_text(listed[field]) == json_text(entry[field])) continue;
+        // A TP-sharded tensor's global shape is its piece's times the TP size: pieces of different sizes
+        // (a dim the TP size does not divide: torch.chunk's last chunk is shorter) give different ones.
+        const bool uneven_tp = std::string(field) == "shape" && entry["dim"].is_number_integer() &&
+                               entry["dim"].get<int64_t>() >= 0 && json_text(listed["dim"]) == json_text(entry["dim"]);
+        TORCH_CHECK(false, "tensor '", key, "' has ", field, " ", json_text(entry[field]), " on rank ", r, " but ",
+                    json_text(listed[field]), " on a lower rank",
+                    uneven_tp ? std::string("; it is sharded over TP on dim ") + json_text(entry["dim"]) +
+                                    " and its TP pieces differ in size there (a dim the TP size " +
+                                    json_text(entry["tp_size"]) +
+                                    " does not divide): checkpoints hold equal TP chunks; choose a TP size "
+                                    "that divides it, or pad the dim to a multiple of the TP size"
+                              : std::string());
       }
       listed["pieces"].push_back({{"file", checkpoint_file_name(r)},
                                   {"tp_rank", json_at(p, "tp_rank", key)},

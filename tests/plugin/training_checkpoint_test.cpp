@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <unistd.h>
 
 using namespace meshddp;
@@ -243,5 +244,25 @@ TEST(TrainingCheckpoint, ALoadWhileAGradientSyncIsPendingIsRefusedAndLoadsNothin
     EXPECT_EQ(load_checkpoint(state, dir).step, 1);
     opt.load_checkpoint(dir);
   });
+  remove_dir(dir);
+}
+
+// A TP-sharded param whose pieces differ in size (63 rows over TP 2: torch.chunk's 32 and 31) trains,
+// but the checkpoint format holds equal TP chunks: the save names the tensor, the sharded dim and the
+// way out on every rank, and leaves nothing behind.
+TEST(TrainingCheckpoint, UnevenTpPiecesAreNamedAtTheSave) {
+  const std::string dir = fresh_dir("uneven-tp");
+  run_on_mesh({1, 2}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    const int64_t tp_rank = mesh.coordinate("tp");
+    auto model = std::make_shared<torch::nn::LinearImpl>(8, tp_rank == 0 ? 32 : 31);
+    set_placement(model->weight, Placement::shard(0, 2, tp_rank));
+    set_placement(model->bias, Placement::shard(0, 2, tp_rank));
+    DistributedDataParallel ddp(model, mesh);
+    const std::string error =
+        error_of([&] { save_checkpoint(TrainingState{&*model, &ddp, nullptr, nullptr}, dir, 1); });
+    EXPECT_THAT(error, testing::HasSubstr("its TP pieces differ in size there")) << "rank " << mesh.rank();
+    EXPECT_THAT(error, testing::HasSubstr("choose a TP size that divides it")) << "rank " << mesh.rank();
+  });
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step-1")) << "a failed save left its step directory behind";
   remove_dir(dir);
 }
