@@ -4,6 +4,8 @@ Each returns plain numbers/tensors that the test asserts on in the parent."""
 import contextlib
 import copy
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -354,8 +356,27 @@ def a_peer_dies(rank, world_size):
             F.mse_loss(ddp(x), y).backward()
             ddp.finish_grad_sync()
         except RuntimeError as e:
+            _live_ranks_have_reported(rank, world_size - 1)
             return str(e)
     return "(no error)"
+
+
+def _live_ranks_have_reported(rank, live):
+    """Ranks 0 .. live-1 each mark that their error text is complete; rank 0, which hosts the
+    rendezvous store, waits (up to 60 s) for every mark before it returns and its process tears the
+    store down: a peer still reading the progress records would find the store gone and report rank 0's
+    progress as unknown ("store unreadable")."""
+    import time
+
+    marks = os.path.join(tempfile.gettempdir(), f"meshddp_reported_{os.environ['MASTER_PORT']}")
+    os.makedirs(marks, exist_ok=True)
+    open(os.path.join(marks, str(rank)), "w").close()
+    if rank != 0:
+        return
+    deadline = time.time() + 60
+    while len(os.listdir(marks)) < live and time.time() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(marks, ignore_errors=True)
 
 
 @contextlib.contextmanager
