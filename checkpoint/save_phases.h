@@ -1,9 +1,10 @@
 // The phases of one collective checkpoint save (Note [Checkpoint layout and commit protocol] in
-// checkpoint/store.h), for the two callers that run them: save_checkpoint_files (all three phases in
+// checkpoint/store.h; defined in save_phases.cpp), for the two callers that run them: save_checkpoint_files (all three phases in
 // one call) and AsyncCheckpointSave (checkpoint/async_save.h: phase 1 at the step boundary, phase 2 on
 // a writer thread, phase 3's agreement at a later step boundary). Internal to checkpoint/.
 #pragma once
 
+#include "json.h"
 #include "store.h"
 
 #include <functional>
@@ -11,6 +12,12 @@
 #include <vector>
 
 namespace meshddp::save_phases {
+
+constexpr const char* kManifest = "manifest.json";  // in each step directory, written last
+
+// A rank's status in an agreement: an empty object, or {"error": message}.
+inline Json status_ok() { return Json::object(); }
+inline Json status_error(const std::string& e) { return Json{{"error", e}}; }
 
 // Every rank's status (a JSON object; "error" set on failure), on every rank. Collective over `world`.
 std::vector<Json> agree(c10d::ProcessGroup& world, const Json& mine, const std::string& what);
