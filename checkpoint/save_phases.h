@@ -1,7 +1,8 @@
 // The phases of one collective checkpoint save (Note [Checkpoint layout and commit protocol] in
 // checkpoint/store.h; defined in save_phases.cpp), for the two callers that run them:
-// save_checkpoint_files (all three phases in one call) and AsyncCheckpointSave (checkpoint/async_save.h: phase 1 at the step boundary, phase 2 on
-// a writer thread, phase 3's agreement at a later step boundary). Internal to checkpoint/.
+// save_checkpoint_files (all three phases in one call) and AsyncCheckpointSave
+// (checkpoint/async_save.h: phase 1 at the step boundary, phase 2 on a writer thread, phase 3's
+// agreement at a later step boundary). Internal to checkpoint/.
 #pragma once
 
 #include "json.h"
