@@ -29,11 +29,18 @@ def launch(scenario, directory):
     return out, failures, ended
 
 
-def test_a_rank_that_skips_a_checkpoint_save_fails_every_rank_and_each_exits_promptly(tmp_path):
-    out, failures, ended = launch("skipped_save", tmp_path / "ckpt")
+def failed_on_both_ranks(scenario, directory):
+    """launch(), checked: both ranks caught their error and returned. Returns the log, each rank's
+    (time, message) and the seconds from the first failure to the end of both processes."""
+    out, failures, ended = launch(scenario, directory)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
     assert sorted(failures) == [0, 1], log
+    return log, failures, ended - min(t for t, _ in failures.values())
+
+
+def test_a_rank_that_skips_a_checkpoint_save_fails_every_rank_and_each_exits_promptly(tmp_path):
+    log, failures, after_failure = failed_on_both_ranks("skipped_save", tmp_path / "ckpt")
     for rank, (_, msg) in failures.items():
         assert "ranks are in different collectives" in msg, (rank, msg)
     # A rank that failed with a bucket reduction still in flight leaves it and says which. Whether one is
@@ -41,16 +48,12 @@ def test_a_rank_that_skips_a_checkpoint_save_fails_every_rank_and_each_exits_pro
     # and the failing collective is then the last): the prompt exit below is what must hold either way.
     if "not waiting for its" in log:
         assert "gradient bucket" in log, log
-    after_failure = ended - min(t for t, _ in failures.values())
     print(f"exit {after_failure:.1f} s after the first failure (collective timeout {TIMEOUT_S} s)")
     assert after_failure < EXIT_BOUND_S, log
 
 
 def test_ranks_that_disagree_on_async_save_fail_at_the_save_naming_each_ranks_value(tmp_path):
-    out, failures, ended = launch("async_mismatch", tmp_path / "ckpt")
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log
-    assert sorted(failures) == [0, 1], log
+    log, failures, after_failure = failed_on_both_ranks("async_mismatch", tmp_path / "ckpt")
     for rank, (_, msg) in failures.items():
         assert "refused on every rank: the ranks disagree on async_save" in msg, (rank, msg)
         assert "rank 0 true, rank 1 false" in msg, (rank, msg)
@@ -58,4 +61,4 @@ def test_ranks_that_disagree_on_async_save_fail_at_the_save_naming_each_ranks_va
         # The first save of the run: there is no previous checkpoint to name.
         assert "nothing was committed and no checkpoint was committed yet in" in msg, (rank, msg)
     assert not os.path.exists(tmp_path / "ckpt" / "step-2"), "the refused save leaves no step directory"
-    assert ended - min(t for t, _ in failures.values()) < EXIT_BOUND_S, log
+    assert after_failure < EXIT_BOUND_S, log
