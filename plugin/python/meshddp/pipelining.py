@@ -75,7 +75,7 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         self._sync_started = False
-        self._set_aside = None  # the earlier steps' synced gradients while accumulating (clear_runtime_states)
+        self._set_aside = None  # (name, earlier steps' synced gradient) pairs while accumulating
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
         self._grad_reduction = grad_reduction
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
@@ -131,8 +131,7 @@ class PipelineStage(_TorchPipelineStage):
                          f"the gradients the optimizer stepped on, and this step would add to them. Call "
                          f"submod.zero_grad_buffer() on every chunk before each optimizer step's first schedule.step() "
                          f"(several schedule.step() calls before one optimizer step accumulate)")
-        params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-        self._set_aside = [ddp.main_grad(n).clone() for n, _ in params]
+        self._set_aside = [(n, ddp.main_grad(n).clone()) for n, p in ddp.module.named_parameters() if p.requires_grad]
         ddp.zero_grad_buffer()
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
@@ -194,9 +193,8 @@ class PipelineStage(_TorchPipelineStage):
         ddp.finish_grad_sync()
         self._sync_started = False
         if self._set_aside is not None:
-            names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
             with torch.no_grad():
-                for n, g in zip(names, self._set_aside):
+                for n, g in self._set_aside:
                     ddp.main_grad(n).add_(g)
             self._set_aside = None
             ddp._record_synced_grads()  # the stage's own add, not a foreign write (ZeRO-1's check)
