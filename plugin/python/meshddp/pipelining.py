@@ -89,7 +89,8 @@ class PipelineStage(_TorchPipelineStage):
         DP group: a rank scaling by another count would silently train on other gradients."""
         super()._prepare_backward_infra(num_microbatches)
         group = self.submod._dp_group
-        mine = torch.tensor([int(num_microbatches), int(self._grad_reduction == "sum")], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([int(num_microbatches), int(self._grad_reduction == "sum")], dtype=torch.int64,
+                            device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         ranks = dist.get_process_group_ranks(group)
