@@ -149,15 +149,20 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     const int64_t states = num_state_tensors();
     state1_.push_back(states >= 1 ? at::zeros({shard.numel}, f32(params)) : at::Tensor());
     // State 2 (AdamW's exp_avg_sq) is per shard for the fused kernels; under kMuon only the AdamW
-    // segments have one, packed in segment order (a Muon matrix has its momentum buffer only).
+    // segments have one, packed in segment order (a Muon matrix has its momentum buffer only: -1).
+    const bool packed = config_.kind == OptimizerKind::kMuon;
     std::vector<int64_t>& offsets2 = state2_offsets_.emplace_back();
-    int64_t state2_numel = 0;
+    int64_t state2_numel = packed ? 0 : shard.numel;
     for (const ShardSegment& seg : shard.segments) {
-      const bool packed = config_.kind == OptimizerKind::kMuon;
-      offsets2.push_back(packed && takes_muon[seg.param] ? -1 : packed ? state2_numel : seg.shard_offset);
-      if (packed && !takes_muon[seg.param]) state2_numel += seg.numel;
+      if (!packed) {
+        offsets2.push_back(seg.shard_offset);
+      } else if (takes_muon[seg.param]) {
+        offsets2.push_back(-1);
+      } else {
+        offsets2.push_back(state2_numel);
+        state2_numel += seg.numel;
+      }
     }
-    if (config_.kind != OptimizerKind::kMuon) state2_numel = shard.numel;
     state2_.push_back(states >= 2 ? at::zeros({state2_numel}, f32(params)) : at::Tensor());
     for (size_t si = 0; si < shard.segments.size(); ++si) {
       const ShardSegment& seg = shard.segments[si];
