@@ -18,8 +18,12 @@ The copies are reused from one save to the next while the tensors keep their sha
 host copy of this rank's state: its model params and buffers plus its shards of the optimizer
 state). A save staged while the previous one is still being written (future.result() not called:
 DCP's writer still holds the previous copy) gets new host buffers, with a warning, so that the
-previous save is never overwritten under its writer (a second copy's memory until it finishes)."""
+previous save is never overwritten under its writer (a second copy's memory until it finishes).
+future.result() returns when DCP's writer thread sets it, a moment before that thread lets go of the
+copy; stage() gives a held copy up to a second to be let go before it counts it as still held."""
 
+import gc
+import time
 import warnings
 import weakref
 
@@ -31,6 +35,7 @@ class DcpStager:
     """An AsyncStager (torch.distributed.checkpoint.staging) that copies synchronously, in stage()."""
 
     _synchronize_after_execute = False
+    _release_grace_s = 1.0  # how long stage() waits for a finished writer's thread to let go of its copy
 
     def __init__(self):
         self._buffers = {}  # key path -> host tensor, reused while shape and dtype stay
@@ -63,9 +68,24 @@ class DcpStager:
             return type(value)(self._stage(f"{path}/{i}", v) for i, v in enumerate(value))
         return value
 
+    def _previous_copy_still_held(self):
+        """Whether a view stage() handed out last time is still alive after the grace period: its writer
+        thread may have set the future's result but not yet dropped the arguments it was called with."""
+        deadline = time.monotonic() + self._release_grace_s
+        collected = False
+        while any(ref() is not None for ref in self._handed_out):
+            if not collected:
+                gc.collect()  # a copy kept alive only by a reference cycle is not held by a writer
+                collected = True
+            elif time.monotonic() >= deadline:
+                return True
+            else:
+                time.sleep(0.002)
+        return False
+
     def stage(self, state_dict):
         """A copy of `state_dict` in host memory (ShardedTensors as ShardedTensors of copied shards)."""
-        if any(ref() is not None for ref in self._handed_out):
+        if self._previous_copy_still_held():
             warnings.warn("meshddp.DcpStager: a checkpoint was staged while the previous one is still held by its "
                           "writer (dcp.async_save's future.result() not called yet); it is copied into new host "
                           "buffers (a second copy of this rank's state) so that the previous save is not overwritten "
