@@ -1,14 +1,16 @@
 """Runs examples/02_dp_x_tp_gpt in bf16 (--dtype bf16: bf16 params and activations, fp32 masters)
 under torchrun and holds every distributed loss curve to the bf16 golden: the same model in one
 process, same dtypes, fp32 masters, whole global batch. Usage:
-check_gpt_bf16.py <gpt_example> {fp32-main-grads|bf16-main-grads|checkpoint}.
+check_gpt_bf16.py <gpt_example> {fp32-main-grads|bf16-main-grads|checkpoint|muon}.
 
 The floor: bf16 rounds every activation and every gradient a layer hands on, so two one-process runs
 that differ only in the order of the sums (the global batch in 2 or 4 micro-batches instead of 1:
 each micro-batch's bf16 gradient rounded apart, then accumulated) drift apart by far more than fp32's
 ~1e-7. FLOOR is the largest relative loss difference of those runs to the golden, measured here on
 every run; a distributed curve (a DP mean of bf16 gradients rounded per rank, TP partial sums, CP
-slices, experts moved by all-to-all) must stay within MULTIPLE x FLOOR of it.
+slices, experts moved by all-to-all) must stay within MULTIPLE x FLOOR of it. A dense TP run is held
+to the larger of FLOOR and TP's own rounding, measured at dp 1 x tp 2 and itself bounded
+(with_tp_floor).
 
 fp32-main-grads (the default, Megatron's grad_reduce_in_fp32): dp 2; dp 2 x tp 2 with sequence
 parallel; dp 2 x cp 2 x tp 2 with 4 experts (top-2), EP 2 and ZeRO-1 (8 ranks; its golden and floor
@@ -16,7 +18,8 @@ are the MoE model's). bf16-main-grads: the same runs with --grad-reduce-in-bf16 
 accumulated and reduced in bf16), against the floor of one-process runs that also accumulate in bf16
 (a wider floor). checkpoint: dp 2 x tp 2 ZeRO-1 in bf16 saves at step 4; resumed at the same mesh it
 repeats steps 4..7 bit for bit; resumed at dp 4 and at dp 1 it stays within the floor (the masters
-themselves load bit for bit: tests/plugin/bf16_checkpoint_test.cpp).
+themselves load bit for bit: tests/plugin/bf16_checkpoint_test.cpp). muon: --optimizer muon with
+ZeRO-1 (Muon's matrices and AdamW's rest stepped on fp32 masters), dp 2 and dp 2 x tp 2.
 
 Measured (8 steps, 2-core CPU; printed on every run; table in docs/examples.md "bf16"): floors 3.6e-4
 (dense) and 1.1e-3 (MoE) with fp32 main grads, 5.4e-4 and 7.3e-4 with bf16 ones; the distributed
@@ -34,6 +37,7 @@ from torchrun_losses import expect_curve_close, expect_decreasing, run_losses
 binary, mode = sys.argv[1], sys.argv[2]
 STEPS = 8
 MULTIPLE = 3
+TP_MULTIPLE = 10
 MOE = ["--experts", "4", "--top-k", "2"]
 BF16 = ["--dtype", "bf16", "--global-batch", "16", "--seed", "1"]
 
@@ -66,6 +70,22 @@ def golden_and_floor(name, *extra):
     return golden, floor
 
 
+def with_tp_floor(name, golden, floor, *extra):
+    """The floor of a TP run. TP splits the forward's sums (partial products added in bf16 across TP
+    ranks), which micro-batching does not, so a TP curve's own rounding is measured too: the same
+    model at dp 1 x tp 2 (TP alone; meshddp's DP reduction not involved). Over seeds 1-3 that run sat
+    at 2.5-7.8x the micro-batch floor (AdamW and Muon alike), and dp 2 x tp 2 within 1.3x of it. The
+    TP run itself must stay within TP_MULTIPLE x the micro-batch floor, so that a TP error cannot
+    widen the floor it is held to (TP's exactness is checked in fp32: check_gpt_muon.py, dp 2 x tp 2)."""
+    tp = worst(golden, losses(1, 2, 1, *extra))
+    print(f"{name + ' TP floor':34s}: {tp:.2e} (dp 1 x tp 2) = {tp / floor:.2f} x the micro-batch floor "
+          f"(limit {TP_MULTIPLE})")
+    if tp > TP_MULTIPLE * floor:
+        sys.exit(f"FAILED: {name}: the dp 1 x tp 2 run is {tp:.2e} from the one-process golden, more than "
+                 f"{TP_MULTIPLE} x the micro-batch floor {floor:.2e}")
+    return max(floor, tp)
+
+
 def check(name, golden, floor, curve, first=0):
     expect_curve_close(golden[first:], curve, MULTIPLE * floor, name, reference_name="one process", first=first)
     print(f"{'':34s}  = {worst(golden[first:], curve) / floor:.2f} x the floor (limit {MULTIPLE})")
@@ -75,7 +95,8 @@ if mode in ("fp32-main-grads", "bf16-main-grads"):
     reduce = ["--grad-reduce-in-bf16"] if mode == "bf16-main-grads" else []
     golden, floor = golden_and_floor("dense", *reduce)
     check("dp2", golden, floor, losses(2, 1, 1, *reduce))
-    check("dp2 x tp2 sequence parallel", golden, floor, losses(2, 2, 1, "--sequence-parallel", *reduce))
+    sp = ("--sequence-parallel", *reduce)
+    check("dp2 x tp2 sequence parallel", golden, with_tp_floor("dense", golden, floor, *sp), losses(2, 2, 1, *sp))
     moe_golden, moe_floor = golden_and_floor("moe", *MOE, *reduce)
     check("dp2 x cp2 x tp2 ep2 ZeRO-1", moe_golden, moe_floor,
           losses(2, 2, 2, *MOE, "--ep", "2", "--distributed-optimizer", *reduce))
@@ -91,6 +112,11 @@ elif mode == "checkpoint":
             sys.exit(f"FAILED: resuming the bf16 dp2 x tp2 run at step 4 gave {resumed}, not {uninterrupted[4:]}")
         check("resumed@4 at dp4", golden, floor, losses(4, 1, 1, *saved, "--resume-step", "4", first=4), first=4)
         check("resumed@4 at dp1", golden, floor, losses(1, 1, 1, *saved, "--resume-step", "4", first=4), first=4)
+elif mode == "muon":
+    muon = ("--optimizer", "muon", "--distributed-optimizer")
+    golden, floor = golden_and_floor("dense Muon", *muon)
+    check("dp2 Muon", golden, floor, losses(2, 1, 1, *muon))
+    check("dp2 x tp2 Muon", golden, with_tp_floor("dense Muon", golden, floor, *muon), losses(2, 2, 1, *muon))
 else:
-    sys.exit(f"usage: check_gpt_bf16.py <gpt_example> fp32-main-grads|bf16-main-grads|checkpoint (got '{mode}')")
+    sys.exit(f"usage: check_gpt_bf16.py <gpt_example> fp32-main-grads|bf16-main-grads|checkpoint|muon (got '{mode}')")
 print("1 passed, 0 failed")
