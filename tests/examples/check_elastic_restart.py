@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from torchrun_losses import run_losses
+from torchrun_losses import latest_step, read, run_losses
 
 binary = sys.argv[1]
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -54,18 +54,6 @@ def start_agent(port, is_host, ckpt, log_base):
     # Its own session: the agent's process group is a node's to kill (its workers have their own).
     return subprocess.Popen(cmd, stdout=open(log_base + ".out", "w"), stderr=open(log_base + ".err", "w"),
                             start_new_session=True)
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def latest_step(ckpt):
-    try:
-        return int(read(os.path.join(ckpt, "latest")).strip().split("-")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def workers_of(agent):

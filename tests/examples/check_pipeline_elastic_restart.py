@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from torchrun_losses import run_losses
+from torchrun_losses import latest_step, read, run_losses
 
 binary = sys.argv[1]
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -31,18 +31,6 @@ TRAIN = ["--pp", "2", "--vpp", "2", "--dp", "2", "--tp", "1", "--layers", "4", "
 
 def fail(why, *logs):
     sys.exit("FAILED: " + why + "".join(f"\n--- {name}:\n{text}" for name, text in logs))
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def latest_step(ckpt):
-    try:
-        return int(read(os.path.join(ckpt, "latest")).strip().split("-")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def workers_by_rank(agent):

@@ -44,3 +44,17 @@ def expect_decreasing(curve, what="the loss"):
     """Exits unless the last loss of `curve` is below the first (the model learns at all)."""
     if not curve[-1] < curve[0]:
         sys.exit(f"FAILED: {what} did not decrease: {curve[0]} -> {curve[-1]}")
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def latest_step(ckpt):
+    """The step the checkpoint directory's `latest` names; -1 while there is none (or it is being
+    replaced)."""
+    try:
+        return int(read(os.path.join(ckpt, "latest")).strip().split("-")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
