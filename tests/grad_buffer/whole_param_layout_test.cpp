@@ -207,7 +207,7 @@ TEST(WholeParamLayout, TiedBucketsDoNotDependOnTheLoadsOfOtherBuckets) {
   EXPECT_EQ(stage(1), stage(2));  // carried loads would give (1, 0) and (0, 1)
 }
 
-TEST(WholeParamLayout, DefaultCostIsNewtonSchulzFlopsForMatricesAndNumelOtherwise) {
+TEST(WholeParamLayout, DefaultCostIsNewtonSchulzFlopsForMatricesAndStacksAndNumelOtherwise) {
   EXPECT_EQ(newton_schulz_cost({300, 100}), 300.0 * 100 * 100);
   EXPECT_EQ(newton_schulz_cost({100, 300}), 300.0 * 100 * 100);
   EXPECT_EQ(newton_schulz_cost({7}), 7.0);
