@@ -54,6 +54,7 @@ def test_checkpoint_saved_at_dp4_resumes_at_dp2_on_the_uninterrupted_curve(tmp_p
     run_once(4, "muon_stacked_workers.stacked_resumable", first=0, last=2, save_dir=str(tmp_path))
     for rank, resumed in enumerate(run_once(2, "muon_stacked_workers.stacked_resumable", first=2, last=4,
                                             load_dir=str(tmp_path))):
+        assert isinstance(resumed, dict), f"rank {rank}: the load failed: {resumed}"
         diff = max((uninterrupted[n] - resumed[n]).abs().max().item() for n in uninterrupted)
         assert diff <= RESUME_TOL, f"rank {rank}: resumed at dp 2, params differ from the uninterrupted run by {diff}"
     # Loaded with the setting off, the experts would take AdamW's state from Muon's momentum buffer.
