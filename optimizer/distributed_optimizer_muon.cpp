@@ -9,8 +9,10 @@
 // matrix's); its momentum buffer is one state tensor of the param's shape ("momentum_buffer" in
 // checkpoints, as a 2-D matrix's). update_muon runs muon_step on each slice [i] by itself, the same
 // ops as on a 2-D param of that slice's shape, so a slice's bits equal those of a separate m x n
-// param (one launch per slice; a batched Newton-Schulz would save launches but is not checked to give
-// those bits). A stack that is also TP-sharded is refused: no gather of its pieces is done.
+// param. One launch per slice: a batched Newton-Schulz (bmm / baddbmm) gave the same bits as the
+// per-slice mm / addmm on CPU for the shapes tried ([4, 8, 12] to [8, 256, 128]), but is unchecked on
+// CUDA, where cuBLAS may choose other kernels for batched GEMMs. A stack that is also TP-sharded is
+// refused (choose_muon_params): no gather of its pieces is done.
 //
 // Note [Muon on TP-sharded matrices]
 // A column- or row-parallel weight is orthogonalized whole, so the result does not depend on the TP
