@@ -16,13 +16,17 @@ using CheckpointValue = std::variant<int64_t, double, std::string>;
 using CheckpointValues = std::map<std::string, CheckpointValue>;
 
 // The optimizer a checkpoint was saved with: the manifest's "optimizer" {"kind", "step"[,
-// "muon_adamw_params"]} (absent, i.e. JSON null, for a checkpoint saved without an optimizer).
+// "muon_adamw_params"][, "muon_stacked_matrices": true]} (absent, i.e. JSON null, for a checkpoint
+// saved without an optimizer).
 struct CheckpointOptimizer {
   std::string kind;  // "adamw", "sgd" or "muon"
   int64_t step = 0;  // the optimizer's step count at the save, >= 0
   // Muon: the patterns of the 2-D params that stepped with AdamW (they decide what each matrix's
   // state means); absent for other kinds and in the first Muon format.
   std::optional<std::string> muon_adamw_params;
+  // Muon: whether 3-D params stepped as stacks of Muon matrices (else with AdamW). Written only when
+  // true, so checkpoints saved without it read as false.
+  bool muon_stacked_matrices = false;
 };
 
 }  // namespace meshddp

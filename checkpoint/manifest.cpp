@@ -56,6 +56,10 @@ class ManifestChecker {
     }
     return i;
   }
+  bool boolean(const Json& v, const std::string& field) const {
+    if (!v.is_boolean()) fail(field, "is " + json_kind(v) + "; expected true or false");
+    return json_bool(v, field);
+  }
   uint32_t crc(const Json& v, const std::string& field) const {
     const std::string& s = string(v, field);
     const bool ok =
@@ -126,6 +130,10 @@ std::optional<CheckpointOptimizer> parse_optimizer(const Json& json, const Manif
   if (json.contains("muon_adamw_params")) {
     optimizer.muon_adamw_params =
         check.string(check.member(json, "optimizer", "muon_adamw_params"), "optimizer.muon_adamw_params");
+  }
+  if (json.contains("muon_stacked_matrices")) {
+    optimizer.muon_stacked_matrices =
+        check.boolean(check.member(json, "optimizer", "muon_stacked_matrices"), "optimizer.muon_stacked_matrices");
   }
   return optimizer;
 }
@@ -230,6 +238,7 @@ Json optimizer_json(const std::optional<CheckpointOptimizer>& optimizer) {
   if (!optimizer) return nullptr;
   Json json = {{"kind", optimizer->kind}, {"step", optimizer->step}};
   if (optimizer->muon_adamw_params) json["muon_adamw_params"] = *optimizer->muon_adamw_params;
+  if (optimizer->muon_stacked_matrices) json["muon_stacked_matrices"] = true;
   return json;
 }
 

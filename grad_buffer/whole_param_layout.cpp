@@ -14,10 +14,11 @@ void check_shard_policy(const std::string& policy) {
 }
 
 double newton_schulz_cost(const std::vector<int64_t>& shape) {
-  if (shape.size() == 2) {
-    const auto m = static_cast<double>(std::max(shape[0], shape[1]));
-    const auto n = static_cast<double>(std::min(shape[0], shape[1]));
-    return m * n * n;
+  if (shape.size() == 2 || shape.size() == 3) {  // a matrix, or a stack of shape[0] of them
+    const size_t rows = shape.size() - 2;
+    const auto m = static_cast<double>(std::max(shape[rows], shape[rows + 1]));
+    const auto n = static_cast<double>(std::min(shape[rows], shape[rows + 1]));
+    return (shape.size() == 3 ? static_cast<double>(shape[0]) : 1.0) * m * n * n;
   }
   double numel = 1;
   for (int64_t s : shape) numel *= static_cast<double>(s);

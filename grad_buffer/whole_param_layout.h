@@ -14,7 +14,11 @@
 //   a big matrix in bucket 0 gets less in bucket 1. Buckets of params tied across pipeline stages
 //   start from zero loads: their layout must depend on the bucket alone (both stages build it).
 // - Cost (pluggable, ParamCostFn): the default, newton_schulz_cost(), is max(m,n) * min(m,n)^2 for a
-//   2-D param (the flops of one Newton-Schulz iteration up to a constant) and numel otherwise.
+//   2-D param (the flops of one Newton-Schulz iteration up to a constant), E times that for a 3-D
+//   param [E, m, n] (a stack of matrices: Muon's muon_stacked_matrices runs one iteration per slice),
+//   and numel otherwise. The layout is built before the optimizer, so it does not know which params
+//   take Muon: 2-D params kept on AdamW and 3-D ones without muon_stacked_matrices cost the same
+//   (only which rank owns them changes; AdamW's elementwise arithmetic is the same on any rank).
 // - Memory cap: with A = the bucket's aligned param elements and L = its largest aligned param, the
 //   ideal shard is I = ceil(A / dp). A rank takes a param only if its shard stays <= max(1.25 * I, L)
 //   (rounded up to kAlignmentElems); when no rank can, the param goes to the rank with the smallest
@@ -38,7 +42,8 @@ inline constexpr double kWholeParamMemorySlack = 1.25;  // the cap on a shard ov
 // Throws unless `policy` is "byte_range" or "whole_param" (GradBufferConfig::shard_policy).
 void check_shard_policy(const std::string& policy);
 
-// max(m, n) * min(m, n)^2 for a 2-D shape; the element count otherwise (an empty shape counts 1).
+// max(m, n) * min(m, n)^2 for a 2-D shape [m, n], E times that for a 3-D shape [E, m, n]; the element
+// count otherwise (an empty shape counts 1).
 double newton_schulz_cost(const std::vector<int64_t>& shape);
 
 // The cost of one param for the bin packing (default: newton_schulz_cost of its shape).

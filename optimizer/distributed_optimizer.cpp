@@ -83,18 +83,11 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
     groups_.push_back({lr, wd, lr / config_.lr, wd_ratio});
   }
   const auto& params = buffer_->params();
-  auto matches = [](const std::string& pattern, const NamedParam& p) {
-    if (glob_match(pattern, p.name)) return true;
-    for (const auto& alias : p.aliases) {
-      if (glob_match(pattern, alias)) return true;
-    }
-    return false;
-  };
   group_of_.assign(params.size(), 0);
   std::vector<bool> rule_used(config_.groups.size(), false);
   for (size_t i = 0; i < params.size(); ++i) {
     for (size_t r = 0; r < config_.groups.size(); ++r) {
-      if (matches(config_.groups[r].pattern, params[i])) {
+      if (name_matches(config_.groups[r].pattern, params[i])) {
         group_of_[i] = static_cast<int64_t>(r) + 1;
         rule_used[r] = true;
         break;
@@ -109,31 +102,10 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
                 "the rule");
   }
 
-  // Muon: which params take it (2-D, not kept on AdamW by muon_adamw_params); each must be whole in
-  // one shard (the whole_param policy); TP-sharded ones are gathered over TP in update_muon().
-  std::vector<bool>& takes_muon = takes_muon_;
-  takes_muon.assign(params.size(), false);
-  if (config_.kind == OptimizerKind::kMuon) {
-    TORCH_CHECK(buffer_->config().shard_policy == kWholeParamShards,
-                "DistributedOptimizer: kind = muon orthogonalizes whole matrices, but the gradient buffer's ",
-                "shard_policy is '", buffer_->config().shard_policy, "' (shards cut params anywhere); set ",
-                "DdpConfig.shard_policy = \"", kWholeParamShards, "\"");
-    std::vector<std::string> keep_adamw;
-    std::stringstream list(config_.muon_adamw_params);
-    for (std::string pattern; std::getline(list, pattern, ',');) {
-      // "*embed*, *lm_head*": the space is the list's, not the pattern's (" *lm_head*" matched nothing).
-      const size_t first = pattern.find_first_not_of(" \t"), last = pattern.find_last_not_of(" \t");
-      if (first != std::string::npos) keep_adamw.push_back(pattern.substr(first, last - first + 1));
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].param.dim() != 2) continue;
-      bool adamw = false;
-      for (const auto& pattern : keep_adamw) adamw = adamw || matches(pattern, params[i]);
-      if (adamw) continue;
-      takes_muon[i] = true;
-    }
-    check_muon_tp_pieces(takes_muon);
-  }
+  // Muon: which params take it; each must be whole in one shard (the whole_param policy).
+  takes_muon_.assign(params.size(), false);
+  if (config_.kind == OptimizerKind::kMuon) choose_muon_params();
+  const std::vector<bool>& takes_muon = takes_muon_;
 
   c10::NoGradGuard no_grad;
   const auto f32 = [](const at::Tensor& like) { return at::TensorOptions().dtype(at::kFloat).device(like.device()); };
@@ -175,7 +147,9 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
         // does not depend on the TP size; every TP rank owns the same pieces (same layout), in order.
         const Placement placement = buffer_->placement(static_cast<int64_t>(seg.param));
         const int64_t tp_dim = placement.is_shard() && buffer_->groups().tp_size > 1 ? placement.dim : -1;
-        muon_.push_back({b, seg, p.size(0), p.size(1), tp_dim});
+        // A stack [E, m, n] (muon_stacked_matrices) is never TP-sharded (choose_muon_params refuses it).
+        const int64_t stack = p.dim() == 3 ? p.size(0) : 1;
+        muon_.push_back({b, seg, p.size(-2), p.size(-1), tp_dim, stack});
         continue;
       }
       SegmentViews& v = views_[group_of_[seg.param]];
@@ -207,6 +181,14 @@ DistributedOptimizer::DistributedOptimizer(GradBufferHandle buffer, DistributedO
   fused_ = config_.kind != OptimizerKind::kMuon && fusable &&
            (config_.fused_step == FusedStep::kAlways ||
             (config_.fused_step == FusedStep::kAuto && !master_.front().is_cpu()));
+}
+
+bool DistributedOptimizer::name_matches(const std::string& pattern, const NamedParam& p) {
+  if (glob_match(pattern, p.name)) return true;
+  for (const auto& alias : p.aliases) {
+    if (glob_match(pattern, alias)) return true;
+  }
+  return false;
 }
 
 void DistributedOptimizer::check_group(int64_t group, const char* who) const {

@@ -33,7 +33,8 @@
 
 namespace meshddp {
 
-// kMuon: Muon on the 2-D params (whole matrices, the whole_param shard policy), AdamW on the rest.
+// kMuon: Muon on the 2-D params (whole matrices, the whole_param shard policy), and on each matrix of
+// a 3-D param with muon_stacked_matrices; AdamW on the rest.
 enum class OptimizerKind { kAdamW, kSgd, kMuon };
 
 // Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/gpu.md).
@@ -65,8 +66,9 @@ struct DistributedOptimizerConfig {
   bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
   // Muon (kind = kMuon; optimizer/muon.h, docs/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
-  // A param takes Muon when it is 2-D and matches none of muon_adamw_params; the others take AdamW
-  // (beta1, beta2, eps above) in the same step. lr / weight_decay / group rules apply to both.
+  // A param takes Muon when it is 2-D (or 3-D with muon_stacked_matrices) and matches none of
+  // muon_adamw_params; the others take AdamW (beta1, beta2, eps above) in the same step. lr /
+  // weight_decay / group rules apply to both.
   double muon_momentum = 0.95;                                   // in [0, 1): the EMA factor of the momentum buffer
   bool muon_nesterov = true;                                     // the update is g.lerp(buf, momentum), else buf
   int64_t muon_ns_steps = 5;                                     // Newton-Schulz iterations, in [1, 100)
@@ -75,7 +77,11 @@ struct DistributedOptimizerConfig {
   MuonScale muon_scale = MuonScale::kOriginal;                   // "original" | "match_rms_adamw" | "spectral"
   double muon_extra_scale = 1.0;                                 // "spectral" only: sqrt(max(m, n)) * this
   double muon_eps = 1e-7;                                        // X / max(||X||_F, eps) before the iteration
-  std::string muon_adamw_params = "*embed*,*lm_head*";           // comma-separated patterns: 2-D params kept on AdamW
+  std::string muon_adamw_params = "*embed*,*lm_head*";           // comma-separated patterns: params kept on AdamW
+  // A 3-D param [E, m, n] (grouped experts) is a stack of E matrices: owned whole by one DP rank,
+  // each slice [i] stepped as its own m x n Muon matrix (momentum, Newton-Schulz, the scale of m x n).
+  // false: 3-D params take AdamW. Not for a stack also TP-sharded (refused, naming it).
+  bool muon_stacked_matrices = false;
 
   // Every field is listed once in optimizer/optimizer_config_fields.h (ranges, cross-rank agreement,
   // Python): a new field goes there too, or the build stops.
@@ -129,8 +135,8 @@ class DistributedOptimizer {
 
   int64_t steps_taken() const { return step_; }
   MemoryReport memory() const;
-  // kMuon: the names of the params Muon updates (2-D, matching none of muon_adamw_params), on every
-  // DP rank, owned or not; empty for the other kinds.
+  // kMuon: the names of the params Muon updates (2-D, or 3-D with muon_stacked_matrices, matching none
+  // of muon_adamw_params), on every DP rank, owned or not; empty for the other kinds.
   std::vector<std::string> muon_params() const;
   const std::vector<BucketShard>& shards() const { return shards_; }
   const DistributedOptimizerConfig& config() const { return config_; }
@@ -193,12 +199,16 @@ class DistributedOptimizer {
   void update_sgd();
   void update_muon();
   MuonSettings muon_settings() const;
+  void choose_muon_params();  // takes_muon_ (kMuon), with its checks; collective over TP
   void check_muon_tp_pieces(const std::vector<bool>& takes_muon) const;  // collective over TP
-  struct MuonMatrix {  // a matrix this rank owns whole and updates with Muon
+  // A param matches a pattern ('*' any run of characters) by its name or any alias.
+  static bool name_matches(const std::string& pattern, const NamedParam& p);
+  struct MuonMatrix {  // a matrix (or a stack of them) this rank owns whole and updates with Muon
     size_t bucket_shard;
     ShardSegment segment;
-    int64_t rows, cols;   // this TP rank's piece
+    int64_t rows, cols;   // this TP rank's piece (of each matrix of a stack)
     int64_t tp_dim = -1;  // a TP-sharded matrix: the dim its TP pieces are cut along (-1: whole here)
+    int64_t stack = 1;    // matrices: E for a 3-D param [E, rows, cols] (muon_stacked_matrices), else 1
   };
   // stats += [non-finite count, sum of squares of what this rank counts (counts_toward_norm in the .cpp)]
   void add_stats_fused(const at::Tensor& stats);

@@ -43,11 +43,15 @@ CheckpointMesh DistributedOptimizer::checkpoint_mesh() const {
   return {g.world ? g.world : g.dp, g.data_parallel_rank(), g.data_parallel_size(), g.tp_rank, g.tp_size};
 }
 
-// kMuon also records muon_adamw_params: which 2-D params took Muon decides what their "exp_avg" holds
-// (Muon's momentum_buffer, or AdamW's exp_avg and exp_avg_sq), so a load must choose them alike.
+// kMuon also records muon_adamw_params and muon_stacked_matrices: which 2-D and 3-D params took Muon
+// decides what state they hold (Muon's momentum_buffer, or AdamW's exp_avg and exp_avg_sq), so a load
+// must choose them alike.
 CheckpointOptimizer DistributedOptimizer::checkpoint_info() const {
   CheckpointOptimizer info{kind_name(config_.kind), step_, std::nullopt};
-  if (config_.kind == OptimizerKind::kMuon) info.muon_adamw_params = config_.muon_adamw_params;
+  if (config_.kind == OptimizerKind::kMuon) {
+    info.muon_adamw_params = config_.muon_adamw_params;
+    info.muon_stacked_matrices = config_.muon_stacked_matrices;
+  }
   return info;
 }
 
@@ -74,6 +78,12 @@ void DistributedOptimizer::check_checkpoint_info(const std::optional<CheckpointO
                 config_.muon_adamw_params, "': a matrix moved between Muon and AdamW would take the other's state ",
                 "(Muon's momentum_buffer for AdamW's exp_avg and exp_avg_sq); load with muon_adamw_params = '",
                 saved_patterns, "'");
+    const auto text = [](bool on) { return std::string(on ? "true" : "false"); };
+    TORCH_CHECK(saved->muon_stacked_matrices == config_.muon_stacked_matrices, "checkpoint '", where,
+                "' was saved with muon_stacked_matrices = ", text(saved->muon_stacked_matrices),
+                ", but this optimizer has muon_stacked_matrices = ", text(config_.muon_stacked_matrices),
+                ": its 3-D params would take the other optimizer's state (Muon's momentum_buffer for AdamW's ",
+                "exp_avg and exp_avg_sq); load with muon_stacked_matrices = ", text(saved->muon_stacked_matrices));
   }
 }
 

@@ -78,7 +78,8 @@ inline constexpr auto kOptimizerConfigFields = std::make_tuple(
     field("muon_scale", &DistributedOptimizerConfig::muon_scale),
     field("muon_extra_scale", &DistributedOptimizerConfig::muon_extra_scale, kPositive),
     field("muon_eps", &DistributedOptimizerConfig::muon_eps, kPositive),
-    field("muon_adamw_params", &DistributedOptimizerConfig::muon_adamw_params));
+    field("muon_adamw_params", &DistributedOptimizerConfig::muon_adamw_params),
+    field("muon_stacked_matrices", &DistributedOptimizerConfig::muon_stacked_matrices));
 
 static_assert(std::tuple_size_v<decltype(kOptimizerConfigFields)> ==
                   aggregate_field_count<DistributedOptimizerConfig>(),

@@ -207,9 +207,11 @@ TEST(WholeParamLayout, TiedBucketsDoNotDependOnTheLoadsOfOtherBuckets) {
   EXPECT_EQ(stage(1), stage(2));  // carried loads would give (1, 0) and (0, 1)
 }
 
-TEST(WholeParamLayout, DefaultCostIsNewtonSchulzFlopsForMatricesAndNumelOtherwise) {
+TEST(WholeParamLayout, DefaultCostIsNewtonSchulzFlopsForMatricesAndStacksAndNumelOtherwise) {
   EXPECT_EQ(newton_schulz_cost({300, 100}), 300.0 * 100 * 100);
   EXPECT_EQ(newton_schulz_cost({100, 300}), 300.0 * 100 * 100);
   EXPECT_EQ(newton_schulz_cost({7}), 7.0);
-  EXPECT_EQ(newton_schulz_cost({2, 3, 4}), 24.0);
+  EXPECT_EQ(newton_schulz_cost({2, 3, 4}), 2.0 * 4 * 3 * 3);  // a stack of two 3 x 4 matrices
+  EXPECT_EQ(newton_schulz_cost({8, 100, 300}), 8.0 * 300 * 100 * 100);
+  EXPECT_EQ(newton_schulz_cost({2, 3, 4, 5}), 120.0);
 }

@@ -74,7 +74,8 @@ _FIELD_VALUES = {
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
         fused_step="never", muon_momentum=0.5, muon_nesterov=False, muon_ns_steps=3, muon_ns_coefficients="quintic",
-        muon_ns_dtype="fp32", muon_scale="spectral", muon_extra_scale=0.5, muon_eps=1e-6, muon_adamw_params="*wte*"),
+        muon_ns_dtype="fp32", muon_scale="spectral", muon_extra_scale=0.5, muon_eps=1e-6, muon_adamw_params="*wte*",
+        muon_stacked_matrices=True),
 }
 
 

@@ -341,6 +341,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def muon_params(self):
-        """kind="muon": the names of the params Muon updates (2-D, matching none of
-        muon_adamw_params), in registration order; the others take AdamW. Empty for other kinds."""
+        """kind="muon": the names of the params Muon updates (2-D, or 3-D stacks of matrices with
+        muon_stacked_matrices, matching none of muon_adamw_params), in registration order; the others
+        take AdamW. Empty for other kinds."""
         return [self._module_path.get(name, name) for name in self._impl.muon_params()]
