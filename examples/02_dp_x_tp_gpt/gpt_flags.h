@@ -123,7 +123,6 @@ inline void validate(const Flags& f) {
   if (f.optimizer == "muon" && !f.distributed_optimizer) {
     throw FlagError("--optimizer muon needs --distributed-optimizer (Muon runs on whole-param ZeRO-1 shards)");
   }
-  if (f.optimizer == "muon" && f.pp > 1) throw FlagError("--optimizer muon with --pp is not supported yet; use adamw");
   examples::validate_run_flags(f.run);
   examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }

@@ -11,7 +11,7 @@
 //      backward and the pipeline's cool-down bubble (--grad-sync end: nothing until the schedule ends);
 //   3. finalize_model_grads(chunks): every chunk's sync finished, the tied sum, and with --loss
 //      per-token the division by the global count of valid tokens; then the optimizer step (torch
-//      AdamW/SGD over all chunks, or one ZeRO-1 DistributedOptimizer per chunk) and
+//      AdamW/SGD over all chunks, or one ZeRO-1 DistributedOptimizer per chunk, AdamW, SGD or Muon) and
 //      check_tied_params_identical() (the two copies bit for bit).
 // --dtype bf16 as the plain path (examples/common/precision.h), on every stage: bf16 params and
 // activations (the p2p buffers bf16 too), the loss in fp32 on the last stage, fp32 main grads unless
@@ -99,6 +99,7 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;
     config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
+    if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
     chunk.ddp = std::make_unique<Ddp>(chunk.module.ptr(), mesh, dp_dims,
                                       meshddp::pipeline_chunk_config(config, pp_rank, v, f.vpp));
     engines.push_back(chunk.ddp.get());
@@ -117,6 +118,10 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     for (Chunk& chunk : chunks) {
       meshddp::DistributedOptimizerConfig oc;
       oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+      if (f.optimizer == "muon") {  // as main.cpp: each chunk's block matrices on Muon, the rest on AdamW
+        oc.kind = meshddp::OptimizerKind::kMuon;
+        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings and the head tied to wte
+      }
       oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       chunk.zero1 = std::make_unique<meshddp::DistributedOptimizer>(chunk.ddp->grad_buffer(), oc);

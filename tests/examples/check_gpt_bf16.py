@@ -20,7 +20,7 @@ accumulated and reduced in bf16), against the floor of one-process runs that als
 (a wider floor). checkpoint: dp 2 x tp 2 ZeRO-1 in bf16 saves at step 4; resumed at the same mesh it
 repeats steps 4..7 bit for bit; resumed at dp 4 and at dp 1 it stays within the floor (the masters
 themselves load bit for bit: tests/plugin/bf16_checkpoint_test.cpp). muon: --optimizer muon with
-ZeRO-1 (Muon's matrices and AdamW's rest stepped on fp32 masters), dp 2 and dp 2 x tp 2.
+ZeRO-1 (Muon's matrices and AdamW's rest stepped on fp32 masters), dp 2, dp 2 x tp 2 and pp 2.
 
 pipeline (--pp, 4 layers): pp 2 (1F1B, 4 micro-batches, plain DDP with an Fp32MasterParams per chunk),
 pp 2 x vpp 2 (interleaved) and dp 2 x pp 2 with ZeRO-1 (a DistributedOptimizer per chunk), which saves
@@ -134,6 +134,7 @@ elif mode == "muon":
     golden, floor = golden_and_floor("dense Muon", *muon)
     check("dp2 Muon", golden, floor, losses(2, 1, 1, *muon))
     check("dp2 x tp2 Muon", golden, with_tp_floor("dense Muon", golden, floor, *muon), losses(2, 2, 1, *muon))
+    check("pp2 Muon, 4 micro-batches", golden, floor, losses(1, 1, 1, *muon, "--micro-batches", "4", pp=2))
 elif mode == "pipeline":
     golden, floor = golden_and_floor("dense 4 layers", *LAYERS)
     layers = LAYERS
