@@ -116,7 +116,6 @@ inline void validate(const Flags& f) {
       throw FlagError("--optimizer-instances " + n(f.optimizer_instances) +
                       " with --pp/--vpp is not supported yet; use flat ZeRO-1 (1)");
     }
-    if (f.precision.bf16) throw FlagError("--dtype bf16 with --pp/--vpp is not supported yet; use fp32");
     if (f.run.inject_nan.step >= 0) throw FlagError("--inject-nan with --pp/--vpp is not supported; drop one of them");
   } else if (f.sync_at_end) {
     throw FlagError("--grad-sync end needs a pipeline (--pp)");
@@ -124,7 +123,6 @@ inline void validate(const Flags& f) {
   if (f.optimizer == "muon" && !f.distributed_optimizer) {
     throw FlagError("--optimizer muon needs --distributed-optimizer (Muon runs on whole-param ZeRO-1 shards)");
   }
-  if (f.optimizer == "muon" && f.pp > 1) throw FlagError("--optimizer muon with --pp is not supported yet; use adamw");
   examples::validate_run_flags(f.run);
   examples::validate_precision_flags(f.precision, f.distributed_optimizer, f.checkpoints.any());
 }

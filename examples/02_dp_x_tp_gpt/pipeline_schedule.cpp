@@ -64,13 +64,14 @@ std::string describe_actions(const std::vector<Action>& actions) {
 }
 
 PipelineSchedule::PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> pp_group, int64_t vpp, int64_t microbatches,
-                                   std::vector<int64_t> hidden_shape)
+                                   std::vector<int64_t> hidden_shape, at::ScalarType dtype)
     : pp_group_(std::move(pp_group)),
       pp_(pp_group_->getSize()),
       rank_(pp_group_->getRank()),
       vpp_(vpp),
       microbatches_(microbatches),
       hidden_shape_(std::move(hidden_shape)),
+      dtype_(dtype),
       actions_(schedule_actions(pp_, vpp, rank_, microbatches)) {}
 
 int PipelineSchedule::tag(int64_t m, int64_t c, Pass pass) const {
@@ -87,8 +88,12 @@ std::string describe(const Action& a, const char* what, int64_t peer, int tag) {
 }  // namespace
 
 void PipelineSchedule::send(const at::Tensor& t, int64_t to, int tag, const Action& a) {
-  std::vector<at::Tensor> tensors{t.detach().contiguous()};
   const std::string what = describe(a, "sending to", to, tag);
+  // The receiver's buffer has dtype_: a tensor of another dtype would arrive as garbage bytes.
+  TORCH_CHECK(t.scalar_type() == dtype_, "pipeline: ", what, ": the tensor is ", t.scalar_type(),
+              ", but the pipeline's send and receive buffers are ", dtype_,
+              " (the params' dtype; hand on activations and their gradients in it)");
+  std::vector<at::Tensor> tensors{t.detach().contiguous()};
   try {
     sends_.emplace_back(pp_group_->send(tensors, static_cast<int>(to), tag), what);
   } catch (const std::exception& e) {
@@ -97,7 +102,7 @@ void PipelineSchedule::send(const at::Tensor& t, int64_t to, int tag, const Acti
 }
 
 at::Tensor PipelineSchedule::recv(int64_t from, int tag, const Action& a) {
-  std::vector<at::Tensor> tensors{at::empty(hidden_shape_, at::kFloat)};
+  std::vector<at::Tensor> tensors{at::empty(hidden_shape_, dtype_)};
   try {
     pp_group_->recv(tensors, static_cast<int>(from), tag)->wait();
   } catch (const std::exception& e) {

@@ -53,15 +53,19 @@ class PipelineSchedule {
  public:
   // `pp_group`: this rank's pipeline group (ranks holding the other stages of the same data, with the
   // same DP / CP / TP coordinates). `hidden_shape`: the activation every chunk but the last sends on
-  // ([micro-batch, this rank's sequence share, dim]); float32.
+  // ([micro-batch, this rank's sequence share, dim]); `dtype`: its dtype, and its gradient's (the
+  // params' dtype: bf16 activations travel as bf16, as Megatron's p2p does). Every send and receive
+  // buffer has that dtype; a chunk handing on another is an error naming both.
   PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> pp_group, int64_t vpp, int64_t microbatches,
-                   std::vector<int64_t> hidden_shape);
+                   std::vector<int64_t> hidden_shape, at::ScalarType dtype);
 
   // One step's forward and backward passes in schedule order. Every pending send has completed on
   // return. Throws naming the action, the peer and the tag when a transfer fails (a peer's timeout is
   // the group's: --timeout-s).
   void run(const StageWork& work);
   const std::vector<Action>& actions() const { return actions_; }
+  // The dtype of every buffer sent and received (the step log prints it).
+  at::ScalarType dtype() const { return dtype_; }
 
  private:
   int64_t model_chunk(int64_t chunk) const { return chunk * pp_ + rank_; }
@@ -75,6 +79,7 @@ class PipelineSchedule {
   c10::intrusive_ptr<c10d::ProcessGroup> pp_group_;
   int64_t pp_, rank_, vpp_, microbatches_;
   std::vector<int64_t> hidden_shape_;
+  at::ScalarType dtype_;
   std::vector<Action> actions_;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends_;      // pending, with a description
   std::map<std::pair<int64_t, int64_t>, std::pair<at::Tensor, at::Tensor>> live_;  // (chunk, mb) -> (input, output)

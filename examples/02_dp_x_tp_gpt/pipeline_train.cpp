@@ -11,14 +11,19 @@
 //      backward and the pipeline's cool-down bubble (--grad-sync end: nothing until the schedule ends);
 //   3. finalize_model_grads(chunks): every chunk's sync finished, the tied sum, and with --loss
 //      per-token the division by the global count of valid tokens; then the optimizer step (torch
-//      AdamW/SGD over all chunks, or one ZeRO-1 DistributedOptimizer per chunk) and
+//      AdamW/SGD over all chunks, or one ZeRO-1 DistributedOptimizer per chunk, AdamW, SGD or Muon) and
 //      check_tied_params_identical() (the two copies bit for bit).
+// --dtype bf16 as the plain path (examples/common/precision.h), on every stage: bf16 params and
+// activations (the p2p buffers bf16 too), the loss in fp32 on the last stage, fp32 main grads unless
+// --grad-reduce-in-bf16 (the tied sum then runs on them as well), fp32 masters per chunk (each chunk's
+// ZeRO-1 shard, or for plain DDP an Fp32MasterParams per chunk under one torch optimizer).
 #include "examples/02_dp_x_tp_gpt/pipeline_train.h"
 
 #include "examples/02_dp_x_tp_gpt/pipeline_model.h"
 #include "examples/02_dp_x_tp_gpt/pipeline_schedule.h"
 #include "examples/common/checkpointing.h"
 #include "examples/common/flag_agreement.h"
+#include "examples/common/precision.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
 
@@ -56,6 +61,7 @@ struct Chunk {
   GptChunk module{nullptr};
   std::unique_ptr<Ddp> ddp;
   std::unique_ptr<meshddp::DistributedOptimizer> zero1;
+  std::unique_ptr<examples::Fp32MasterParams> masters;  // plain DDP in bf16: the fp32 copies the optimizer steps
 };
 
 }  // namespace
@@ -68,6 +74,7 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   // The one-process model, cut: every rank builds it whole from the seed and keeps its chunks.
   torch::manual_seed(f.seed);
   Gpt whole(f.model);
+  whole->to(f.precision.param_dtype());  // before cutting: the last stage's LM head copies the bf16 embedding
   const std::vector<std::string> dp_dims =
       f.cp > 1 ? std::vector<std::string>{"dp", "cp"} : std::vector<std::string>{"dp"};
   std::vector<Chunk> chunks(f.vpp);
@@ -91,10 +98,17 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.check_for_nan_in_grad = !f.distributed_optimizer;
+    config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
+    if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
     chunk.ddp = std::make_unique<Ddp>(chunk.module.ptr(), mesh, dp_dims,
                                       meshddp::pipeline_chunk_config(config, pp_rank, v, f.vpp));
     engines.push_back(chunk.ddp.get());
-    for (const auto& p : chunk.ddp->parameters()) all_params.push_back(p);
+    if (f.precision.bf16 && !f.distributed_optimizer) {
+      chunk.masters = std::make_unique<examples::Fp32MasterParams>(*chunk.ddp);
+      for (const auto& p : chunk.masters->masters()) all_params.push_back(p);
+    } else {
+      for (const auto& p : chunk.ddp->parameters()) all_params.push_back(p);
+    }
   }
 
   std::unique_ptr<torch::optim::Optimizer> torch_optimizer;
@@ -104,6 +118,10 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     for (Chunk& chunk : chunks) {
       meshddp::DistributedOptimizerConfig oc;
       oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+      if (f.optimizer == "muon") {  // as main.cpp: each chunk's block matrices on Muon, the rest on AdamW
+        oc.kind = meshddp::OptimizerKind::kMuon;
+        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings and the head tied to wte
+      }
       oc.lr = f.run.lr;
       oc.weight_decay = 0.0;
       chunk.zero1 = std::make_unique<meshddp::DistributedOptimizer>(chunk.ddp->grad_buffer(), oc);
@@ -127,7 +145,7 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   const int64_t dp_rank = mesh.coordinate("dp"), local = f.global_batch / f.dp, micro = local / f.micro_batches;
   const int64_t cp_rank = f.cp > 1 ? mesh.coordinate("cp") : 0, slice = f.model.seq_len / f.cp;
   const int64_t shard = slice / (f.sequence_parallel ? f.tp : 1);  // sequence positions a hidden state holds
-  PipelineSchedule pipeline(mesh["pp"], f.vpp, f.micro_batches, {micro, shard, f.model.dim});
+  PipelineSchedule pipeline(mesh["pp"], f.vpp, f.micro_batches, {micro, shard, f.model.dim}, f.precision.param_dtype());
   if (mesh.rank() == 0) {
     std::fprintf(stderr, "# gpt pipeline: %s, %lld chunks (vpp %lld, %s), %lld micro-batches of %lld%s%s, loss %s\n",
                  mesh.describe().c_str(), static_cast<long long>(chunks_total), static_cast<long long>(f.vpp),
@@ -135,6 +153,11 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
                  static_cast<long long>(micro), f.sequence_parallel ? ", sequence parallel" : "",
                  f.distributed_optimizer ? ", ZeRO-1" : "", f.per_token_loss ? "per-token" : "mean");
     std::fprintf(stderr, "# pipeline rank 0 runs: %s\n", describe_actions(pipeline.actions()).c_str());
+    // Read from rank 0's first chunk's buffers and from the schedule's p2p buffers.
+    const Chunk& first = chunks.front();
+    std::fprintf(stderr, "%s, p2p %s\n",
+                 examples::precision_header(*first.ddp, first.zero1.get(), first.masters.get()).c_str(),
+                 examples::dtype_name(pipeline.dtype()));
   }
   meshddp::PipelineTrainingState state{{}, mesh.world()};
   for (Chunk& chunk : chunks) {
@@ -170,7 +193,8 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
       Chunk& chunk = chunks[v];
       auto out = chunk.ddp->forward(chunk.module->is_first ? mine(ids, m) : input);
       if (!chunk.module->is_last) return out;
-      const auto logits = out.view({-1, out.size(-1)});
+      // The loss in fp32 (bf16 logits widened, as Megatron's cross entropy does).
+      const auto logits = out.to(torch::kFloat).view({-1, out.size(-1)});
       const auto y = mine(targets, m).reshape({-1});
       torch::Tensor loss, reported;
       if (f.per_token_loss) {
@@ -227,7 +251,13 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
       double squares = 0;
       for (Chunk& chunk : chunks) squares += std::pow(meshddp::grad_norm(chunk.ddp->grad_buffer()), 2);
       result.grad_norm = std::sqrt(squares);  // this stage's chunks (the log's value)
+      for (Chunk& chunk : chunks) {
+        if (chunk.masters) chunk.masters->take_grads(*chunk.ddp);
+      }
       torch_optimizer->step();
+      for (Chunk& chunk : chunks) {
+        if (chunk.masters) chunk.masters->write_params();
+      }
     }
     if (!result.skipped) schedule.step();
     // The two copies of the tied embedding, bit for bit (the first stage's chunk 0 and the last

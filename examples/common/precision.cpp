@@ -28,13 +28,9 @@ void validate_precision_flags(const PrecisionFlags& f, bool distributed_optimize
   }
 }
 
-namespace {
-
 const char* dtype_name(at::ScalarType t) {
   return t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : c10::toString(t);
 }
-
-}  // namespace
 
 std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::DistributedOptimizer* zero1,
                              const Fp32MasterParams* masters) {

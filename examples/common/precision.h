@@ -36,6 +36,9 @@ void validate_precision_flags(const PrecisionFlags& f, bool distributed_optimize
 
 class Fp32MasterParams;
 
+// "fp32", "bf16", "fp16" (else c10's name): how the step log writes a dtype.
+const char* dtype_name(at::ScalarType t);
+
 // "# dtypes: params bf16, activations bf16, main grads fp32 (reduced in fp32), masters fp32 (this
 // rank's ZeRO-1 shard), optimizer state fp32": the step log's header line. Read from the buffers
 // themselves (a param, its main grad, the comm hook, ZeRO-1's master bytes), not from the flags, so that a run

@@ -1,7 +1,8 @@
 """Runs examples/02_dp_x_tp_gpt in bf16 (--dtype bf16: bf16 params and activations, fp32 masters)
 under torchrun and holds every distributed loss curve to the bf16 golden: the same model in one
 process, same dtypes, fp32 masters, whole global batch. Usage:
-check_gpt_bf16.py <gpt_example> {fp32-main-grads|bf16-main-grads|checkpoint|muon}.
+check_gpt_bf16.py <gpt_example> {fp32-main-grads|bf16-main-grads|checkpoint|muon|pipeline|
+pipeline-bf16-main-grads}.
 
 The floor: bf16 rounds every activation and every gradient a layer hands on, so two one-process runs
 that differ only in the order of the sums (the global batch in 2 or 4 micro-batches instead of 1:
@@ -19,7 +20,19 @@ accumulated and reduced in bf16), against the floor of one-process runs that als
 (a wider floor). checkpoint: dp 2 x tp 2 ZeRO-1 in bf16 saves at step 4; resumed at the same mesh it
 repeats steps 4..7 bit for bit; resumed at dp 4 and at dp 1 it stays within the floor (the masters
 themselves load bit for bit: tests/plugin/bf16_checkpoint_test.cpp). muon: --optimizer muon with
-ZeRO-1 (Muon's matrices and AdamW's rest stepped on fp32 masters), dp 2 and dp 2 x tp 2.
+ZeRO-1 (Muon's matrices and AdamW's rest stepped on fp32 masters), dp 2, dp 2 x tp 2 and pp 2.
+
+pipeline (--pp, 4 layers): pp 2 (1F1B, 4 micro-batches, plain DDP with an Fp32MasterParams per chunk),
+pp 2 x vpp 2 (interleaved) and dp 2 x pp 2 with ZeRO-1 (a DistributedOptimizer per chunk), which saves
+at step 4 and, resumed there, repeats steps 4..7 bit for bit; the header must also show the p2p buffers
+in bf16. pipeline-bf16-main-grads: dp 2 x pp 2 ZeRO-1 with --grad-reduce-in-bf16, held to the floor of
+one-process runs that also accumulate in bf16. The golden of a pipeline run is the plain one-process
+run on the whole batch (--micro-batches 1), and its floor the usual one, not the one-process run with
+the pipeline's micro-batches: that run is no closer (measured: pp 2 with 4 micro-batches is 2.7e-4
+from the whole-batch golden and 3.2e-4 from the one-process 4-micro-batch run, 4.9e-4 from the
+2-micro-batch one), since the tied embedding's gradient is summed in fp32 across the first and last
+stage where one process lets autograd add its two uses in bf16; and a pipeline is a micro-batched run,
+which is exactly what the floor measures.
 
 Measured (8 steps, 2-core CPU; printed on every run; table in docs/examples.md "bf16"): floors 3.6e-4
 (dense) and 1.1e-3 (MoE) with fp32 main grads, 5.4e-4 and 7.3e-4 with bf16 ones; the distributed
@@ -40,17 +53,21 @@ MULTIPLE = 3
 TP_MULTIPLE = 10
 MOE = ["--experts", "4", "--top-k", "2"]
 BF16 = ["--dtype", "bf16", "--global-batch", "16", "--seed", "1"]
+LAYERS = ("--layers", "4")  # the pipeline modes' model: pp 2 x vpp 2 gives each chunk one block
 
 
-def losses(dp=1, tp=1, cp=1, *extra, first=0, steps=STEPS):
+def losses(dp=1, tp=1, cp=1, *extra, first=0, steps=STEPS, pp=1):
     """The run's loss curve; its step-log header must show the dtypes the flags ask for, read from
     the buffers (examples/common/precision.h): bf16 params, main grads fp32 (bf16 with
-    --grad-reduce-in-bf16), fp32 masters (ZeRO-1's shard or plain DDP's whole copy)."""
+    --grad-reduce-in-bf16), fp32 masters (ZeRO-1's shard or plain DDP's whole copy); on a pipeline
+    (pp > 1) also the p2p buffers' dtype, bf16."""
     grads = "bf16" if "--grad-reduce-in-bf16" in extra else "fp32"
     masters = "this rank's ZeRO-1 shard" if "--distributed-optimizer" in extra else "a whole copy"
     header = f"# dtypes: params bf16, activations bf16, main grads {grads} (reduced in {grads}), masters fp32 ({masters}"
-    return run_losses(binary, dp * cp * tp, steps, ["--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *BF16, *extra],
-                      first=first, expect_in_stderr=[header])
+    expected = [header] + (["optimizer state fp32, p2p bf16\n"] if pp > 1 else [])
+    mesh = ["--dp", str(dp), "--cp", str(cp), "--tp", str(tp)] + (["--pp", str(pp)] if pp > 1 else [])
+    return run_losses(binary, dp * cp * tp * pp, steps, [*mesh, *BF16, *extra], first=first,
+                      expect_in_stderr=expected)
 
 
 def worst(reference, curve):
@@ -117,6 +134,29 @@ elif mode == "muon":
     golden, floor = golden_and_floor("dense Muon", *muon)
     check("dp2 Muon", golden, floor, losses(2, 1, 1, *muon))
     check("dp2 x tp2 Muon", golden, with_tp_floor("dense Muon", golden, floor, *muon), losses(2, 2, 1, *muon))
+    check("pp2 Muon, 4 micro-batches", golden, floor, losses(1, 1, 1, *muon, "--micro-batches", "4", pp=2))
+elif mode == "pipeline":
+    golden, floor = golden_and_floor("dense 4 layers", *LAYERS)
+    layers = LAYERS
+    check("pp2 1F1B, 4 micro-batches", golden, floor, losses(1, 1, 1, *layers, "--micro-batches", "4", pp=2))
+    check("pp2 x vpp2 interleaved", golden, floor,
+          losses(1, 1, 1, *layers, "--vpp", "2", "--micro-batches", "4", pp=2))
+    with tempfile.TemporaryDirectory() as checkpoints:
+        zero1 = (*layers, "--micro-batches", "2", "--distributed-optimizer", "--save-dir", checkpoints,
+                 "--save-every", "4")
+        uninterrupted = losses(2, 1, 1, *zero1, pp=2)
+        check("dp2 x pp2 ZeRO-1", golden, floor, uninterrupted)
+        resumed = losses(2, 1, 1, *zero1, "--resume-step", "4", first=4, pp=2)
+        print(f"{'dp2 x pp2 ZeRO-1 resumed@4':34s}:", resumed)
+        if resumed != uninterrupted[4:]:
+            sys.exit(f"FAILED: resuming the bf16 dp2 x pp2 ZeRO-1 run at step 4 gave {resumed}, "
+                     f"not {uninterrupted[4:]}")
+elif mode == "pipeline-bf16-main-grads":
+    reduce = (*LAYERS, "--grad-reduce-in-bf16")
+    golden, floor = golden_and_floor("dense 4 layers bf16 main grads", *reduce)
+    check("dp2 x pp2 ZeRO-1 bf16 main grads", golden, floor,
+          losses(2, 1, 1, *reduce, "--micro-batches", "2", "--distributed-optimizer", pp=2))
 else:
-    sys.exit(f"usage: check_gpt_bf16.py <gpt_example> fp32-main-grads|bf16-main-grads|checkpoint|muon (got '{mode}')")
+    sys.exit("usage: check_gpt_bf16.py <gpt_example> fp32-main-grads|bf16-main-grads|checkpoint|muon|pipeline|"
+             f"pipeline-bf16-main-grads (got '{mode}')")
 print("1 passed, 0 failed")
