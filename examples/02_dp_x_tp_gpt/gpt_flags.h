@@ -205,4 +205,21 @@ inline Flags parse(int argc, char** argv) {
   return f;
 }
 
+// What a failed --resume adds to the load's error (ExampleCheckpoints::explain_load_failures): the
+// checkpoint's tensors follow two flags. --pp/--vpp: the pipeline trainer keeps the tied LM head as a
+// separate lm_head.weight (the last stage's copy), the plain one has wte.weight alone; --dtype: the
+// params are saved in theirs (bf16 or fp32).
+inline std::string resume_hint(const Flags& f) {
+  const std::string dtype = f.precision.bf16 ? "bf16" : "fp32", other = f.precision.bf16 ? "fp32" : "bf16";
+  const std::string trainer = f.pipeline ? "on a pipeline (--pp/--vpp)" : "without a pipeline (no --pp/--vpp)";
+  const std::string switch_trainer =
+      f.pipeline ? "one saved without --pp/--vpp (its LM head is wte.weight itself, no lm_head.weight) resumes only "
+                   "without them"
+                 : "one saved with --pp/--vpp (its LM head a separate lm_head.weight) resumes only with --pp (at any "
+                   "size; --pp 1 runs every layer on one stage)";
+  return "This run trains " + trainer + " with --dtype " + dtype + ": it resumes checkpoints of the same model saved " +
+         trainer + " with --dtype " + dtype + " (at any --dp, --tp" + (f.pipeline ? ", --pp, --vpp" : "") + "); " +
+         switch_trainer + ", and one saved with --dtype " + other + " only with --dtype " + other + ".";
+}
+
 }  // namespace gpt

@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
                                              meshddp::TrainingState{model.ptr().get(), &ddp, zero1.get(), adamw.get()},
                                              mesh.rank(), f.seed, f.global_batch);
     checkpoints.track(schedule);
+    checkpoints.explain_load_failures(resume_hint(f));
     const int64_t first_step = checkpoints.resume();
     examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(),
                                 mesh.rank() == 0);

@@ -165,6 +165,7 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   }
   examples::ExampleCheckpoints checkpoints(f.checkpoints, state, mesh.rank(), f.seed, f.global_batch);
   checkpoints.track(schedule);
+  checkpoints.explain_load_failures(resume_hint(f));
   const int64_t first_step = checkpoints.resume();
   const bool last_stage = chunks.back().module->is_last;
   const bool reports_loss = last_stage && (f.tp == 1 || mesh.coordinate("tp") == 0);

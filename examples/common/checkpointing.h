@@ -31,6 +31,7 @@
 #include <meshddp/meshddp.h>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 
 namespace examples {
@@ -103,6 +104,11 @@ class ExampleCheckpoints {
   // settings are this run's.
   void track(meshddp::LrScheduler& schedule) { schedule_ = &schedule; }
 
+  // What a failed resume adds to the load's error: which checkpoints this run's flags can resume and
+  // the flags that resume the others (the load names the tensors that differ, not the flags that
+  // shaped them: a pipeline trainer's separate lm_head.weight, bf16 params).
+  void explain_load_failures(std::string hint) { load_hint_ = std::move(hint); }
+
   // The first step to run: 0, or the step after the checkpoint loaded.
   int resume() {
     if (!f_.resume) return 0;
@@ -113,7 +119,7 @@ class ExampleCheckpoints {
           std::visit([&](const auto& s) { return meshddp::resume_checkpoint(s, f_.save_dir, f_.resume_step); }, state_);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, f_.resume_step ? "--resume-step " + std::to_string(*f_.resume_step) : std::string("--resume"),
-                  ": ", e.what_without_backtrace(),
+                  ": ", e.what_without_backtrace(), load_hint_.empty() ? "" : "\n" + load_hint_,
                   f_.resume_step ? "" : "\nTo resume from a given complete step, pass --resume-step N");
     }
     if (!found) {
@@ -233,6 +239,7 @@ class ExampleCheckpoints {
   CheckpointFlags f_;
   std::variant<meshddp::TrainingState, meshddp::PipelineTrainingState> state_;
   meshddp::LrScheduler* schedule_ = nullptr;
+  std::string load_hint_;
   int64_t rank_;
   int64_t seed_, global_batch_;
   meshddp::CheckpointSaver saver_;  // last: its destructor names a save still pending as abandoned
