@@ -6,6 +6,7 @@ the global batch, stepped by torch.optim.Muon (bf16 iteration) or by the same op
 (muon_workers.reference_muon_step), with torch.optim.AdamW on the rest."""
 
 import io
+import warnings
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -167,3 +168,28 @@ def settings_differ(rank, world_size):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+class ConvAndStack(torch.nn.Module):
+    """A Conv1d kernel [6, 4, 3] (3-D, not a stack of matrices) beside a stack of experts [2, 4, 6]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 6, 3)
+        self.experts = torch.nn.Parameter(torch.randn(2, 4, 6))
+
+    def forward(self, x):
+        return self.conv(x).sum() + torch.einsum("bcl,ecn->ben", x, self.experts).sum()
+
+
+def conv_kernel_warnings(rank, world_size, muon_adamw_params):
+    """The warnings of a muon_stacked_matrices optimizer over ConvAndStack, and its Muon params."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(ConvAndStack(), mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+            kind="muon", muon_stacked_matrices=True, muon_adamw_params=muon_adamw_params))
+    return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught]}

@@ -76,3 +76,14 @@ def test_the_setting_is_agreed_over_the_mesh():
     for rank, message in enumerate(run_once(2, "muon_stacked_workers.settings_differ")):
         assert message is not None and "'muon_stacked_matrices' is rank 0: false, rank 1: true" in message, \
             f"rank {rank}: {message}"
+
+
+def test_a_conv1d_kernel_that_stacked_muon_would_take_is_warned_of_naming_it_and_the_fix():
+    # An nn.Conv1d weight [out, in, k] is 3-D: unnamed in muon_adamw_params, it would be stepped as out
+    # separate in x k matrices.
+    r = run_once(1, "muon_stacked_workers.conv_kernel_warnings", muon_adamw_params="*embed*")[0]
+    assert sorted(r["muon"]) == ["conv.weight", "experts"], r["muon"]
+    assert len(r["warnings"]) == 1 and "'conv.weight' (Conv1d, [6, 4, 3])" in r["warnings"][0], r["warnings"]
+    assert "muon_adamw_params='*embed*,conv.weight'" in r["warnings"][0], r["warnings"][0]
+    fixed = run_once(1, "muon_stacked_workers.conv_kernel_warnings", muon_adamw_params="*embed*,conv*")[0]
+    assert fixed["muon"] == ["experts"] and fixed["warnings"] == [], fixed

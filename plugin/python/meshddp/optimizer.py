@@ -50,6 +50,23 @@ def _warn_of_muon_embeddings(module, by_name, muon_names, patterns):
             f"muon_adamw_params={(patterns + ',' + ','.join(caught)).lstrip(',')!r}", UserWarning, stacklevel=3)
 
 
+def _warn_of_muon_conv_stacks(module, by_name, muon_names, patterns):
+    """muon_stacked_matrices takes every 3-D param muon_adamw_params does not name as a stack of matrices
+    [E, m, n]; an nn.Conv1d kernel [out, in, k] is 3-D too, and would be stepped as `out` separate in x k
+    matrices: warn, naming the param and the fix (docs/optimizer.md "Muon on stacked matrices")."""
+    kernels = {id(m.weight): type(m).__name__ for m in module.modules()
+               if isinstance(m, torch.nn.modules.conv._ConvNd) and isinstance(m.weight, torch.nn.Parameter)}
+    caught = [name for name in muon_names if id(by_name[name]) in kernels]
+    if caught:
+        shapes = ", ".join(f"'{n}' ({kernels[id(by_name[n])]}, {list(by_name[n].shape)})" for n in caught)
+        warnings.warn(
+            f"meshddp.DistributedOptimizer: kind='muon' with muon_stacked_matrices=True steps the convolution "
+            f"kernel(s) {shapes} as stacks of matrices [out][in x k], each orthogonalized by itself: their names "
+            f"match none of muon_adamw_params ({patterns!r}). Stacked Muon is for grouped experts [E, m, n]; keep "
+            f"kernels on AdamW: muon_adamw_params={(patterns + ',' + ','.join(caught)).lstrip(',')!r}",
+            UserWarning, stacklevel=3)
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     # step() calls finish_grad_sync() itself: the guard on torch optimizers' steps (meshddp/_guards.py)
     # lets it through.
@@ -92,6 +109,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._module_path = module_path
         if config.kind == "muon":
             _warn_of_muon_embeddings(ddp.module, by_name, self._impl.muon_params(), config.muon_adamw_params)
+            if config.muon_stacked_matrices:
+                _warn_of_muon_conv_stacks(ddp.module, by_name, self._impl.muon_params(), config.muon_adamw_params)
 
     def add_param_group(self, param_group):
         if getattr(self, "_impl", None) is not None and len(self.param_groups) == self._impl.num_groups():
