@@ -64,6 +64,7 @@ int64_t ParamBuffer::bytes() const {
 }
 
 void ParamBuffer::check_param_in_place(const NamedParam& p, const ParamSlot& slot, const char* who) const {
+  if (p.param.numel() == 0) return;  // no elements to reach (an empty tensor's data pointer is not its slot's)
   const auto* expected = static_cast<const char*>(buffers_[slot.buffer].const_data_ptr()) +
                          slot.offset * static_cast<int64_t>(buffers_[slot.buffer].element_size());
   TORCH_CHECK(p.param.const_data_ptr() == expected, "GradBuffer::", who, ": parameter ", describe_param_name(p),

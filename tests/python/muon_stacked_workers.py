@@ -193,3 +193,32 @@ def conv_kernel_warnings(rank, world_size, muon_adamw_params):
         opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
             kind="muon", muon_stacked_matrices=True, muon_adamw_params=muon_adamw_params))
     return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught]}
+
+
+class EmptyStack(torch.nn.Module):
+    """A stack of no experts [0, 4, 6] (an empty param) beside a stack of two."""
+
+    def __init__(self, with_empty):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.Parameter(torch.randn(2, 4, 6))
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4, 6)) if with_empty else None
+
+    def forward(self, x):
+        out = torch.einsum("bc,ecn->ben", x, self.experts).square().sum()
+        return out if self.empty is None else out + self.empty.sum()
+
+
+def steps_beside_an_empty_stack(rank, world_size, kind, with_empty):
+    """Two steps of EmptyStack (an empty param in the param buffer, or none): the experts after them."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = EmptyStack(with_empty)
+    ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
+        use_distributed_optimizer=True, shard_policy="whole_param"))
+    extra = {"muon_stacked_matrices": True} if kind == "muon" else {}
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=LR, **extra))
+    for step in range(2):
+        ddp(torch.full((3, 4), 0.1 * (rank + step + 1))).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.experts.detach().clone()

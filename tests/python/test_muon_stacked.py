@@ -5,6 +5,7 @@ every expert matrix is a separate 2-D param (torch.optim.Muon accepts only those
 another DP size, the refusals. Workers: muon_stacked_workers.py."""
 
 import pytest
+import torch
 from multiprocess import run_once
 
 # fp32 iteration against the same ops in one process: the DP sums' rounding only. Measured (4 steps;
@@ -87,3 +88,14 @@ def test_a_conv1d_kernel_that_stacked_muon_would_take_is_warned_of_naming_it_and
     assert "muon_adamw_params='*embed*,conv.weight'" in r["warnings"][0], r["warnings"][0]
     fixed = run_once(1, "muon_stacked_workers.conv_kernel_warnings", muon_adamw_params="*embed*,conv*")[0]
     assert fixed["muon"] == ["experts"] and fixed["warnings"] == [], fixed
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_an_empty_stack_trains_beside_the_others(kind):
+    # A param of no elements ([0, 4, 6]: a stack of no experts) was reported as replaced after wrapping
+    # (its data pointer is not its slot's) at the first step; it has nothing to update.
+    with_empty = run_once(2, "muon_stacked_workers.steps_beside_an_empty_stack", kind=kind, with_empty=True)
+    without = run_once(2, "muon_stacked_workers.steps_beside_an_empty_stack", kind=kind, with_empty=False)
+    for rank, (a, b) in enumerate(zip(with_empty, without)):
+        assert isinstance(a, torch.Tensor), f"rank {rank}: {a}"
+        assert torch.equal(a, b), f"rank {rank}: the experts differ by {(a - b).abs().max().item()}"
