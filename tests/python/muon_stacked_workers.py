@@ -222,3 +222,16 @@ def steps_beside_an_empty_stack(rank, world_size, kind, with_empty):
         opt.step()
         opt.zero_grad()
     return model.experts.detach().clone()
+
+
+def state_dict_loaded_with_the_setting_flipped(rank, world_size, saved_stacked):
+    """A state_dict() saved with muon_stacked_matrices = saved_stacked, loaded (load_state_dict) into an
+    optimizer with the other setting: the error."""
+    _, _, _, saved = build(world_size, 1, stacked=saved_stacked)
+    state = saved.state_dict()
+    _, _, _, other = build(world_size, 1, stacked=not saved_stacked)
+    try:
+        other.load_state_dict(state)
+    except RuntimeError as e:
+        return str(e)
+    return None

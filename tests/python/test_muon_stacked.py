@@ -4,6 +4,8 @@ w1 [E, d, h] and w2 [E, h, d], stepped by meshddp.DistributedOptimizer(kind="muo
 every expert matrix is a separate 2-D param (torch.optim.Muon accepts only those); checkpoints at
 another DP size, the refusals. Workers: muon_stacked_workers.py."""
 
+import re
+
 import pytest
 import torch
 from multiprocess import run_once
@@ -99,3 +101,13 @@ def test_an_empty_stack_trains_beside_the_others(kind):
     for rank, (a, b) in enumerate(zip(with_empty, without)):
         assert isinstance(a, torch.Tensor), f"rank {rank}: {a}"
         assert torch.equal(a, b), f"rank {rank}: the experts differ by {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("saved_stacked", [True, False])
+def test_a_state_dict_loaded_with_the_setting_flipped_names_the_settings(saved_stacked):
+    # The experts hold Muon's momentum_buffer with the setting on, AdamW's moments with it off.
+    for message in run_once(1, "muon_stacked_workers.state_dict_loaded_with_the_setting_flipped",
+                            saved_stacked=saved_stacked):
+        assert message is not None and re.search(r"parameter 'w[12]' has no '", message), message
+        assert f"muon_stacked_matrices={not saved_stacked}" in message, message
+        assert "load with the muon_adamw_params and muon_stacked_matrices it was saved with" in message, message

@@ -110,6 +110,19 @@ def build(opt):
     }
 
 
+def _why_other_states(config, name, takes_muon, has):
+    """The way out when a param's states are another optimizer's: another kind, or under kind="muon"
+    (a param holds "momentum_buffer" when Muon steps it, AdamW's two moments otherwise) other
+    muon_adamw_params or muon_stacked_matrices (which take 3-D params) than it was saved with."""
+    kind = f"saved by another optimizer kind? this one is {config.kind}"
+    if config.kind != "muon":
+        return kind
+    return (f"{kind}; or, saved by kind='muon', with other settings: '{name}' is stepped by "
+            f"{'Muon' if takes_muon else 'AdamW'} here (muon_adamw_params={config.muon_adamw_params!r}, "
+            f"muon_stacked_matrices={config.muon_stacked_matrices}): load with the muon_adamw_params and "
+            f"muon_stacked_matrices it was saved with")
+
+
 def load(opt, state_dict):
     """Applies `state_dict` (this optimizer's state_dict(), filled by dcp.load) to `opt`. Every rank
     checks the whole dict, and all agree, before any changes anything; a collective over the mesh."""
@@ -204,9 +217,9 @@ def _check(opt, state_dict):
         for kind, ours in kinds.items():
             theirs = given[name].get(kind) if isinstance(given[name], dict) else None
             if theirs is None:
-                raise _error(f"parameter '{name}' has no '{kind}' state in the state dict (it has "
-                             f"{sorted(given[name]) if isinstance(given[name], dict) else type(given[name]).__name__});"
-                             f" saved by another optimizer kind? this one is {opt.config.kind}")
+                has = sorted(given[name]) if isinstance(given[name], dict) else type(given[name]).__name__
+                raise _error(f"parameter '{name}' has no '{kind}' state in the state dict (it has {has}); "
+                             + _why_other_states(opt.config, name, "momentum_buffer" in kinds, has))
             if not isinstance(theirs, ShardedTensor):
                 raise _error(f"parameter '{name}' '{kind}': expected a ShardedTensor (from state_dict()), got "
                              f"{type(theirs).__name__}")
