@@ -144,15 +144,22 @@ void CheckpointReader::fail(const std::exception& error) {
 
 namespace {
 
-// What a load finds wrong, the first 8 (more would bury them).
+// What a load finds wrong, the first 8 (more would bury them), and once at the end the way out of
+// each kind found: a model of other names or sizes, or of another dtype, than the one saved.
 struct Problems {
   std::vector<std::string> found;
+  bool model_differs = false, dtype_differs = false;
   void add(const std::string& p) {
     if (found.size() < 8) found.push_back(p);
   }
   std::string text() const {
     std::string t;
     for (const std::string& p : found) t += (t.empty() ? "" : "; ") + p;
+    if (model_differs) {
+      t += ". The model here is not the one saved: build it with the same modules, names and sizes as at the "
+           "save (its DP x TP layout may differ)";
+    }
+    if (dtype_differs) t += ". Cast the model to the dtype it was saved in before the load (params and buffers)";
     return t;
   }
 };
@@ -165,6 +172,7 @@ void check_model_against_manifest(const Manifest& m, const std::vector<Checkpoin
     if (key.rfind("model/", 0) == 0 && model_keys.count(key) == 0) {
       problems.add("the checkpoint has '" + key + "' (global shape " + shape_str(entry.shape) +
                    ") but this model has no such parameter or buffer");
+      problems.model_differs = true;
     }
   }
   for (const CheckpointTensor& w : wanted) {
@@ -178,11 +186,13 @@ void check_model_against_manifest(const Manifest& m, const std::vector<Checkpoin
     if (it->second.shape != w.global_shape) {
       problems.add("'" + w.key + "' has global shape " + shape_str(it->second.shape) + " in the checkpoint but " +
                    shape_str(w.global_shape) + " here");
+      problems.model_differs = true;
     }
     const std::string& saved_dtype = it->second.dtype;
     if (w.key.rfind("model/", 0) == 0 && saved_dtype != safetensors_dtype(w.data.scalar_type())) {
       problems.add("'" + w.key + "' is " + saved_dtype + " in the checkpoint but " +
                    safetensors_dtype(w.data.scalar_type()) + " here");
+      problems.dtype_differs = true;
     }
   }
 }

@@ -23,6 +23,7 @@
 using namespace meshddp;
 using namespace meshddp::test;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 namespace {
 
@@ -71,10 +72,10 @@ namespace {
 
 // A module with every kind of state: a trainable Linear, a frozen param and a buffer.
 struct StatefulImpl : torch::nn::Module {
-  StatefulImpl() {
+  explicit StatefulImpl(c10::ScalarType seen_type = torch::kLong) {
     fc = register_module("fc", torch::nn::Linear(6, 3));
     scale = register_parameter("scale", torch::rand({3}) + 0.5, /*requires_grad=*/false);
-    seen = register_buffer("seen", torch::zeros({5}, torch::kLong));
+    seen = register_buffer("seen", torch::zeros({5}, seen_type));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     seen += 1;
@@ -86,12 +87,12 @@ struct StatefulImpl : torch::nn::Module {
 TORCH_MODULE(Stateful);
 
 struct StatefulRank {
-  explicit StatefulRank(DeviceMesh& mesh, uint64_t seed) {
+  explicit StatefulRank(DeviceMesh& mesh, uint64_t seed, c10::ScalarType seen_type = torch::kLong) {
     {
       static std::mutex mutex;  // the default generator is process-global; ranks are threads
       std::lock_guard<std::mutex> lock(mutex);
       torch::manual_seed(seed);
-      model = Stateful();
+      model = Stateful(seen_type);
     }
     ddp = std::make_unique<DistributedDataParallel<StatefulImpl>>(model.ptr(), mesh, "dp");
     adamw = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -187,10 +188,11 @@ TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
     rank.model->register_buffer("retired", torch::zeros({2}));  // a model that had one more buffer
     save_checkpoint(rank.state(), old_dir, 0);
   });
-  auto error_at_load = [&](const std::string& from, const std::function<void(StatefulImpl&)>& change) {
+  auto error_at_load = [&](const std::string& from, const std::function<void(StatefulImpl&)>& change,
+                           c10::ScalarType seen_type = torch::kLong) {
     std::string message = "(no error)";
     run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
-      StatefulRank rank(mesh, 1);
+      StatefulRank rank(mesh, 1, seen_type);
       change(*rank.model);
       try {
         load_checkpoint({rank.model.ptr().get(), rank.ddp.get(), nullptr, nullptr}, from);
@@ -202,12 +204,19 @@ TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
   };
   EXPECT_THAT(error_at_load(dir, [](StatefulImpl& m) { m.register_buffer("extra", torch::zeros({2})); }),
               HasSubstr("the checkpoint has no 'model/extra' (global shape [2] here)"));
-  EXPECT_THAT(error_at_load(dir, [](StatefulImpl& m) { m.seen.set_(torch::zeros({7}, torch::kLong)); }),
-              HasSubstr("'model/seen' has global shape [5] in the checkpoint but [7] here"));
-  EXPECT_THAT(
-      error_at_load(old_dir, [](StatefulImpl&) {}),
-      HasSubstr(
-          "the checkpoint has 'model/retired' (global shape [2]) but this model has no such parameter or buffer"));
+  const std::string model_way_out = "The model here is not the one saved: build it with the same modules, names and "
+                                    "sizes as at the save";
+  const std::string resized = error_at_load(dir, [](StatefulImpl& m) { m.seen.set_(torch::zeros({7}, torch::kLong)); });
+  EXPECT_THAT(resized, HasSubstr("'model/seen' has global shape [5] in the checkpoint but [7] here"));
+  EXPECT_THAT(resized, HasSubstr(model_way_out));
+  const std::string retyped = error_at_load(dir, [](StatefulImpl&) {}, torch::kInt);
+  EXPECT_THAT(retyped, HasSubstr("'model/seen' is I64 in the checkpoint but I32 here. Cast the model to the dtype it "
+                                 "was saved in before the load"));
+  EXPECT_THAT(retyped, Not(HasSubstr(model_way_out)));
+  const std::string retired = error_at_load(old_dir, [](StatefulImpl&) {});
+  EXPECT_THAT(retired, HasSubstr("the checkpoint has 'model/retired' (global shape [2]) but this model has no such "
+                                 "parameter or buffer"));
+  EXPECT_THAT(retired, HasSubstr(model_way_out));
   EXPECT_EQ(error_at_load(dir, [](StatefulImpl&) {}), "(no error)");
   std::system(("rm -rf '" + dir + "' '" + old_dir + "'").c_str());
 }
