@@ -204,8 +204,9 @@ TEST(TrainingCheckpoint, AModelWithATensorMissingExtraOrReshapedIsNamed) {
   };
   EXPECT_THAT(error_at_load(dir, [](StatefulImpl& m) { m.register_buffer("extra", torch::zeros({2})); }),
               HasSubstr("the checkpoint has no 'model/extra' (global shape [2] here)"));
-  const std::string model_way_out = "The model here is not the one saved: build it with the same modules, names and "
-                                    "sizes as at the save";
+  const std::string model_way_out =
+      "The model here is not the one saved: build it with the same modules, names and "
+      "sizes as at the save";
   const std::string resized = error_at_load(dir, [](StatefulImpl& m) { m.seen.set_(torch::zeros({7}, torch::kLong)); });
   EXPECT_THAT(resized, HasSubstr("'model/seen' has global shape [5] in the checkpoint but [7] here"));
   EXPECT_THAT(resized, HasSubstr(model_way_out));
