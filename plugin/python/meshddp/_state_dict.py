@@ -110,7 +110,7 @@ def build(opt):
     }
 
 
-def _why_other_states(config, name, takes_muon, has):
+def _why_other_states(config, name, takes_muon):
     """The way out when a param's states are another optimizer's: another kind, or under kind="muon"
     (a param holds "momentum_buffer" when Muon steps it, AdamW's two moments otherwise) other
     muon_adamw_params or muon_stacked_matrices (which take 3-D params) than it was saved with."""
@@ -219,7 +219,7 @@ def _check(opt, state_dict):
             if theirs is None:
                 has = sorted(given[name]) if isinstance(given[name], dict) else type(given[name]).__name__
                 raise _error(f"parameter '{name}' has no '{kind}' state in the state dict (it has {has}); "
-                             + _why_other_states(opt.config, name, "momentum_buffer" in kinds, has))
+                             + _why_other_states(opt.config, name, "momentum_buffer" in kinds))
             if not isinstance(theirs, ShardedTensor):
                 raise _error(f"parameter '{name}' '{kind}': expected a ShardedTensor (from state_dict()), got "
                              f"{type(theirs).__name__}")

@@ -37,33 +37,43 @@ def _finish_pending_gathers(impl):
 _TORCH_ONLY_OPTIONS = ("dampening", "nesterov", "amsgrad", "maximize")
 
 
+def _muon_weights_of(module, by_name, muon_names, types):
+    """{name: module type name} for the params Muon takes (`muon_names`) that are the weight of one of
+    `module`'s submodules of `types`."""
+    owners = {id(m.weight): type(m).__name__ for m in module.modules()
+              if isinstance(m, types) and isinstance(m.weight, torch.nn.Parameter)}
+    return {name: owners[id(by_name[name])] for name in muon_names if id(by_name[name]) in owners}
+
+
+def _adamw_params_adding(patterns, caught):
+    """muon_adamw_params with the names `caught` added: the fix a warning gives."""
+    return (patterns + ',' + ','.join(caught)).lstrip(',')
+
+
 def _warn_of_muon_embeddings(module, by_name, muon_names, patterns):
     """Muon orthogonalizes an embedding table whole, moving the rows of tokens not in the batch too;
     Muon's authors (and torch.optim.Muon's docs) keep embeddings on AdamW. muon_adamw_params catches
     them by name ("*embed*"), which misses e.g. GPT-2's "wte": warn, naming the param and the fix."""
-    tables = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    caught = [name for name in muon_names if id(by_name[name]) in tables]
+    caught = list(_muon_weights_of(module, by_name, muon_names, torch.nn.Embedding))
     if caught:
         warnings.warn(
             f"meshddp.DistributedOptimizer: kind='muon' updates the nn.Embedding weight(s) {caught} with Muon: their "
             f"names match none of muon_adamw_params ({patterns!r}). Embeddings belong on AdamW: add them, e.g. "
-            f"muon_adamw_params={(patterns + ',' + ','.join(caught)).lstrip(',')!r}", UserWarning, stacklevel=3)
+            f"muon_adamw_params={_adamw_params_adding(patterns, caught)!r}", UserWarning, stacklevel=3)
 
 
 def _warn_of_muon_conv_stacks(module, by_name, muon_names, patterns):
     """muon_stacked_matrices takes every 3-D param muon_adamw_params does not name as a stack of matrices
     [E, m, n]; an nn.Conv1d kernel [out, in, k] is 3-D too, and would be stepped as `out` separate in x k
     matrices: warn, naming the param and the fix (docs/optimizer.md "Muon on stacked matrices")."""
-    kernels = {id(m.weight): type(m).__name__ for m in module.modules()
-               if isinstance(m, torch.nn.modules.conv._ConvNd) and isinstance(m.weight, torch.nn.Parameter)}
-    caught = [name for name in muon_names if id(by_name[name]) in kernels]
+    caught = _muon_weights_of(module, by_name, muon_names, torch.nn.modules.conv._ConvNd)
     if caught:
-        shapes = ", ".join(f"'{n}' ({kernels[id(by_name[n])]}, {list(by_name[n].shape)})" for n in caught)
+        shapes = ", ".join(f"'{n}' ({kind}, {list(by_name[n].shape)})" for n, kind in caught.items())
         warnings.warn(
             f"meshddp.DistributedOptimizer: kind='muon' with muon_stacked_matrices=True steps the convolution "
             f"kernel(s) {shapes} as stacks of matrices [out][in x k], each orthogonalized by itself: their names "
             f"match none of muon_adamw_params ({patterns!r}). Stacked Muon is for grouped experts [E, m, n]; keep "
-            f"kernels on AdamW: muon_adamw_params={(patterns + ',' + ','.join(caught)).lstrip(',')!r}",
+            f"kernels on AdamW: muon_adamw_params={_adamw_params_adding(patterns, caught)!r}",
             UserWarning, stacklevel=3)
 
 
