@@ -222,4 +222,19 @@ inline std::string resume_hint(const Flags& f) {
          switch_trainer + ", and one saved with --dtype " + other + " only with --dtype " + other + ".";
 }
 
+// The ZeRO-1 optimizer's config (--distributed-optimizer), the same for the plain model and for each
+// pipeline chunk: --optimizer sgd|adamw, or muon with the embeddings and the LM head (tied to wte) on
+// AdamW; no weight decay.
+inline meshddp::DistributedOptimizerConfig zero1_config(const Flags& f) {
+  meshddp::DistributedOptimizerConfig oc;
+  oc.kind = f.optimizer == "sgd" ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
+  if (f.optimizer == "muon") {
+    oc.kind = meshddp::OptimizerKind::kMuon;
+    oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";
+  }
+  oc.lr = f.run.lr;
+  oc.weight_decay = 0.0;
+  return oc;
+}
+
 }  // namespace gpt

@@ -83,15 +83,7 @@ int main(int argc, char** argv) {
     meshddp::LrScheduler schedule(examples::lr_schedule(f.run));
     const bool sgd = f.optimizer == "sgd";
     if (f.distributed_optimizer) {
-      meshddp::DistributedOptimizerConfig oc;
-      oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
-      if (f.optimizer == "muon") {
-        oc.kind = meshddp::OptimizerKind::kMuon;
-        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings (and the head tied to wte) stay on AdamW
-      }
-      oc.lr = f.run.lr;
-      oc.weight_decay = 0.0;
-      zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), oc);
+      zero1 = std::make_unique<meshddp::DistributedOptimizer>(ddp.grad_buffer(), gpt::zero1_config(f));
       schedule.attach(*zero1);
     } else {
       if (f.precision.bf16) masters = std::make_unique<examples::Fp32MasterParams>(ddp);

@@ -116,15 +116,7 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   const bool sgd = f.optimizer == "sgd";
   if (f.distributed_optimizer) {
     for (Chunk& chunk : chunks) {
-      meshddp::DistributedOptimizerConfig oc;
-      oc.kind = sgd ? meshddp::OptimizerKind::kSgd : meshddp::OptimizerKind::kAdamW;
-      if (f.optimizer == "muon") {  // as main.cpp: each chunk's block matrices on Muon, the rest on AdamW
-        oc.kind = meshddp::OptimizerKind::kMuon;
-        oc.muon_adamw_params = "*wte*,*wpe*,*lm_head*";  // the embeddings and the head tied to wte
-      }
-      oc.lr = f.run.lr;
-      oc.weight_decay = 0.0;
-      chunk.zero1 = std::make_unique<meshddp::DistributedOptimizer>(chunk.ddp->grad_buffer(), oc);
+      chunk.zero1 = std::make_unique<meshddp::DistributedOptimizer>(chunk.ddp->grad_buffer(), gpt::zero1_config(f));
       schedule.attach(*chunk.zero1);
     }
   } else {
