@@ -42,6 +42,10 @@ struct SyncGroups {
   // rank's pipeline), over which params tied across stages (declare_tied_across_stages) are summed
   // before their DP reduction. Null: no tied params allowed.
   c10::intrusive_ptr<c10d::ProcessGroup> embedding = {};
+  // Pipeline parallel: this rank's pipeline (the pp group: one rank per stage). A pipeline is one
+  // training run: gradient norms and non-finite checks summed over the stats group (the stage) are then
+  // summed over it (grad_buffer/run_stats.h). Null: no pipeline (a mesh without a pp dim).
+  c10::intrusive_ptr<c10d::ProcessGroup> pipeline = {};
 
   int64_t dp_rank() const { return dp->getRank(); }
   int64_t dp_size() const { return dp->getSize(); }
@@ -55,8 +59,14 @@ struct SyncGroups {
   int64_t data_parallel_size() const { return dp_size() * instances(); }
   // This rank's index among those D (instances are consecutive blocks of the DP group).
   int64_t data_parallel_rank() const { return instance_index() * dp_size() + dp_rank(); }
-  // The group gradient norms and non-finite checks reduce over: the world group if there is one.
+  // The group gradient norms and non-finite checks reduce over within a stage: the world group if
+  // there is one (then over `pipeline`, grad_buffer/run_stats.h).
   c10d::ProcessGroup& stats_group() const { return world ? *world : *dp; }
+  // A pipeline of more than one stage.
+  bool has_pipeline() const { return pipeline && pipeline->getSize() > 1; }
+  // Whether this rank counts a weight tied across stages toward the norm: the first stage's copy
+  // only (the last stage holds the same summed gradient).
+  bool counts_tied() const { return !embedding || embedding->getRank() == 0; }
 };
 
 // How one bucket is reduced, fixed at construction (one checked path: launch, wait, ZeRO-1 shards and

@@ -1,6 +1,7 @@
 #include "grad_buffer/grad_buffer.h"
 
 #include "grad_buffer/lazy_zeros.h"
+#include "grad_buffer/run_stats.h"
 #include "grad_buffer/whole_param_layout.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
@@ -165,9 +166,11 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   }
   point_grads_at_buffer();
   install_hooks();
+  register_pipeline_chunk(groups_);  // last: a constructor that threw registers nothing
 }
 
 GradBuffer::~GradBuffer() {
+  unregister_pipeline_chunk(groups_);
   *alive_ = false;
   for (const auto& p : params_) unregister_grad_slot(p.param, this);
   remove_hooks();

@@ -7,6 +7,7 @@
 // until the timeout; reading the count per bucket would stall backward on the device (one host sync
 // per bucket, as Megatron's check does).
 #include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"
 
 #include <ATen/ops/cat.h>
@@ -87,7 +88,7 @@ void GradBuffer::raise_if_nonfinite() {
   }
   // `total` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
   at::Tensor total = at::cat({sent, reduced});
-  all_reduce_sum_now(groups_.stats_group(), total, "the non-finite gradient check (check_for_nan_in_grad)");
+  all_reduce_over_run(groups_, total, "the non-finite gradient check (check_for_nan_in_grad)");
   const at::Tensor host_total = total.cpu();  // the check's one host sync
   if (host_total[0].item<double>() == 0 && host_total[1].item<double>() == 0) return;
   if (host_total[0].item<double>() == 0) {
@@ -96,9 +97,9 @@ void GradBuffer::raise_if_nonfinite() {
     for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
       for (int64_t p : layout_.buckets[b].params) {
         if (reduced_by_param[p] == 0) continue;
-        mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.data_parallel_rank()
-             << "): parameter '" << params_[p].name << "' has " << reduced_by_param[p] << " NaN/Inf value(s) of "
-             << slots_[p].main_grad.numel() << " in its reduced gradient, in " << bucket_description(b) << "\n";
+        mine << "  " << describe_rank(groups_) << "): parameter '" << params_[p].name << "' has " << reduced_by_param[p]
+             << " NaN/Inf value(s) of " << slots_[p].main_grad.numel() << " in its reduced gradient, in "
+             << bucket_description(b) << "\n";
       }
     }
     std::ostringstream report;
@@ -107,7 +108,7 @@ void GradBuffer::raise_if_nonfinite() {
               "values, but the reduced gradient overflowed in the dtype of comm hook '"
            << comm_hook_->name() << "' (the SUM over the DP ranks exceeds its range):\n";
     for (const std::string& lines :
-         all_gather_strings(groups_.stats_group(), mine.str(), "the non-finite gradient report", device)) {
+         all_gather_over_run(groups_, mine.str(), "the non-finite gradient report", device)) {
       report << lines;
     }
     report << "Do not step the optimizer. Use comm_hook 'bf16_compress' (fp32's range) or 'none', or scale the "
@@ -119,17 +120,16 @@ void GradBuffer::raise_if_nonfinite() {
   for (int64_t b = 0; b < static_cast<int64_t>(layout_.buckets.size()); ++b) {
     for (int64_t p : layout_.buckets[b].params) {
       if (by_param[p] == 0) continue;
-      mine << "  rank " << groups_.stats_group().getRank() << " (DP rank " << groups_.data_parallel_rank()
-           << "): parameter '" << params_[p].name << "' has " << by_param[p] << " NaN/Inf gradient value(s) of "
-           << slots_[p].main_grad.numel() << ", in " << bucket_description(b) << "\n";
+      mine << "  " << describe_rank(groups_) << "): parameter '" << params_[p].name << "' has " << by_param[p]
+           << " NaN/Inf gradient value(s) of " << slots_[p].main_grad.numel() << ", in " << bucket_description(b)
+           << "\n";
     }
   }
   std::ostringstream report;
   report << "GradBuffer: non-finite gradients at step " << syncs_completed_ - 1
          << " (check_for_nan_in_grad; step = finish_grad_sync() calls before this one), found in the local "
             "gradients as sent to their collective (after the comm hook's cast, if any):\n";
-  for (const std::string& lines :
-       all_gather_strings(groups_.stats_group(), mine.str(), "the non-finite gradient report", device)) {
+  for (const std::string& lines : all_gather_over_run(groups_, mine.str(), "the non-finite gradient report", device)) {
     report << lines;
   }
   report << "The reduced gradients of these params are non-finite on every rank that holds them; do not step the "

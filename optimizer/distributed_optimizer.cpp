@@ -1,5 +1,6 @@
 #include "optimizer/distributed_optimizer.h"
 
+#include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"
 #include "optimizer/fused_step.h"
 #include "optimizer/optimizer_config_fields.h"
@@ -25,11 +26,14 @@ NormPieces shard_norm_pieces(const GradBuffer& buffer, const BucketShard& shard,
   return norm_pieces(grad, runs, buffer.groups().tp_rank);
 }
 
-// Each element once over the whole mesh (Note [Gradient norm over DP x TP]): shards are disjoint within
+// Each element once over the whole run (Note [Gradient norm over DP x TP]): shards are disjoint within
 // a bucket's group. With K optimizer instances a dense shard is held by K ranks (one per instance, equal
 // after the all-reduce across instances): only instance 0's counts, for expert buckets as dense ones.
+// A weight tied across pipeline stages: its two copies hold one summed gradient, counted on the first stage.
 bool counts_toward_norm(const GradBuffer& buffer, const BucketShard& shard) {
-  return !buffer.bucket_reduction(shard.bucket).cross_group || buffer.groups().instance_index() == 0;
+  const BucketReduction& r = buffer.bucket_reduction(shard.bucket);
+  if (r.tied_group && !buffer.groups().counts_tied()) return false;
+  return !r.cross_group || buffer.groups().instance_index() == 0;
 }
 
 }  // namespace
@@ -262,19 +266,18 @@ void DistributedOptimizer::reload_masters_from_params() {
   params_version_seen_ = param_buffer_->params_version();
 }
 
-StepResult DistributedOptimizer::step() {
+at::Tensor DistributedOptimizer::local_stats() {
   buffer_.finish_grad_sync();
   finish_param_sync();
   if (param_buffer_->params_version() != params_version_seen_) reload_masters_from_params();
   c10::NoGradGuard no_grad;
   prepare_grads();
 
-  // One all-reduce for both checks: [non-finite values seen by any rank's local gradients, sum of
-  // squares of the reduced shards].
+  // [non-finite values seen by this rank's local gradients, sum of squares of its reduced shards].
   const c10::Device device = master_.empty() ? c10::Device(c10::kCPU) : master_.front().device();
   at::Tensor stats = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats[0] += buffer_->local_nonfinite_counts().sum().to(at::kDouble);
-  // Each element once over the whole mesh: counts_toward_norm().
+  // Each element once over the whole run: counts_toward_norm().
   if (fused_) add_stats_fused(stats);
   for (size_t b = 0; b < grad32_.size() && !fused_; ++b) {
     const at::Tensor& g = grad32_[b];
@@ -294,35 +297,19 @@ StepResult DistributedOptimizer::step() {
       add_squared_norms(pieces.counted, stats[1]);
     }
   }
-  // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
-  all_reduce_sum_now(buffer_->groups().stats_group(), stats,
-                     "the optimizer's gradient checks (non-finite count, norm)");
-  const at::Tensor host = stats.cpu();
-  const double nonfinite = host[0].item<double>();
-  StepResult result;
-  result.grad_norm = std::sqrt(host[1].item<double>());
-  if (nonfinite > 0) {
-    result.skipped = true;
-    result.grad_norm = std::numeric_limits<double>::quiet_NaN();
-    result.report = nonfinite_report();
-    return result;
-  }
-  double grad_scale = 1.0;
-  if (config_.clip_grad_norm > 0) {
-    const double coef = config_.clip_grad_norm / (result.grad_norm + 1e-6);
-    if (coef < 1.0) {
-      if (!fused_) {
-        for (auto& g : grad32_) g.mul_(coef);
-      }
-      grad_scale = coef;
-      result.clipped = true;
-    }
+  return stats;
+}
+
+void DistributedOptimizer::apply_step(double grad_scale) {
+  c10::NoGradGuard no_grad;
+  if (grad_scale != 1.0 && !fused_) {
+    for (auto& g : grad32_) g.mul_(grad_scale);
   }
   ++step_;
   if (fused_) {
     update_fused(grad_scale);
     param_buffer_->gather().start(/*async=*/config_.overlap_param_gather);
-    return result;
+    return;
   }
   if (config_.kind == OptimizerKind::kAdamW) {
     update_adamw();
@@ -333,7 +320,81 @@ StepResult DistributedOptimizer::step() {
     update_sgd();
   }
   write_params_and_gather();
+}
+
+StepResult DistributedOptimizer::step() { return step_together({this}); }
+
+StepResult DistributedOptimizer::step_together(const std::vector<DistributedOptimizer*>& chunks) {
+  check_chunks(chunks);
+  const DistributedOptimizer& first = *chunks.front();
+  const SyncGroups& groups = first.buffer_->groups();
+  const auto n = static_cast<double>(chunks.size());
+  // [non-finite count, sum of squares] of every chunk, then [chunks, chunks^2]: the ranks' chunk counts
+  // checked equal in the same all-reduce (a rank stepping fewer chunks would pair the reports wrongly).
+  at::Tensor stats;
+  for (DistributedOptimizer* chunk : chunks) {
+    at::Tensor local = chunk->local_stats();
+    stats = stats.defined() ? stats + local.to(stats.device()) : local;
+  }
+  stats = at::cat({stats, at::tensor({n, n * n}, stats.options().device(c10::kCPU)).to(stats.device())});
+  // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
+  all_reduce_over_run(groups, stats, "the optimizer's gradient checks (non-finite count, norm)");
+  const at::Tensor host = stats.cpu();
+  TORCH_CHECK(same_on_every_rank(host[2].item<double>(), host[3].item<double>(), ranks_in_run(groups)),
+              "DistributedOptimizer::step_together: the ranks of the run stepped different numbers of model chunks ",
+              "(this rank ", chunks.size(), ", ", describe_rank(groups), ")); every rank steps every chunk it holds ",
+              "in one call, and every stage holds the same number of chunks. Nothing was updated");
+  StepResult result;
+  result.grad_norm = std::sqrt(host[1].item<double>());
+  if (host[0].item<double>() > 0) {
+    result.skipped = true;
+    result.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    result.report = "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank";
+    result.report += groups.has_pipeline() ? " of every pipeline stage):\n" : "):\n";
+    for (DistributedOptimizer* chunk : chunks) result.report += chunk->nonfinite_report();
+    return result;
+  }
+  double grad_scale = 1.0;
+  const double max_norm = first.config_.clip_grad_norm;
+  if (max_norm > 0) {
+    const double coef = max_norm / (result.grad_norm + 1e-6);
+    if (coef < 1.0) {
+      grad_scale = coef;
+      result.clipped = true;
+    }
+  }
+  for (DistributedOptimizer* chunk : chunks) chunk->apply_step(grad_scale);
   return result;
+}
+
+void DistributedOptimizer::check_chunks(const std::vector<DistributedOptimizer*>& chunks) {
+  TORCH_CHECK(!chunks.empty(), "DistributedOptimizer::step_together: no optimizers given; pass every model chunk's");
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    TORCH_CHECK(chunks[c] != nullptr, "DistributedOptimizer::step_together: chunk ", c, "'s optimizer is null");
+    for (size_t d = 0; d < c; ++d) {
+      TORCH_CHECK(chunks[d] != chunks[c], "DistributedOptimizer::step_together: chunk ", c, "'s optimizer is chunk ", d,
+                  "'s too; pass each model chunk's optimizer once");
+    }
+    const SyncGroups& g = chunks[c]->buffer_->groups();
+    const SyncGroups& g0 = chunks.front()->buffer_->groups();
+    const auto where = [](const SyncGroups& x) {
+      return std::vector<int64_t>{x.stats_group().getRank(), x.stats_group().getSize(),
+                                  x.has_pipeline() ? x.pipeline->getRank() : -1,
+                                  x.has_pipeline() ? x.pipeline->getSize() : 1};
+    };
+    TORCH_CHECK(where(g) == where(g0), "DistributedOptimizer::step_together: chunk ", c,
+                " is synced over other groups than chunk 0; the ",
+                "chunks stepped together must be wrapped over the same mesh");
+    TORCH_CHECK(chunks[c]->config_.clip_grad_norm == chunks.front()->config_.clip_grad_norm,
+                "DistributedOptimizer::step_together: chunk ", c, " clips at ", chunks[c]->config_.clip_grad_norm,
+                " but chunk 0 at ", chunks.front()->config_.clip_grad_norm,
+                " (DistributedOptimizerConfig::clip_grad_norm); the chunks of one run clip by one norm to one bound");
+  }
+  check_every_chunk_given(chunks.front()->buffer_->groups(), static_cast<int64_t>(chunks.size()),
+                          "DistributedOptimizer::step",
+                          "Step every chunk's optimizer in one call: "
+                          "DistributedOptimizer::step_together({&chunk0_optimizer, &chunk1_optimizer, ...}) "
+                          "(Python: meshddp.DistributedOptimizer.step_together([...]))");
 }
 
 void DistributedOptimizer::update_adamw() {
@@ -476,7 +537,16 @@ std::string DistributedOptimizer::nonfinite_report() {
       all += part;
     lines = std::move(all);
   }
-  return "DistributedOptimizer: step skipped, non-finite gradients (parameters unchanged on every rank):\n" + lines;
+  // Every stage's lines, each under its stage, on every stage.
+  const SyncGroups& groups = buffer_->groups();
+  if (groups.has_pipeline()) {
+    const std::string mine_with_stage = lines.empty() ? "" : " " + describe_stage(groups) + "model chunk:\n" + lines;
+    std::string all;
+    for (const std::string& part : all_gather_strings(*groups.pipeline, mine_with_stage, "the non-finite report"))
+      all += part;
+    lines = std::move(all);
+  }
+  return lines;
 }
 
 std::vector<std::string> DistributedOptimizer::muon_params() const {

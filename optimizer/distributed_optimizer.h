@@ -7,9 +7,11 @@
 // Note [Step order]
 //   1. finish_grad_sync() (idempotent): this rank's shard of each bucket holds the DP-mean gradient.
 //   2. wait for any param all-gather still pending, then one all-reduce of [non-finite count,
-//      sum of squares] over the DP group (each element counted once: DP shards are disjoint).
-//   3. non-finite anywhere -> skip: nothing is updated on any rank, and the result names the
-//      parameters and the DP ranks that produced them.
+//      sum of squares] over the whole run (each element counted once: DP shards are disjoint): the
+//      mesh, or on a pipeline mesh the stage and then the pipeline (grad_buffer/run_stats.h), summed
+//      over every model chunk of the rank with step_together().
+//   3. non-finite anywhere -> skip: nothing is updated on any rank (of any stage), and the result
+//      names the parameters, the DP ranks and the stages that produced them.
 //   4. clip: grads *= max_norm / (norm + 1e-6) when that is < 1 (torch's clip_grad_norm_ rule).
 //   5. AdamW / SGD on the shards, with the same arithmetic as torch::optim::AdamW / SGD, so a
 //      shard's update is bit-identical to the unsharded optimizer's given the same gradient.
@@ -113,8 +115,16 @@ class DistributedOptimizer {
   // with use_distributed_optimizer.
   DistributedOptimizer(GradBufferHandle buffer, DistributedOptimizerConfig config);
 
-  // One optimizer step (see Note [Step order]). A collective: every DP rank calls it.
+  // One optimizer step (see Note [Step order]). A collective: every rank of the mesh calls it. On a
+  // pipeline whose ranks hold several model chunks (virtual stages), step them with step_together():
+  // step() on one of them throws, naming it (a chunk's own norm and skip would not be the run's).
   StepResult step();
+  // One step of every model chunk this rank holds (one optimizer per chunk, Megatron's chained
+  // optimizer): one gradient norm over all of them and every stage, one clipping coefficient, one skip
+  // decision; then each chunk's update and param all-gather, in the order given. Every rank passes all
+  // its chunks (the same number on every rank; checked in the step's all-reduce, throwing on every rank
+  // before anything is updated), each optimizer once, all with the same clip_grad_norm.
+  static StepResult step_together(const std::vector<DistributedOptimizer*>& chunks);
   // Waits for the params' all-gathers (before evaluation or anything that reads params outside
   // DistributedDataParallel::forward). On Gloo the host blocks until they are done. On NCCL it is a
   // stream wait (Note [Waiting on NCCL]): it returns at once, and the caller's *current CUDA stream*
@@ -192,9 +202,14 @@ class DistributedOptimizer {
     std::vector<at::Tensor> master, grad, state1, state2;
   };
 
+  // step_together's parts: this chunk's [non-finite count, sum of squares] (finishing the gradient
+  // and param syncs first; no communication), and steps 4-6 with the clipping coefficient.
+  at::Tensor local_stats();
+  void apply_step(double grad_scale);
+  static void check_chunks(const std::vector<DistributedOptimizer*>& chunks);
   int64_t num_state_tensors() const;  // 2 for AdamW, 1 for SGD with momentum, 0 for plain SGD
   void prepare_grads();               // bf16/fp16 grad shards -> fp32 scratch
-  std::string nonfinite_report();     // collective over DP: every rank gets the same text
+  std::string nonfinite_report();     // collective over DP and the pipeline: every rank gets the same text
   void update_adamw();
   void update_sgd();
   void update_muon();

@@ -222,7 +222,10 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> module, const DeviceMesh
   verify_pipeline_settings(mesh, config_);
   groups_.world = stage_world(mesh);
   const StageDims stage = stage_dims(mesh);
-  if (stage.names.size() < mesh.names().size()) groups_.embedding = embedding_group(mesh);
+  if (stage.names.size() < mesh.names().size()) {
+    groups_.embedding = embedding_group(mesh);
+    groups_.pipeline = mesh[kPipelineDim];  // gradient norms and non-finite checks span every stage
+  }
   use_optimizer_instances(mesh, dp_dims, config_, groups_);
   if (const std::string tp_dim = tp_dim_of(stage.names, stage.sizes, dp_dims); !tp_dim.empty()) {
     groups_.tp = mesh[tp_dim];

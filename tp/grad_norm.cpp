@@ -1,6 +1,6 @@
 #include "tp/grad_norm.h"
 
-#include "mesh/collectives.h"
+#include "grad_buffer/run_stats.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -77,35 +77,83 @@ std::string nonfinite_params(const GradBuffer& buffer) {
 
 }  // namespace
 
-double grad_norm(GradBufferHandle buffer) {
-  check_plain_ddp(*buffer, "grad_norm");
-  buffer.finish_grad_sync();
-  // On the host, as the sum over the mesh is read there anyway (CPU fp64): [dense params, expert
+namespace {
+
+// The chunks of one run: each plain DDP, none twice, all on one mesh (the same DP and expert-DP sizes
+// and pipeline), and every chunk this rank holds on the pipeline.
+void check_chunks(const std::vector<GradBufferHandle>& chunks, const char* who) {
+  TORCH_CHECK(!chunks.empty(), "meshddp::", who, ": no gradient buffers given; pass each model chunk's ",
+              "(DistributedDataParallel::grad_buffer())");
+  const SyncGroups& first = chunks.front()->groups();
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    check_plain_ddp(*chunks[c], who);
+    const SyncGroups& g = chunks[c]->groups();
+    for (size_t d = 0; d < c; ++d) {
+      TORCH_CHECK(&*chunks[d] != &*chunks[c], "meshddp::", who, ": chunk ", c, "'s gradient buffer is chunk ", d,
+                  "'s too; pass each model chunk once");
+    }
+    TORCH_CHECK(g.data_parallel_size() == first.data_parallel_size() && g.pipeline == first.pipeline &&
+                    (g.expert_dp ? g.expert_dp->getSize() : 1) == (first.expert_dp ? first.expert_dp->getSize() : 1),
+                "meshddp::", who, ": chunk ", c, " is synced over other groups than chunk 0 (DP size ",
+                g.data_parallel_size(), " vs ", first.data_parallel_size(),
+                "); the chunks of one norm must be wrapped over the same mesh");
+  }
+  check_every_chunk_given(first, static_cast<int64_t>(chunks.size()), std::string("meshddp::") + who,
+                          std::string("Pass every chunk's gradient buffer in one call: meshddp::") + who +
+                              "({chunk0.grad_buffer(), chunk1.grad_buffer(), ...}) (Python: meshddp." + who +
+                              "([ddp0, ddp1, ...]))");
+}
+
+// "'a.weight', 'b.bias'": this rank's params whose gradient has a NaN or Inf, over every chunk.
+std::string nonfinite_params(const std::vector<GradBufferHandle>& chunks) {
+  std::string names;
+  for (const GradBufferHandle& chunk : chunks) {
+    const std::string mine = nonfinite_params(*chunk);
+    if (mine.rfind("none", 0) == 0) continue;
+    names += (names.empty() ? "" : ", ") + mine;
+  }
+  return names.empty() ? std::string("none (another rank's are)") : names;
+}
+
+}  // namespace
+
+double grad_norm(const std::vector<GradBufferHandle>& chunks) {
+  check_chunks(chunks, "grad_norm");
+  // On the host, as the sum over the run is read there anyway (CPU fp64): [dense params, expert
   // params], summed apart because they have different replica counts.
   at::Tensor sum = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
-  const int64_t tp_rank = buffer->groups().tp_rank;
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
-    if (!buffer->placement(i).counts_on_tp_rank(tp_rank)) continue;
-    sum[buffer->is_expert(i) ? 1 : 0] += squared_norm(buffer->main_grad(i)).cpu();
+  for (const GradBufferHandle& buffer : chunks) {
+    buffer.finish_grad_sync();
+    const SyncGroups& g = buffer->groups();
+    const BucketLayout& layout = buffer->layout();
+    for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+      if (!buffer->placement(i).counts_on_tp_rank(g.tp_rank)) continue;
+      // A weight tied across stages: its two copies hold one summed gradient; the first stage counts it.
+      if (layout.buffers[layout.slots[i].buffer].key.tied && !g.counts_tied()) continue;
+      sum[buffer->is_expert(i) ? 1 : 0] += squared_norm(buffer->main_grad(i)).cpu();
+    }
   }
-  all_reduce_sum_now(buffer->groups().stats_group(), sum, "the gradient norm (meshddp::grad_norm)");
+  const SyncGroups& g = chunks.front()->groups();
+  all_reduce_over_run(g, sum, "the gradient norm (meshddp::grad_norm)");
   // The stats group spans DP too, where every rank of a param's reduction group holds the same mean:
   // count it once (Note [Gradient norm over DP x TP]).
-  const SyncGroups& g = buffer->groups();
   const double expert_replicas = g.expert_dp ? static_cast<double>(g.expert_dp->getSize()) : 1.0;
   return std::sqrt(sum[0].item<double>() / static_cast<double>(g.data_parallel_size()) +
                    sum[1].item<double>() / expert_replicas);
 }
 
-double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {
-  check_plain_ddp(*buffer, "clip_grad_norm_");
+double grad_norm(GradBufferHandle buffer) { return grad_norm(std::vector<GradBufferHandle>{buffer}); }
+
+double clip_grad_norm_(const std::vector<GradBufferHandle>& chunks, double max_norm, bool error_if_nonfinite) {
+  check_chunks(chunks, "clip_grad_norm_");
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "meshddp::clip_grad_norm_: max_norm must be positive and ",
               "finite, got ", max_norm);
-  const double norm = grad_norm(buffer);
+  const double norm = grad_norm(chunks);
   if (error_if_nonfinite) {
+    const SyncGroups& g = chunks.front()->groups();
     TORCH_CHECK(std::isfinite(norm), "meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is ",
-                "non-finite (", norm, "), so it cannot be clipped. Params with non-finite gradients on DP rank ",
-                buffer->groups().dp_rank(), ", TP rank ", buffer->groups().tp_rank, ": ", nonfinite_params(*buffer),
+                "non-finite (", norm, "), so it cannot be clipped. Params with non-finite gradients on ",
+                describe_stage(g), "DP rank ", g.dp_rank(), ", TP rank ", g.tp_rank, ": ", nonfinite_params(chunks),
                 ". Nothing was scaled; skip this step (zero_grad_buffer()), or pass error_if_nonfinite=false to ",
                 "scale by the non-finite norm as torch does");
   }
@@ -113,11 +161,17 @@ double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_n
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return norm;
   c10::NoGradGuard no_grad;
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
-    at::Tensor g = buffer->main_grad(i);
-    g.mul_(coef);
+  for (const GradBufferHandle& buffer : chunks) {
+    for (int64_t i = 0; i < static_cast<int64_t>(buffer->params().size()); ++i) {
+      at::Tensor g = buffer->main_grad(i);
+      g.mul_(coef);
+    }
   }
   return norm;
+}
+
+double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite) {
+  return clip_grad_norm_(std::vector<GradBufferHandle>{buffer}, max_norm, error_if_nonfinite);
 }
 
 }  // namespace meshddp

@@ -31,7 +31,10 @@ namespace meshddp {
 // different experts): in plain DDP their sum is divided by the expert-DP size instead; under ZeRO-1
 // their shards are disjoint within that group, so again each element counts once. Tied
 // weights are one param in the GradBuffer (deduplicate_params), hence one term. Every rank gets the
-// same bits: the sum is one all-reduce over the buffer's stats group (the whole mesh).
+// same bits: the sum is one all-reduce over the buffer's stats group (the whole mesh, or on a pipeline
+// mesh the stage, then the pipeline group: grad_buffer/run_stats.h). A pipeline is one run: every
+// stage's chunks count, and a weight tied across stages (declare_tied_across_stages), whose two copies
+// hold one summed gradient, counts on the first stage only.
 
 // A run of a flat gradient (e.g. a ZeRO-1 bucket shard) that belongs to one param.
 struct GradRun {
@@ -66,6 +69,11 @@ void add_squared_norms(const std::vector<at::Tensor>& pieces, const at::Tensor& 
 // mesh: every rank must call it; every rank gets the same value. NaN or Inf if any gradient element is.
 // fp16/bf16 gradients' norms are taken in fp32 (torch takes them in fp16, where a norm past 65504 is Inf).
 double grad_norm(GradBufferHandle buffer);
+// The same over every model chunk this rank holds (a pipeline with virtual stages: one
+// DistributedDataParallel per chunk), each finished first: the norm of the whole pipeline's gradient.
+// Throws naming the call when this rank holds more chunks on the pipeline than are given (the single
+// overload included: a chunk's own norm is not the run's).
+double grad_norm(const std::vector<GradBufferHandle>& chunks);
 
 // torch.nn.utils.clip_grad_norm_(params, max_norm, 2.0, error_if_nonfinite) for plain DDP over a
 // DP x TP mesh: the norm of grad_norm(), then every main gradient (param.grad() is a view of it)
@@ -78,5 +86,7 @@ double grad_norm(GradBufferHandle buffer);
 // Throws if the buffer is sharded for the ZeRO-1 optimizer (use DistributedOptimizerConfig::
 // clip_grad_norm there) or max_norm is not positive and finite.
 double clip_grad_norm_(GradBufferHandle buffer, double max_norm, bool error_if_nonfinite = false);
+// The same over every model chunk this rank holds, by the norm of grad_norm(chunks).
+double clip_grad_norm_(const std::vector<GradBufferHandle>& chunks, double max_norm, bool error_if_nonfinite = false);
 
 }  // namespace meshddp

@@ -186,7 +186,8 @@ PYBIND11_MODULE(_C, m) {
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_dp_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> instance_group,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_instance_group,
-                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_instance_group) {
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> expert_instance_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> pipeline_group) {
              std::vector<meshddp::DtensorParam> dts;
              for (const auto& [name, leaf, local, dim] : dtensors) dts.push_back({name, leaf, local, dim});
              // The TP group: the TP broadcast of replicated params and the TP-replica check (DdpEngine).
@@ -200,6 +201,7 @@ PYBIND11_MODULE(_C, m) {
                                         tp_size, tp_group.value_or(nullptr), cross_instance_group.value_or(nullptr),
                                         expert_dp_group.value_or(nullptr)};
              groups.embedding = embedding_group.value_or(nullptr);  // weights tied across pipeline stages
+             groups.pipeline = pipeline_group.value_or(nullptr);    // norms and non-finite checks span the stages
              // Expert buckets sharded within the instance (SyncGroups::expert_instance; EP 1: the instance).
              groups.expert_instance = expert_instance_group.value_or(nullptr);
              py::gil_scoped_release release;  // the checks and broadcast are collectives
@@ -211,7 +213,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tp_group"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("dp_global_ranks"), py::arg("config"),
            py::arg("embedding_group") = py::none(), py::arg("expert_dp_group") = py::none(),
            py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none(),
-           py::arg("expert_instance_group") = py::none())
+           py::arg("expert_instance_group") = py::none(), py::arg("pipeline_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
       // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
       .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
@@ -322,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::keep_alive<1, 2>())
       .def("step", &DistributedOptimizer::step, Release())
+      .def_static("step_together", &DistributedOptimizer::step_together, py::arg("chunks"), Release())
       .def("finish_param_sync", &DistributedOptimizer::finish_param_sync, Release())
       .def("reload_masters_from_params", &DistributedOptimizer::reload_masters_from_params, Release())
       .def(

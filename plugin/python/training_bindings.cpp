@@ -1,5 +1,6 @@
 #include "plugin/python/training_bindings.h"
 
+#include "grad_buffer/run_stats.h"
 #include "mesh/config_fields.h"
 #include "mesh/process_group_factory.h"
 #include "optimizer/lr_scheduler.h"
@@ -92,13 +93,23 @@ void bind_training(py::module_& m) {
       .def("state", &LrScheduler::state)
       .def("load_state", &LrScheduler::load_state, py::arg("state"), py::arg("use_checkpoint_config") = false);
 
-  m.def("_grad_norm", [](const PythonDdp& ddp) { return grad_norm(ddp.grad_buffer()); }, Release());
+  // Over a list of DDP engines: every model chunk this rank holds (one on a plain mesh).
+  const auto buffers_of = [](const std::vector<PythonDdp*>& chunks) {
+    std::vector<GradBufferHandle> buffers;
+    for (PythonDdp* chunk : chunks) buffers.push_back(chunk->grad_buffer());
+    return buffers;
+  };
+  m.def("_pipeline_chunks_held",
+        [](const PythonDdp& ddp) { return pipeline_chunks_held(ddp.grad_buffer()->groups()); });
+  m.def(
+      "_grad_norm", [buffers_of](const std::vector<PythonDdp*>& chunks) { return grad_norm(buffers_of(chunks)); },
+      Release());
   m.def(
       "_clip_grad_norm_",
-      [](const PythonDdp& ddp, double max_norm, bool error_if_nonfinite) {
-        return clip_grad_norm_(ddp.grad_buffer(), max_norm, error_if_nonfinite);
+      [buffers_of](const std::vector<PythonDdp*>& chunks, double max_norm, bool error_if_nonfinite) {
+        return clip_grad_norm_(buffers_of(chunks), max_norm, error_if_nonfinite);
       },
-      py::arg("ddp"), py::arg("max_norm"), py::arg("error_if_nonfinite"), Release());
+      py::arg("chunks"), py::arg("max_norm"), py::arg("error_if_nonfinite"), Release());
   m.def("_glob_match", [](const std::string& pattern, const std::string& text) { return glob_match(pattern, text); });
   m.def(
       "_verify_same_settings",

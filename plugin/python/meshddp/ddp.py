@@ -14,6 +14,7 @@ A step (as with Megatron's DDP):
 
 import contextlib
 import datetime
+import gc
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,14 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
     return dp_group, world, tp_dim, tp_rank, tp_size, mesh.get_group(tp_dim) if tp_size > 1 else None
 
 
+def _collect_released_chunks(ddps):
+    """Before a norm or a step checks that every model chunk this rank holds on its pipeline was given
+    (grad_buffer/run_stats.h): a DDP dropped by the user but not yet freed still counts (its module's
+    hooks refer to it, so the cycle collector frees it), so collect once when more are counted. Local."""
+    if ddps and _C._pipeline_chunks_held(ddps[0]._engine) > len(ddps):
+        gc.collect()
+
+
 def _ranks_of(mesh):
     return mesh.mesh.flatten().tolist()
 
@@ -222,6 +231,9 @@ class DistributedDataParallel(torch.nn.Module):
             world = dp_group
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
         expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
+        # A "pp" dim: the gradient norm and the non-finite checks span every stage (one run).
+        pipeline_group = (mesh.get_group("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ())
+                          and mesh.size(mesh.mesh_dim_names.index("pp")) > 1 else None)
         _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,
                             expert_instance_group],
                            stuck_report_after, timeout)
@@ -266,7 +278,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine = _C._Ddp(params, buffers, dtensors, dp_group, world, tp_group, tp_rank, tp_size,
                                dist.get_process_group_ranks(dp_group), config, embedding_group=embedding_group,
                                expert_dp_group=expert_dp_group, instance_group=instance_group,
-                               cross_instance_group=cross_group, expert_instance_group=expert_instance_group)
+                               cross_instance_group=cross_group, expert_instance_group=expert_instance_group,
+                               pipeline_group=pipeline_group)
         grads = {}
         for name, p, _, _ in dtensors:
             grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from meshddp import _C, _state_dict
-from meshddp.ddp import DistributedDataParallel
+from meshddp.ddp import DistributedDataParallel, _collect_released_chunks
 
 
 def _finish_pending_gathers(impl):
@@ -200,6 +200,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise RuntimeError("meshddp.DistributedOptimizer.step: a closure is not supported; run forward and "
                                "backward before step()")
+        self._before_step()
+        _collect_released_chunks([self.ddp])
+        result = self._impl.step()
+        self._after_step()
+        return result
+
+    @staticmethod
+    def step_together(optimizers):
+        """One step of every model chunk's optimizer this rank holds (a pipeline with several stages per
+        rank, e.g. interleaved or V-shaped schedules: one DistributedOptimizer per chunk), as one
+        optimizer: one gradient norm over every chunk of every stage, one clipping coefficient, one skip
+        decision (Megatron's chained optimizer). Every rank passes all of its chunks' optimizers; step()
+        on one of several refuses, naming this. Returns the one StepResult."""
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            if not isinstance(opt, DistributedOptimizer):
+                raise TypeError(f"meshddp.DistributedOptimizer.step_together: expected meshddp.DistributedOptimizer "
+                                f"objects, got {type(opt).__name__}")
+        for opt in optimizers:
+            opt._before_step()
+        _collect_released_chunks([opt.ddp for opt in optimizers])
+        result = _C._DistributedOptimizer.step_together([opt._impl for opt in optimizers])
+        for opt in optimizers:
+            opt._after_step()
+            opt._opt_called = True  # what torch's LR schedulers' wrapper of step() records
+        return result
+
+    def _before_step(self):
+        """step()'s checks and the param groups pushed into the C++ groups."""
         if self.ddp._grads_written_since_sync():
             raise RuntimeError(
                 "meshddp.DistributedOptimizer.step: the gradients were changed in place after finish_grad_sync() "
@@ -210,10 +239,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         self._push_groups()
-        result = self._impl.step()
+
+    def _after_step(self):
         self.ddp._synced_grad_version = None  # the step itself scales and reads the gradients
         self.ddp._grads_state = "stepped"
-        return result
 
     def _step_with_grad_scaler(self, grad_scaler):
         from torch.amp.grad_scaler import OptState

@@ -8,7 +8,7 @@ import math
 import torch
 
 from meshddp import _C
-from meshddp.ddp import DistributedDataParallel
+from meshddp.ddp import DistributedDataParallel, _collect_released_chunks
 
 
 class LrScheduler:
@@ -112,12 +112,22 @@ def _plain_ddp(ddp, who):
     ddp.finish_grad_sync()  # a no-op once done; through the DDP, for its checks
 
 
+def _chunks(ddp, who):
+    """`ddp` as a list of plain DDPs: a model chunk, or a list of them (every chunk this rank holds on
+    a pipeline, e.g. each meshddp.pipelining.PipelineStage's submod)."""
+    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    for chunk in chunks:
+        _plain_ddp(chunk, who)
+    _collect_released_chunks(chunks)
+    return chunks
+
+
 def grad_norm(ddp):
     """The L2 norm of the whole model's gradient over DP x TP (the DP mean, TP shards joined, each
     element once), after finish_grad_sync() (done here if not yet). A collective: every rank calls it
-    and gets the same value. Plain DDP only."""
-    _plain_ddp(ddp, "grad_norm")
-    return _C._grad_norm(ddp._engine)
+    and gets the same value. Plain DDP only. On a pipeline ("pp" dim) the norm of every stage's
+    gradient (a weight tied across stages once): pass a list of every chunk (DDP) this rank holds."""
+    return _C._grad_norm([c._engine for c in _chunks(ddp, "grad_norm")])
 
 
 def clip_grad_norm_(ddp, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -127,9 +137,10 @@ def clip_grad_norm_(ddp, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     Returns the norm before clipping, as a 0-dim float64 tensor. A collective over the mesh; after
     backward (it finishes the gradient sync), before the optimizer. Under ZeRO-1 it refuses: use
     OptimizerConfig(clip_grad_norm=...). foreach (torch's choice of kernels) is accepted and has no
-    effect: the norm and the scaling run over the flat buffers."""
+    effect: the norm and the scaling run over the flat buffers. On a pipeline, `ddp` is a list of every
+    chunk this rank holds, clipped by the norm of the whole pipeline (grad_norm)."""
     if float(norm_type) != 2.0:
         raise ValueError(f"meshddp.clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type!r}")
-    _plain_ddp(ddp, "clip_grad_norm_")
-    norm = _C._clip_grad_norm_(ddp._engine, float(max_norm), bool(error_if_nonfinite))
+    chunks = _chunks(ddp, "clip_grad_norm_")
+    norm = _C._clip_grad_norm_([c._engine for c in chunks], float(max_norm), bool(error_if_nonfinite))
     return torch.tensor(norm, dtype=torch.float64)
