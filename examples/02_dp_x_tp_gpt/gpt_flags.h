@@ -44,12 +44,15 @@ struct Flags {
   // pipeline's bubble, overlapping the other chunks' backward), or hold all of it until the schedule
   // ends (the baseline the benchmark compares with).
   bool sync_at_end = false;
+  // --clip-grad X: clip the global gradient L2 norm (every DP, TP and pipeline rank's share, each element
+  // once) to X before the step, Megatron's --clip-grad and its default; 0 = off.
+  double clip_grad = 1.0;
 };
 
 inline std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--optimizer adamw|sgd|muon] "
+             "[--optimizer adamw|sgd|muon] [--clip-grad X] "
              "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
              "N]] [--loss mean|per-token] [--pp N [--vpp N] [--grad-sync bubble|end]] ") +
@@ -116,7 +119,6 @@ inline void validate(const Flags& f) {
       throw FlagError("--optimizer-instances " + n(f.optimizer_instances) +
                       " with --pp/--vpp is not supported yet; use flat ZeRO-1 (1)");
     }
-    if (f.run.inject_nan.step >= 0) throw FlagError("--inject-nan with --pp/--vpp is not supported; drop one of them");
   } else if (f.sync_at_end) {
     throw FlagError("--grad-sync end needs a pipeline (--pp)");
   }
@@ -159,6 +161,8 @@ inline Flags parse(int argc, char** argv) {
         f.pp = parse_int_flag(arg, v, 1);
       else if (arg == "--vpp")
         f.vpp = parse_int_flag(arg, v, 1);
+      else if (arg == "--clip-grad")
+        f.clip_grad = examples::parse_float_flag(arg, v, 0.0, true);
       else if (arg == "--micro-batches")
         f.micro_batches = parse_int_flag(arg, v, 1);
       else if (arg == "--loss")
@@ -234,6 +238,7 @@ inline meshddp::DistributedOptimizerConfig zero1_config(const Flags& f) {
   }
   oc.lr = f.run.lr;
   oc.weight_decay = 0.0;
+  oc.clip_grad_norm = f.clip_grad;
   return oc;
 }
 

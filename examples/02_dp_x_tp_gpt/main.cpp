@@ -172,7 +172,9 @@ int main(int argc, char** argv) {
         skipped.on_step(step, result, mesh.rank() == 0);
       } else {
         ddp.finish_grad_sync();  // with check_for_nan_in_grad: throws on every rank, naming param, rank, step
-        result.grad_norm = meshddp::grad_norm(ddp.grad_buffer());
+        // --clip-grad: torch's clip_grad_norm_ over the whole mesh (the norm before clipping is logged).
+        result.grad_norm = f.clip_grad > 0 ? meshddp::clip_grad_norm_(ddp.grad_buffer(), f.clip_grad)
+                                           : meshddp::grad_norm(ddp.grad_buffer());
         if (masters) masters->take_grads(ddp);
         adamw->step();
         if (masters) masters->write_params();

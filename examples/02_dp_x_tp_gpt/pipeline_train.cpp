@@ -30,7 +30,6 @@
 #include <torch/torch.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <meshddp/meshddp.h>
@@ -164,6 +163,9 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   examples::StepLogger logger(f.run.steps, f.run.log_interval, f.global_batch, f.model.seq_len, mesh.device(),
                               mesh.rank() == 0);
   examples::SkippedSteps skipped(f.run.max_skipped_steps);
+  // --inject-nan STEP:RANK: the first param of the rank's first chunk (whichever stage it is).
+  const auto first_named = chunks.front().module->named_parameters();
+  examples::NanInjector inject(f.run.inject_nan, first_named.begin()->value(), first_named.begin()->key());
   double exposed_total = 0, schedule_total = 0;  // after the first step (which warms up)
   for (int64_t step = first_step; step < f.run.steps; ++step) {
     const auto start = Clock::now();
@@ -214,7 +216,9 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     work.after_last_backward = [&](int64_t v) {
       if (!f.sync_at_end) chunks[v].ddp->start_grad_sync();
     };
+    inject.before_backward(step, mesh.rank());
     pipeline.run(work);
+    inject.after_backward();
     const auto schedule_end = Clock::now();
     meshddp::FinalizeOptions finalize;
     if (f.per_token_loss) {
@@ -230,20 +234,18 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
       exposed_total += times[1].item<double>() - times[0].item<double>();
       schedule_total += std::chrono::duration<double>(schedule_end - start).count();
     }
+    // One norm, one clipping coefficient and one skip decision for the whole pipeline: every chunk of
+    // every stage (the tied embedding once), as one process.
     meshddp::StepResult result;
     if (f.distributed_optimizer) {
-      double squares = 0;
-      for (Chunk& chunk : chunks) {
-        const meshddp::StepResult r = chunk.zero1->step();
-        squares += r.grad_norm * r.grad_norm;
-        result.skipped = result.skipped || r.skipped;
-      }
-      result.grad_norm = std::sqrt(squares);
+      std::vector<meshddp::DistributedOptimizer*> optimizers;
+      for (Chunk& chunk : chunks) optimizers.push_back(chunk.zero1.get());
+      result = meshddp::DistributedOptimizer::step_together(optimizers);
       skipped.on_step(step, result, mesh.rank() == 0);
     } else {
-      double squares = 0;
-      for (Chunk& chunk : chunks) squares += std::pow(meshddp::grad_norm(chunk.ddp->grad_buffer()), 2);
-      result.grad_norm = std::sqrt(squares);  // this stage's chunks (the log's value)
+      std::vector<meshddp::GradBufferHandle> buffers;
+      for (Chunk& chunk : chunks) buffers.push_back(chunk.ddp->grad_buffer());
+      result.grad_norm = f.clip_grad > 0 ? meshddp::clip_grad_norm_(buffers, f.clip_grad) : meshddp::grad_norm(buffers);
       for (Chunk& chunk : chunks) {
         if (chunk.masters) chunk.masters->take_grads(*chunk.ddp);
       }

@@ -92,6 +92,17 @@ expect("ddp_example --inject-nan 1:0 stops at step 1 naming rank 0",
        and "rank 0 (DP rank 0): parameter 'blocks.0.weight' has 1 NaN/Inf gradient value(s)" in err,
        f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
 
+# On a pipeline the stop is agreed over every stage: a NaN on the last stage (rank 1 of --pp 2) stops both
+# ranks at step 2, each naming the param, its stage and rank (the first stage did not see it).
+code, out, err = run(torchrun_cmd(gpt_binary, 2, "--pp", "2", "--micro-batches", "2", "--steps", "5",
+                                  "--inject-nan", "2:1"))
+expect("gpt_example plain DDP --pp 2 --inject-nan 2:1 stops every stage at step 2 naming the stage",
+       code != 0 and steps_printed(out) == [0, 1]
+       and "GradBuffer: non-finite gradients at step 2" in err
+       and "pipeline stage 1 of 2, rank 0 of the stage (DP rank 0): parameter '" in err
+       and "gpt_example (rank 0)" in err and "gpt_example (rank 1)" in err,
+       f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
+
 # 3. ZeRO-1: one NaN step is skipped and reported; the run goes on (exit 0, 1 skipped in the summary).
 #    With --max-skipped-steps 1 the same run stops there.
 zero = ["--dp", "2", "--tp", "1", "--steps", "5", "--distributed-optimizer", "--inject-nan", "2:1"]

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 
-def run_losses(binary, nproc, steps, args, first=0, env=None, expect_in_stderr=()):
+def run_losses(binary, nproc, steps, args, first=0, env=None, expect_in_stderr=(), with_stderr=False):
     """`binary`: an executable, or a .py script (run by torchrun's Python). Steps first..steps-1 are
     expected (first > 0: a run resumed from a checkpoint). Each text of `expect_in_stderr` must
-    appear in the run's stderr (e.g. the step log's header)."""
+    appear in the run's stderr (e.g. the step log's header). with_stderr: returns (losses, stderr)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     launch = [binary] if binary.endswith(".py") else ["--no-python", binary]
     cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", *launch, "--steps", str(steps), *args]
@@ -25,7 +25,13 @@ def run_losses(binary, nproc, steps, args, first=0, env=None, expect_in_stderr=(
     for _, text in found:
         if len(text.lstrip("-").split("e")[0].replace(".", "").lstrip("0")) < 8:
             sys.exit(f"FAILED: loss '{text}' has fewer than 8 significant digits")
-    return [float(v) for _, v in found]
+    losses = [float(v) for _, v in found]
+    return (losses, out.stderr) if with_stderr else losses
+
+
+def logged_grad_norms(stderr):
+    """The `grad norm X` of each step-log line (--log-interval 1: one per step; nan for a skipped step)."""
+    return [float(v) for v in re.findall(r"^ step +\d+/\d+ \|.*\| grad norm (\S+) \|", stderr, re.M)]
 
 
 def expect_curve_close(reference, curve, rtol, name, reference_name="1x1", first=0):

@@ -60,8 +60,10 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
                 if finish_between or k == ACCUMULATE - 1:
                     meshddp.pipelining.finish_grad_sync(stages)
             grads = [p.grad.clone() for p in params]
-            for opt in opts:
-                opt.step()
+            if zero1:  # one step over every chunk this rank holds: one norm, one skip decision
+                meshddp.DistributedOptimizer.step_together(opts)
+            else:
+                opts[0].step()
     except RuntimeError as e:
         return " <- ".join(str(c) for c in (e, e.__cause__, e.__context__) if c is not None)
     ref_grads, ref_params = golden(dp_size)

@@ -108,8 +108,10 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
         if meshddp_stages:
             meshddp.pipelining.finish_grad_sync(stages)
         grads = [p.grad.clone() for p in params]
-        for opt in opts:
-            opt.step()
+        if zero1:  # one step over every chunk this rank holds: one norm, one skip decision
+            meshddp.DistributedOptimizer.step_together(opts)
+        else:
+            opts[0].step()
     return grads, [p.detach().clone() for p in params]
 
 
