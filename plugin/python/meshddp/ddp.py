@@ -291,6 +291,11 @@ class DistributedDataParallel(torch.nn.Module):
         # finished sync), "stepped" (an optimizer stepped on them; _guards.py, DistributedOptimizer.step):
         # meshddp.pipelining accumulates across steps on "synced" and refuses "stepped".
         self._grads_state = "zeroed"
+        # meshddp.pipelining's accumulation across schedule.step() calls: the earlier steps' synced gradients
+        # ((name, gradient) pairs) while a later step runs, added back by whatever finishes its sync; and the
+        # stage's own start of the sync (scaled) when the schedule did not start it (a weakref.WeakMethod).
+        self._set_aside = None
+        self._before_finish = None
         self._find_unused = config.find_unused_parameters
         # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
         # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
@@ -319,9 +324,26 @@ class DistributedDataParallel(torch.nn.Module):
 
     def finish_grad_sync(self):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).
-        Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
+        Afterwards each param's .grad (main_grad) holds the DP mean. A second call in the same step is a
+        no-op. Under meshddp.pipelining it is the stage's finish_grad_sync (the same gradients: the earlier
+        schedule steps' added back when accumulating)."""
+        if self._engine.grad_sync_finished():
+            return  # the state stays as it is ("stepped" after an optimizer step on these gradients)
+        before = self._before_finish() if self._before_finish is not None else None
+        if before is not None:
+            before()
         self._engine.finish_grad_sync()
-        self._record_synced_grads()
+        self._after_grad_sync()
+
+    def _after_grad_sync(self):
+        """After a finished sync (finish_grad_sync, finalize_model_grads): the gradients set aside by
+        meshddp.pipelining's accumulation added back, and the buffers' state recorded."""
+        if self._set_aside is not None:
+            with torch.no_grad():
+                for name, grad in self._set_aside:
+                    self.main_grad(name).add_(grad)
+            self._set_aside = None
+        self._record_synced_grads()  # the gradients as synced (the add is meshddp's own, not a foreign write)
         self._grads_state = "synced"  # until zero_grad_buffer(); "stepped" after an optimizer step on them
 
     def _record_synced_grads(self):
@@ -335,6 +357,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.zero_grad_buffer()
         self._synced_grad_version = None
         self._grads_state = "zeroed"
+        self._set_aside = None  # an accumulation discarded: nothing of it comes back
 
     def _grads_written_since_sync(self):
         """ZeRO-1: whether the gradients were changed in place after this step's finish_grad_sync()."""
