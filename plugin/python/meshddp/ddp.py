@@ -199,8 +199,9 @@ class DistributedDataParallel(torch.nn.Module):
         it was created with (init_process_group(timeout=)).
         embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
         pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
-        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. A "pp" dim of
-        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. Default: made from
+        `mesh` when it has a "pp" dim (by the group's members, at the first DDP over the mesh). A "pp" dim
+        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
         expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
         (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
         DTensor params on the expert-parallel sub-mesh are expert params without a pattern
@@ -220,6 +221,8 @@ class DistributedDataParallel(torch.nn.Module):
             # checkpoints still span every DP rank (world), as with a mesh that has a TP dim. Without it
             # a 1-D mesh summed the norm within each instance: one instance clipped, the other did not.
             world = dp_group
+        if embedding_group is None:
+            embedding_group = _groups.embedding_group(mesh)  # a "pp" dim: made from the mesh
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
         expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
         _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,
