@@ -52,6 +52,7 @@ per-token loss: the sum over a micro-batch's valid tokens divided by the global 
 tokens, with the schedule's scale_grads=False): the DP reduction is then a sum, as torchtitan's
 FSDP with its gradient divide factor set to 1."""
 
+import inspect
 import weakref
 
 import torch
@@ -61,6 +62,53 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshddp.ddp import DistributedDataParallel
+
+# Note [torch's stage methods this stage overrides]
+#   They are not torch's public API (two are private), so a torch release may rename them or change how
+#   the schedules call them, and the override would then be skipped or called wrongly, silently. Each is
+#   checked at import against the signature it was written for (torch 2.11; annotations aside): a
+#   difference fails the import naming the method. Update the override, then its entry here.
+_WRITTEN_FOR = {
+    "_get_init_p2p_neighbors_ops": "(self)",
+    "_prepare_backward_infra": "(self, num_microbatches)",
+    "clear_runtime_states": "(self)",
+    "backward_maybe_with_nosync": "(self, backward_type, bwd_kwargs, last_backward=False)",
+    "scale_grads": "(self, grad_scale_factor)",
+    "perform_reduce_grad": "(self, grad_scale_factor)",
+}
+
+
+def _plain_signature(fn):
+    """fn's signature as text, without annotations (a changed type hint changes no call)."""
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def _check_torch_stage(base=_TorchPipelineStage):
+    """Raises ImportError naming the first method of torch's PipelineStage (`base`) that this stage
+    overrides and that is missing or has another signature than the one it was written for."""
+    for name, expected in _WRITTEN_FOR.items():
+        fn = getattr(base, name, None)
+        got = "missing" if not callable(fn) else f"{name}{_plain_signature(fn)}"
+        if got != f"{name}{expected}":
+            raise ImportError(
+                f"meshddp.pipelining: torch {torch.__version__}'s PipelineStage.{name} is {got}, but meshddp's "
+                f"stage overrides it as written for {name}{expected} (torch 2.11): torch's schedules would skip "
+                f"the override or call it with other arguments, and the stage's gradients would be silently wrong. "
+                f"Use a torch whose PipelineStage matches (2.11), or update meshddp.pipelining's override "
+                f"(Note [torch's stage methods this stage overrides])")
+    got = _plain_signature(_get_grad_fn_or_grad_acc)
+    if got != "(t)":  # the weight pass (_backward_weight) maps each param to its autograd node with it
+        raise ImportError(
+            f"meshddp.pipelining: torch {torch.__version__}'s torch.distributed.pipelining._backward."
+            f"_get_grad_fn_or_grad_acc is _get_grad_fn_or_grad_acc{got}, but meshddp's stage calls it as "
+            f"_get_grad_fn_or_grad_acc(t) (torch 2.11). Use a torch whose pipelining matches (2.11), or update "
+            f"meshddp.pipelining (Note [torch's stage methods this stage overrides])")
+
+
+_check_torch_stage()
+
 
 def _error(what):
     return RuntimeError(f"meshddp.pipelining.{what}")
