@@ -419,16 +419,29 @@ std::vector<at::Tensor> DdpEngine::parameters() const {
   return out;
 }
 
+// Note [Module buffers once per step]
+//   PyTorch's DDP broadcasts the buffers before every forward outside no_sync(). Under a pipeline
+//   schedule (1F1B: micro-batch 1's forward before micro-batch 0's backward), or plain accumulation
+//   with several forwards before their backwards, that write lands in place on a buffer an earlier
+//   forward of the step saved for backward (a rotary table multiplying the queries), and autograd
+//   fails ("modified by an inplace operation") on every rank but DP rank 0. So the buffers are
+//   broadcast once per step, before its first training forward (the first after zero_grad_buffer(),
+//   whatever the sync switch says: every micro-batch of the step then sees DP rank 0's values), and
+//   only the tensors whose bits differ from rank 0's are written: a constant table never is.
 void DdpEngine::before_forward() {
   if (!c10::GradMode::is_enabled()) return;
   buffer_->check_no_sync_pending("DistributedDataParallel::forward");
   maybe_check_tp_replicas();
-  if (config_.broadcast_buffers && !module_buffers_.empty() && buffer_->is_last_microbatch()) {
-    broadcast_from_group_rank0(*dp_group_, module_buffers_, "the module buffers (broadcast_buffers, from DP rank 0)");
+  if (!config_.broadcast_buffers || !buffers_broadcast_due_) return;
+  buffers_broadcast_due_ = false;
+  if (!module_buffers_.empty()) {
+    broadcast_changed_from_group_rank0(*dp_group_, module_buffers_,
+                                       "the module buffers (broadcast_buffers, from DP rank 0)");
   }
-  if (config_.broadcast_buffers && !expert_buffers_.empty() && buffer_->is_last_microbatch()) {
-    broadcast_from_group_rank0(*groups_.expert_dp, expert_buffers_,
-                               "the expert module buffers (broadcast_buffers, from expert-data-parallel rank 0)");
+  if (!expert_buffers_.empty()) {
+    broadcast_changed_from_group_rank0(
+        *groups_.expert_dp, expert_buffers_,
+        "the expert module buffers (broadcast_buffers, from expert-data-parallel rank 0)");
   }
 }
 

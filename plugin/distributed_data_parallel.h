@@ -40,9 +40,10 @@ struct DdpConfig : GradBufferConfig {
   bool broadcast_from_rank0 = true;         // at construction, every DP rank takes DP rank 0's params and buffers,
                                             // then every TP rank takes TP rank 0's replicated (non-sharded) ones
   bool verify_model_across_ranks = true;    // at construction, check every DP rank has the same parameters
-  bool broadcast_buffers = true;            // PyTorch DDP's default: before each training forward (grad mode on,
-                                            // a syncing micro-batch), every DP rank takes DP rank 0's module buffers
-                                            // (one flat broadcast per dtype). Nothing is done when the model has none
+  bool broadcast_buffers = true;            // before each step's first training forward (grad mode on; the first
+                                            // after construction or zero_grad_buffer()), every DP rank takes DP rank
+                                            // 0's module buffers, written only where they differ (Note [Module
+                                            // buffers once per step]). Nothing is done when the model has none
   int64_t tp_replica_check_interval = 100;  // with TP > 1: at the first forward of step 1 and of every N-th
                                             // step after (1, 1+N, ...), compare a bit-exact checksum of each
                                             // TP-replicated param across the TP group and name the first one
@@ -125,8 +126,17 @@ class DdpEngine {
   void check_tied_params_identical() const;
   // Whether this step's sync finished / began (GradBuffer::grad_sync_finished / _started).
   bool grad_sync_finished() const { return buffer_->grad_sync_finished(); }
-  // Zeroes the gradient buffers for the next step (and points param.grad() back at them).
-  void zero_grad_buffer() { buffer_->zero_grad_buffer(); }
+  // Zeroes the gradient buffers for the next step (and points param.grad() back at them). The step's
+  // first training forward then broadcasts the module buffers (broadcast_buffers).
+  void zero_grad_buffer() {
+    buffer_->zero_grad_buffer();
+    buffers_broadcast_due_ = true;
+  }
+  // Whether the next training forward broadcasts the module buffers (broadcast_buffers): true after
+  // construction and zero_grad_buffer(), false after that broadcast. meshddp.pipelining sets it back
+  // after the zeroing it does between the schedule steps of one optimizer step.
+  bool buffers_broadcast_due() const { return buffers_broadcast_due_; }
+  void set_buffers_broadcast_due(bool due) { buffers_broadcast_due_ = due; }
   // The module's parameters, one entry per tensor (a tensor registered under two names, tied
   // weights, is listed once under its first name): give these to the optimizer. Frozen ones included.
   std::vector<at::Tensor> parameters() const;
@@ -172,8 +182,9 @@ class DdpEngine {
  protected:
   // Called by forward before running the module. A forward with grad mode off (evaluation) touches
   // no sync state and runs no collective, so it may run on some ranks only, at any time. A training
-  // forward checks the previous step's sync finished, runs the TP-replica check when due, and
-  // broadcasts the module buffers (broadcast_buffers: dense ones over DP, expert ones over expert-DP).
+  // forward checks the previous step's sync finished, runs the TP-replica check when due, and, at the
+  // step's first training forward, broadcasts the module buffers (broadcast_buffers: dense ones over DP,
+  // expert ones over expert-DP; Note [Module buffers once per step]).
   void before_forward();
   // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
   void after_forward(const at::Tensor& output) const {
@@ -227,6 +238,7 @@ class DdpEngine {
   ParamClaim claim_;                       // this engine's params, refused to a second live engine
   std::vector<NamedParam> tp_replicated_;  // trainable params every TP rank holds whole (not sharded)
   int64_t last_replica_check_ = -1;        // syncs_completed() at the last TP-replica check
+  bool buffers_broadcast_due_ = true;      // the next training forward broadcasts the module buffers
 };
 
 template <typename ModuleT>

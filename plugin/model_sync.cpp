@@ -4,6 +4,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -125,6 +126,22 @@ void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<Nam
     }
   }
   for (const Work& work : in_place) wait_collective(work, group, what);
+}
+
+void broadcast_changed_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
+                                        const std::string& what) {
+  if (skip_collective(group) || tensors.empty()) return;
+  c10::NoGradGuard no_grad;
+  std::vector<NamedTensor> copies;
+  copies.reserve(tensors.size());
+  for (const auto& t : tensors) copies.push_back({t.name, t.tensor.detach().contiguous().clone()});
+  broadcast_from_group_rank0(group, copies, what);
+  if (group.getRank() == 0) return;
+  const auto bytes = [](const at::Tensor& t) { return t.contiguous().reshape({-1}).view(at::kByte); };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor target = tensors[i].tensor.detach();
+    if (!at::equal(bytes(target), bytes(copies[i].tensor))) target.copy_(copies[i].tensor);
+  }
 }
 
 namespace {

@@ -39,6 +39,14 @@ struct BroadcastChunking {
 void broadcast_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
                                 const std::string& what, const BroadcastChunking& chunking = {});
 
+// The module buffers' broadcast before a step's first training forward (broadcast_buffers): every
+// tensor takes group rank 0's values, but is written only where its bits differ. A buffer that already
+// holds rank 0's values (a constant table, such as a rotary embedding's) is never written, on any
+// rank, so no forward that saved it for backward is invalidated. Broadcasts a copy of the tensors
+// (their bytes once more, while it runs). Rank 0's tensors are never written.
+void broadcast_changed_from_group_rank0(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
+                                        const std::string& what);
+
 // Bit-exact checksum (sum of each element's bits as an integer) of every tensor, compared across
 // `tp_group`; every rank throws the same error naming the first tensor whose TP replicas differ,
 // each TP rank's checksum, and `step`. For params every TP rank must hold identically.

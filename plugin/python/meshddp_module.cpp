@@ -225,6 +225,8 @@ PYBIND11_MODULE(_C, m) {
       .def("grad_sync_finished", &PythonDdp::grad_sync_finished)
       .def("finish_grad_sync", &PythonDdp::finish_grad_sync, Release())
       .def("zero_grad_buffer", &PythonDdp::zero_grad_buffer, Release())
+      .def("buffers_broadcast_due", &PythonDdp::buffers_broadcast_due)
+      .def("set_buffers_broadcast_due", &PythonDdp::set_buffers_broadcast_due, py::arg("due"))
       .def("set_is_last_microbatch", &PythonDdp::set_is_last_microbatch)
       .def("is_last_microbatch", [](const PythonDdp& d) { return d.grad_buffer()->is_last_microbatch(); })
       .def("check_before_forward", &PythonDdp::check_before_forward, Release())  // TP check, buffer broadcast

@@ -272,3 +272,88 @@ TEST(PipelineControls, NumTokensGivenOnSomeRanksOnlyFailsOnEveryRank) {
                                  ::testing::HasSubstr("DP rank 0: num_tokens, DP rank 1: none")));
   });
 }
+
+namespace {
+
+// A rotary-style model: the forward multiplies by two buffers, which autograd saves for backward.
+// `table` drifts on DP rank 1 between steps (as running statistics would); `fixed` never changes.
+struct Rotated : torch::nn::Module {
+  Rotated() {
+    w = register_parameter("w", torch::ones({4}));
+    table = register_buffer("table", torch::arange(1, 5, torch::kFloat));
+    fixed = register_buffer("fixed", torch::full({4}, 0.5f));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x * w * table * fixed; }
+  torch::Tensor w, table, fixed;
+};
+
+int64_t buffer_broadcasts(const c10d::ProcessGroup& group, size_t since_total) {
+  int64_t n = 0;
+  for (const auto& label : recent_collective_labels(group)) {
+    const auto number = std::stoul(label.substr(1, label.find(' ') - 1));
+    if (number > since_total && label.find("module buffers") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+// Note [Module buffers once per step]: 3 micro-batches in 1F1B order (micro-batch 1's forward before
+// micro-batch 0's backward), the sync held until the last backward as example 02's schedule does, and
+// plain accumulation (all forwards, then the backwards, micro-batches 0..1 under no_sync()), with DP
+// rank 1's table drifted before every step. Each step broadcasts the buffers once, before its first
+// forward: every micro-batch on both ranks uses DP rank 0's table (the gradient of w is the closed
+// form below), no table a pending backward saved is written (PyTorch's rule, a broadcast before each
+// forward outside no_sync(), fails there with "modified by an inplace operation"), and the buffer that
+// already holds rank 0's values is never written (its version stays).
+TEST(PipelineControls, BuffersAreBroadcastOncePerStepBeforeItsFirstForward) {
+  for (bool pipelined : {true, false}) {
+    run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+      auto model = std::make_shared<Rotated>();
+      DistributedDataParallel ddp(model, mesh, "dp");
+      const c10d::ProcessGroup& dp = ddp.dp_group();
+      const auto fixed_version = model->fixed._version();
+      for (int64_t step = 0; step < 2; ++step) {
+        if (mesh.rank() == 1) model->table.add_(100.0);  // drifted since the last step
+        ddp.zero_grad_buffer();
+        const size_t before = launches_so_far(dp);
+        // Micro-batch m: 2 rows of (rank + 1); loss = sum of the outputs.
+        const auto input = torch::full({2, 4}, static_cast<float>(mesh.rank() + 1));
+        std::vector<torch::Tensor> losses(kMicro);
+        const auto forward = [&](int64_t m) { losses[m] = ddp.forward(input).sum(); };
+        const auto backward = [&](int64_t m) {
+          if (pipelined) ddp.set_requires_gradient_sync(m == kMicro - 1);
+          if (!pipelined && m < kMicro - 1) {
+            auto guard = ddp.no_sync();
+            losses[m].backward();
+          } else {
+            losses[m].backward();
+          }
+        };
+        if (pipelined) {
+          ddp.set_requires_gradient_sync(false);
+          forward(0), forward(1), backward(0), forward(2), backward(1), backward(2);  // 1F1B, one stage's view
+        } else {
+          for (int64_t m = 0; m < kMicro; ++m) {
+            if (m < kMicro - 1) {
+              auto guard = ddp.no_sync();
+              forward(m);
+            } else {
+              forward(m);
+            }
+          }
+          for (int64_t m = 0; m < kMicro; ++m) backward(m);
+        }
+        ddp.finish_grad_sync();
+        EXPECT_EQ(buffer_broadcasts(dp, before), 1) << "step " << step << " on rank " << mesh.rank();
+        // d/dw of sum(x * w * table * fixed) over kMicro micro-batches of 2 rows, mean over the 2 ranks.
+        const auto want = torch::arange(1, 5, torch::kFloat) * 0.5f * (2.0f * kMicro * 1.5f);
+        EXPECT_TRUE(torch::allclose(model->w.grad(), want, 0, 0))
+            << (pipelined ? "1F1B" : "accumulation") << " step " << step << " rank " << mesh.rank() << ": "
+            << model->w.grad() << " vs " << want;
+        EXPECT_TRUE(torch::equal(model->table, torch::arange(1, 5, torch::kFloat))) << "rank " << mesh.rank();
+        EXPECT_EQ(model->fixed._version(), fixed_version) << "a buffer equal to rank 0's was written";
+      }
+    });
+  }
+}

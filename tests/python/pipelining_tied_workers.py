@@ -47,11 +47,13 @@ def golden(dp_size, per_token):
     return [p.detach() for p in params]
 
 
-def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="none", broken=None):
+def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="none", group_from_mesh=False,
+                  broken=None):
     """Returns (max |param - golden| over this stage's params after STEPS steps, whether the tied copies
     were bit-identical after every step). per_token: torchtitan's loss, the sum over a micro-batch's
     valid tokens divided by the global count of valid tokens (summed over the DP group before the step),
     scale_grads=False and grad_reduction="sum"; else a mean loss per micro-batch, scale_grads=True.
+    group_from_mesh: no embedding_group= given (the DDP makes it from the mesh's "pp" dim).
     broken (on purpose): "no_tie" (the copies neither declared tied nor summed), "mean_reduction"
     (per_token with the DP mean kept)."""
     dp_size, pp_size = 2, 2
@@ -66,8 +68,8 @@ def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="non
         if pp_rank == 1:
             module.lm_head.weight.data.copy_(First().wte.weight)
     config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1, comm_hook=comm_hook)
-    ddp = meshddp.DistributedDataParallel(module, mesh, "dp", config=config,
-                                          embedding_group=None if broken == "no_tie" else embedding)
+    given = {} if group_from_mesh else {"embedding_group": None if broken == "no_tie" else embedding}
+    ddp = meshddp.DistributedDataParallel(module, mesh, "dp", config=config, **given)
     reduction = "sum" if per_token and broken != "mean_reduction" else "mean"
     stage = meshddp.pipelining.PipelineStage(ddp, pp_rank, pp_size, torch.device("cpu"),
                                              group=mesh["pp"].get_group(), grad_reduction=reduction)

@@ -56,9 +56,10 @@ SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 pp - 1 - r
 
 
-def build(mesh, schedule, zero1=False, torch_ddp=False):
+def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean"):
     """This rank's stages of the MLP for `schedule` (a list, one per chunk) and their (stage index,
-    wrapper) pairs: meshddp DDPs in meshddp stages, or with torch_ddp torch's DDP in torch's stage."""
+    wrapper) pairs: meshddp DDPs in meshddp stages (with `grad_reduction`), or with torch_ddp torch's DDP
+    in torch's stage."""
     pp_size, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     _, chunks = SCHEDULES[schedule]
     num_stages = pp_size * chunks
@@ -76,7 +77,8 @@ def build(mesh, schedule, zero1=False, torch_ddp=False):
             config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
             ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
             stage_cls = meshddp.pipelining.PipelineStage
-        stages.append(stage_cls(ddp, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+        extra = {} if torch_ddp else {"grad_reduction": grad_reduction}
+        stages.append(stage_cls(ddp, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group(), **extra))
         wrapped.append((index, ddp))
     return stages, wrapped
 

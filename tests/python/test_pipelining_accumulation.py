@@ -31,6 +31,33 @@ def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finis
     assert max(max(d) for d in diffs) < TOL, diffs
 
 
+@pytest.mark.parametrize("schedule,ending,zero1,grad_reduction", [
+    ("1F1B", "stage_twice", False, "sum"),
+    ("1F1B", "ddp", False, "mean"),
+    ("1F1B", "optimizer", True, "mean"),
+    ("Interleaved1F1B", "ddp_twice", True, "sum"),
+])
+def test_every_way_to_end_an_accumulation_gives_one_process_gradients(schedule, ending, zero1, grad_reduction):
+    """The last schedule.step() of each optimizer step finished by meshddp.pipelining.finish_grad_sync(stages),
+    each chunk's ddp.finish_grad_sync(), either twice (a second call is a no-op), or nothing before
+    DistributedOptimizer.step() (which finishes it): the same gradients. Broken on purpose, each fails: a
+    second stage call scaled the buffers again (grad_reduction="sum": times the DP size each call); the DDP's
+    method and the optimizer's step did not add back the earlier schedule.step()'s set-aside gradients."""
+    diffs = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", schedule=schedule, ending=ending,
+                             zero1=zero1, grad_reduction=grad_reduction)
+    assert all(isinstance(d, tuple) for d in diffs), diffs
+    assert max(max(d) for d in diffs) < TOL, diffs
+
+
+def test_an_accumulation_discarded_by_zero_grad_buffer_leaves_nothing_for_the_next_step():
+    """Two schedule.step() calls, each DDP's finish_grad_sync(), then zero_grad_buffer() (an accumulation
+    thrown away, e.g. after a NaN loss): the next optimizer steps match one process that never saw those
+    batches. Broken on purpose (the set-aside gradients not cleared by zero_grad_buffer()): they leaked in."""
+    diffs = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", discard_first=True)
+    assert all(isinstance(d, tuple) for d in diffs), diffs
+    assert max(max(d) for d in diffs) < TOL, diffs
+
+
 @pytest.mark.parametrize("zero1", [False, True])
 def test_a_step_after_an_optimizer_step_without_zeroing_is_refused_on_every_rank(zero1):
     messages = multiprocess.run(4, "pipelining_accumulation_workers.step_without_zeroing", zero1=zero1)

@@ -41,3 +41,45 @@ def test_v_shaped_schedules_on_gloo_fail_in_torchs_stage_and_run_in_meshddps(sch
     ours = multiprocess.run(1, "pipelining_misuse_workers.v_shaped_on_one_rank", schedule=schedule,
                             meshddp_stage=True)
     assert ours == [None], ours
+
+
+# Note [torch's stage methods this stage overrides] (meshddp/pipelining.py): checked at import.
+def test_every_torch_stage_method_it_overrides_has_the_signature_it_was_written_for():
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    import meshddp.pipelining as pipelining
+
+    pipelining._check_torch_stage()  # the running torch
+    # __init__ passes everything but grad_reduction through to torch's.
+    overridden = {n for n, v in vars(pipelining.PipelineStage).items()
+                  if callable(v) and hasattr(TorchStage, n) and n != "__init__"}
+    assert overridden == set(pipelining._WRITTEN_FOR), "an override missing from _WRITTEN_FOR, or one listed in vain"
+
+
+def _defining_class(name):
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    return next(c for c in TorchStage.__mro__ if name in vars(c))
+
+
+def test_a_torch_stage_method_of_another_signature_is_refused_naming_it(monkeypatch):
+    import meshddp.pipelining as pipelining
+
+    monkeypatch.setattr(_defining_class("scale_grads"), "scale_grads", lambda self, factor, stage=None: None)
+    with pytest.raises(ImportError, match=r"torch .*'s PipelineStage\.scale_grads is scale_grads\(self, factor, "
+                                          r"stage=None\), but meshddp's stage overrides it as written for "
+                                          r"scale_grads\(self, grad_scale_factor\) \(torch 2\.11\)"):
+        pipelining._check_torch_stage()
+
+
+def test_importing_it_over_a_torch_stage_that_lacks_a_method_fails_naming_it():
+    import subprocess
+    import sys
+
+    code = ("from torch.distributed.pipelining import PipelineStage as S\n"
+            "delattr(next(c for c in S.__mro__ if '_prepare_backward_infra' in vars(c)), '_prepare_backward_infra')\n"
+            "import meshddp.pipelining\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "ImportError: meshddp.pipelining: torch" in out.stderr, out.stderr
+    assert "PipelineStage._prepare_backward_infra is missing, but meshddp's stage overrides it" in out.stderr, out.stderr

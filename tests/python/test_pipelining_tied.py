@@ -27,3 +27,12 @@ def test_tied_embedding_zero1_shards_with_a_compressing_hook():
     bit-identical; params within 3e-3 of fp32 (bf16 rounding of the reduced gradients)."""
     diffs = multiprocess.run(4, "pipelining_tied_workers.tied_pipeline", zero1=True, comm_hook="bf16_compress")
     assert max(d for d, _ in diffs) < 3e-3 and all(same for _, same in diffs), diffs
+
+
+def test_tied_embedding_with_the_group_made_from_the_mesh_matches_one_process():
+    """No embedding_group= given: the DDP makes it from the mesh's "pp" dim (each pipeline's first and
+    last stage), as the C++ mesh does. Broken on purpose (main's DDP, which made none): the construction is
+    refused, "'lm_head.weight' is declared tied across pipeline stages ... but this buffer has no embedding
+    group"."""
+    diffs = multiprocess.run(4, "pipelining_tied_workers.tied_pipeline", zero1=True, group_from_mesh=True)
+    assert max(d for d, _ in diffs) < TOL and all(same for _, same in diffs), diffs

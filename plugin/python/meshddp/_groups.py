@@ -1,7 +1,8 @@
 """The process groups a Python DistributedDataParallel needs beyond DP and TP, made from a torch
 DeviceMesh with the C++ engine's own arithmetic (mesh/reduction_groups.h, bound as
 meshddp.expert_data_parallel_groups, ...): the expert-data-parallel group of expert (MoE) params and
-the hierarchical ZeRO-1 groups (num_distributed_optimizer_instances). The C++ DeviceMesh constructor
+the hierarchical ZeRO-1 groups (num_distributed_optimizer_instances), and the embedding group of a
+pipeline mesh (weights tied across stages). The C++ DeviceMesh constructor
 of DistributedDataParallel makes the same groups (plugin/distributed_data_parallel.cpp).
 
 Expert params are declared by module-path pattern (expert_params=["*.experts.*"]: HF-style experts,
@@ -128,3 +129,13 @@ def optimizer_instance_groups(mesh, dp_dims, config, agreement_group):
     instance = _mine(_C.optimizer_instance_groups(dp_groups, k, what), mesh)
     cross = _mine(_C.cross_instance_groups(dp_groups, k, what), mesh)
     return subgroup(instance), subgroup(cross)
+
+
+def embedding_group(mesh):
+    """On a mesh with a "pp" dim: this rank's embedding group, its pipeline's first and last stage
+    (meshddp.embedding_groups; a middle stage alone), over which a weight tied across stages is summed;
+    made by its members at the first DDP over the mesh (the C++ mesh makes it the same way). None
+    without a "pp" dim or a mesh."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return subgroup(_mine(_C.embedding_groups(list(mesh.shape), list(mesh.mesh_dim_names), "pp"), mesh))

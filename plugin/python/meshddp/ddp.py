@@ -208,8 +208,9 @@ class DistributedDataParallel(torch.nn.Module):
         it was created with (init_process_group(timeout=)).
         embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
         pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
-        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. A "pp" dim of
-        `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. Default: made from
+        `mesh` when it has a "pp" dim (by the group's members, at the first DDP over the mesh). A "pp" dim
+        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
         expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
         (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
         DTensor params on the expert-parallel sub-mesh are expert params without a pattern
@@ -229,6 +230,8 @@ class DistributedDataParallel(torch.nn.Module):
             # checkpoints still span every DP rank (world), as with a mesh that has a TP dim. Without it
             # a 1-D mesh summed the norm within each instance: one instance clipped, the other did not.
             world = dp_group
+        if embedding_group is None:
+            embedding_group = _groups.embedding_group(mesh)  # a "pp" dim: made from the mesh
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
         expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
         # A "pp" dim: the gradient norm and the non-finite checks span every stage (one run).
@@ -304,6 +307,11 @@ class DistributedDataParallel(torch.nn.Module):
         # finished sync), "stepped" (an optimizer stepped on them; _guards.py, DistributedOptimizer.step):
         # meshddp.pipelining accumulates across steps on "synced" and refuses "stepped".
         self._grads_state = "zeroed"
+        # meshddp.pipelining's accumulation across schedule.step() calls: the earlier steps' synced gradients
+        # ((name, gradient) pairs) while a later step runs, added back by whatever finishes its sync; and the
+        # stage's own start of the sync (scaled) when the schedule did not start it (a weakref.WeakMethod).
+        self._set_aside = None
+        self._before_finish = None
         self._find_unused = config.find_unused_parameters
         # meshddp/_guards.py: torch's DDP around this one leaves its params alone; a torch optimizer's step
         # before finish_grad_sync() is refused; with ZeRO-1, the raw module's forward waits for its params.
@@ -332,9 +340,26 @@ class DistributedDataParallel(torch.nn.Module):
 
     def finish_grad_sync(self):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).
-        Afterwards each param's .grad (main_grad) holds the DP mean. Call once per step."""
+        Afterwards each param's .grad (main_grad) holds the DP mean. A second call in the same step is a
+        no-op. Under meshddp.pipelining it is the stage's finish_grad_sync (the same gradients: the earlier
+        schedule steps' added back when accumulating)."""
+        if self._engine.grad_sync_finished():
+            return  # the state stays as it is ("stepped" after an optimizer step on these gradients)
+        before = self._before_finish() if self._before_finish is not None else None
+        if before is not None:
+            before()
         self._engine.finish_grad_sync()
-        self._record_synced_grads()
+        self._after_grad_sync()
+
+    def _after_grad_sync(self):
+        """After a finished sync (finish_grad_sync, finalize_model_grads): the gradients set aside by
+        meshddp.pipelining's accumulation added back, and the buffers' state recorded."""
+        if self._set_aside is not None:
+            with torch.no_grad():
+                for name, grad in self._set_aside:
+                    self.main_grad(name).add_(grad)
+            self._set_aside = None
+        self._record_synced_grads()  # the gradients as synced (the add is meshddp's own, not a foreign write)
         self._grads_state = "synced"  # until zero_grad_buffer(); "stepped" after an optimizer step on them
 
     def _record_synced_grads(self):
@@ -348,6 +373,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.zero_grad_buffer()
         self._synced_grad_version = None
         self._grads_state = "zeroed"
+        self._set_aside = None  # an accumulation discarded: nothing of it comes back
 
     def _grads_written_since_sync(self):
         """ZeRO-1: whether the gradients were changed in place after this step's finish_grad_sync()."""

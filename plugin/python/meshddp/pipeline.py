@@ -12,10 +12,14 @@ def finalize_model_grads(chunks, num_tokens=None, pp_group=None):
     included. num_tokens (int): this rank's count of valid tokens, the loss being a sum over them: the
     buffers are then divided by the global count (summed over the DP group; with pp_group, the count
     of its last rank, the stage that computes the loss). Returns that count (-1 without num_tokens)."""
+    for c in chunks:  # a meshddp.pipelining stage's sync, scaled, if its schedule did not start it
+        before = c._before_finish() if getattr(c, "_before_finish", None) is not None else None
+        if before is not None:
+            before()
     engines = [c._engine for c in chunks]
     count = _C.finalize_model_grads(engines, _token_count(num_tokens), pp_group)
     for c in chunks:
-        c._record_synced_grads()  # synced (and scaled) by meshddp: what DistributedOptimizer.step() may read
+        c._after_grad_sync()  # synced (and scaled) by meshddp: what DistributedOptimizer.step() may read
     return count
 
 

@@ -29,14 +29,20 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   or scale_grads): nothing. Scaling then would divide the buffers (a finished step's gradients, kept
   for the optimizer step or for accumulation) and start a sync of them.
 - finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
-  optimizer step.
+  optimizer step. It is each chunk's DDP finish_grad_sync(), which first starts the sync (scaled) if the
+  schedule did not: the DDP's method, DistributedOptimizer.step() and finalize_model_grads give the same
+  gradients, and a second call in the same step is a no-op.
+- Module buffers (broadcast_buffers) are broadcast once per optimizer step, before its first forward
+  (Note [Module buffers once per step], plugin/distributed_data_parallel.cpp), not before each
+  micro-batch's: under 1F1B a later forward would write over a buffer an earlier one saved for backward.
 - clear_runtime_states (the start of every schedule.step()): gradient accumulation across
   schedule.step() calls (several steps, then one optimizer step, no zero_grad_buffer() between), as with
   torch's DDP in torch's stage, whose every step syncs and adds onto .grad. A sync the previous step
   started is finished first (finish_grad_sync between the steps is optional); the synced gradients are
   set aside (one copy of the chunk's trainable grads) and the buffers zeroed, so that this step scales
   (by its own micro-batch count: torch's stage divides the earlier steps' gradients again) and reduces
-  its own gradients only; finish_grad_sync adds the set-aside gradients back. The result is the sum of
+  its own gradients only; whatever finishes the sync adds the set-aside gradients back (the DDP keeps
+  them), and zero_grad_buffer() drops them (an accumulation discarded). The result is the sum of
   the steps' gradients, as one process backpropagating each step's loss. A step after an optimizer step
   on the gradients with no zero_grad_buffer() after it is refused (the stepped gradients would be added
   to the next step's).
@@ -46,6 +52,9 @@ per-token loss: the sum over a micro-batch's valid tokens divided by the global 
 tokens, with the schedule's scale_grads=False): the DP reduction is then a sum, as torchtitan's
 FSDP with its gradient divide factor set to 1."""
 
+import inspect
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge
@@ -53,6 +62,52 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshddp.ddp import DistributedDataParallel
+
+# Note [torch's stage methods this stage overrides]
+#   They are not torch's public API (two are private), so a torch release may rename them or change how
+#   the schedules call them, and the override would then be skipped or called wrongly, silently. Each is
+#   checked at import against the signature it was written for (torch 2.11; annotations aside): a
+#   difference fails the import naming the method. Update the override, then its entry here.
+_WRITTEN_FOR = {
+    "_get_init_p2p_neighbors_ops": "(self)",
+    "_prepare_backward_infra": "(self, num_microbatches)",
+    "clear_runtime_states": "(self)",
+    "backward_maybe_with_nosync": "(self, backward_type, bwd_kwargs, last_backward=False)",
+    "scale_grads": "(self, grad_scale_factor)",
+    "perform_reduce_grad": "(self, grad_scale_factor)",
+}
+
+
+def _plain_signature(fn):
+    """fn's signature as text, without annotations (a changed type hint changes no call)."""
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def _check_torch_stage(base=_TorchPipelineStage):
+    """Raises ImportError naming the first method of torch's PipelineStage (`base`) that this stage
+    overrides and that is missing or has another signature than the one it was written for."""
+    for name, expected in _WRITTEN_FOR.items():
+        fn = getattr(base, name, None)
+        got = "missing" if not callable(fn) else f"{name}{_plain_signature(fn)}"
+        if got != f"{name}{expected}":
+            raise ImportError(
+                f"meshddp.pipelining: torch {torch.__version__}'s PipelineStage.{name} is {got}, but meshddp's "
+                f"stage overrides it as written for {name}{expected} (torch 2.11): torch's schedules would skip "
+                f"the override or call it with other arguments, and the stage's gradients would be silently wrong. "
+                f"Use a torch whose PipelineStage matches (2.11), or update meshddp.pipelining's override "
+                f"(Note [torch's stage methods this stage overrides])")
+    got = _plain_signature(_get_grad_fn_or_grad_acc)
+    if got != "(t)":  # the weight pass (_backward_weight) maps each param to its autograd node with it
+        raise ImportError(
+            f"meshddp.pipelining: torch {torch.__version__}'s torch.distributed.pipelining._backward."
+            f"_get_grad_fn_or_grad_acc is _get_grad_fn_or_grad_acc{got}, but meshddp's stage calls it as "
+            f"_get_grad_fn_or_grad_acc(t) (torch 2.11). Use a torch whose pipelining matches (2.11), or update "
+            f"meshddp.pipelining (Note [torch's stage methods this stage overrides])")
+
+
+_check_torch_stage()
 
 
 def _error(what):
@@ -74,8 +129,11 @@ class PipelineStage(_TorchPipelineStage):
         if grad_reduction not in ("mean", "sum"):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
-        self._sync_started = False
-        self._set_aside = None  # (name, earlier steps' synced gradient) pairs while accumulating
+        self._sync_started = False  # this schedule.step()'s buffers scaled and their sync started
+        self._backward_ran = False  # a backward of this schedule.step() (none under schedule.eval())
+        # Whatever finishes the chunk's sync (this stage, the DDP's finish_grad_sync, DistributedOptimizer.step,
+        # finalize_model_grads) first starts it here, scaled, if the schedule did not.
+        submodule._before_finish = weakref.WeakMethod(self._start_sync_if_not_started)
         # "sum": the buffers times the DP size before the sync, whose buckets divide by it.
         self._grad_reduction = grad_reduction
         self._dp_factor = dist.get_world_size(submodule._dp_group) if grad_reduction == "sum" else 1
@@ -118,6 +176,7 @@ class PipelineStage(_TorchPipelineStage):
         if self.has_backward:
             self._resume_accumulation()
         self._sync_started = False
+        self._backward_ran = False
 
     def _resume_accumulation(self):
         """A step whose buffers hold an earlier step's synced gradients (no zero_grad_buffer() since): sets
@@ -132,8 +191,11 @@ class PipelineStage(_TorchPipelineStage):
                          f"the gradients the optimizer stepped on, and this step would add to them. Call "
                          f"submod.zero_grad_buffer() on every chunk before each optimizer step's first schedule.step() "
                          f"(several schedule.step() calls before one optimizer step accumulate)")
-        self._set_aside = [(n, ddp.main_grad(n).clone()) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        set_aside = [(n, ddp.main_grad(n).clone()) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        broadcast_due = ddp._engine.buffers_broadcast_due()  # once per optimizer step, not per schedule.step()
         ddp.zero_grad_buffer()
+        ddp._engine.set_buffers_broadcast_due(broadcast_due)
+        ddp._set_aside = set_aside  # added back by whatever finishes this step's sync (ddp._after_grad_sync)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         ddp = self.submod
@@ -142,6 +204,7 @@ class PipelineStage(_TorchPipelineStage):
                          f"(REDUCE_GRAD ran before this step's last backward); call "
                          f"meshddp.pipelining.finish_grad_sync(stages) and zero_grad_buffer() between steps")
         ddp.set_requires_gradient_sync(False)
+        self._backward_ran = True
         try:
             if backward_type == "weight":
                 return self._backward_weight(bwd_kwargs["param_groups"]), None
@@ -175,7 +238,7 @@ class PipelineStage(_TorchPipelineStage):
         size), then starts the chunk's sync (once per step)."""
         if self._sync_started:
             return  # the schedule's REDUCE_GRAD already scaled and started this chunk
-        if not self.has_backward:
+        if not self._backward_ran:
             return  # schedule.eval(): torch's schedules reduce after a forward-only step too; nothing to scale
         factor = self._dp_factor / grad_scale_factor
         if factor != 1:
@@ -186,19 +249,16 @@ class PipelineStage(_TorchPipelineStage):
     def perform_reduce_grad(self, grad_scale_factor):
         self.scale_grads(grad_scale_factor)
 
+    def _start_sync_if_not_started(self):
+        """Before the chunk's sync is finished: this step's buffers scaled and the sync started, once,
+        if a backward ran and the schedule did not (scale_grads(1): with grad_reduction="sum" the DP factor)."""
+        self.scale_grads(1)
+
     def finish_grad_sync(self):
-        """Waits for this chunk's sync (starting it first if the schedule never did); idempotent."""
-        if not self._sync_started:
-            self.scale_grads(1)
-        ddp = self.submod
-        ddp.finish_grad_sync()
-        self._sync_started = False
-        if self._set_aside is not None:
-            with torch.no_grad():
-                for n, g in self._set_aside:
-                    ddp.main_grad(n).add_(g)
-            self._set_aside = None
-            ddp._record_synced_grads()  # the stage's own add, not a foreign write (ZeRO-1's check)
+        """Waits for this chunk's sync (starting it first if the schedule never did), then adds back the
+        gradients of the optimizer step's earlier schedule.step() calls: the DDP's finish_grad_sync, the same
+        gradients whichever is called. A second call in the same step is a no-op."""
+        self.submod.finish_grad_sync()
 
 
 def finish_grad_sync(stages):
