@@ -15,6 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
 
 import meshddp
 import multiprocess
@@ -127,6 +128,41 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     with pytest.raises(RuntimeError, match="parameter '.*' has no 'master' state"):
         sgd_opt.load_state_dict(opt.state_dict())
     assert opt.steps_taken == 0  # nothing was applied
+
+
+def test_a_bf16_checkpoint_read_into_an_fp32_model_is_refused_naming_each_param(mesh, tmp_path):
+    """dcp.load casts the saved bf16 params into an fp32 model's silently, and an fp32 optimizer's dict has
+    no "master" for the saved fp32 masters: training on would start from the bf16 values widened. Refused
+    by load_state_dict (sync and async saves alike: the same files), naming each param and the way out;
+    the same model cast to bf16 loads."""
+    ddp, opt = build(1, 0, "sgd_bf16")
+    train(ddp, opt, 0, 1, range(2))
+    path = str(tmp_path / "bf16")
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(1)
+        model = Net().to(dtype)
+        other = meshddp.DistributedDataParallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
+                                                config=meshddp.DdpConfig(bucket_bytes=1024,
+                                                                         use_distributed_optimizer=True))
+        other_opt = meshddp.DistributedOptimizer(other, meshddp.OptimizerConfig(
+            kind="sgd", lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
+        sd = {"model": other.state_dict(), "optim": other_opt.state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        other.load_state_dict(sd["model"])
+        if dtype == torch.float32:
+            with pytest.raises(RuntimeError, match=r"load_state_dict: the model's dtypes differ from the checkpoint's: "
+                                                   r"'out.bias' is bfloat16 in the checkpoint but float32 here; .*"
+                                                   r"'embed.weight' is bfloat16 in the checkpoint but float32 here\. "
+                                                   r"The checkpoint's "
+                                                   r"fp32 master weights of the low-precision params would be "
+                                                   r"dropped.*Cast the model to the dtype it was saved in"):
+                other_opt.load_state_dict(sd["optim"])
+            assert other_opt.steps_taken == 0
+        else:
+            other_opt.load_state_dict(sd["optim"])
+            assert other_opt.steps_taken == 2
+    assert sd["optim"]["param_dtypes"]["embed.weight"] == "bfloat16"
 
 
 def test_with_tp_the_state_keys_name_the_tp_rank_and_reshard_over_dp():
