@@ -283,6 +283,14 @@ PYBIND11_MODULE(_C, m) {
                return true;
              }
            })
+      // Whether gradients were accumulated since zero_grad_buffer() (backwards under no_sync()) and no
+      // sync has begun: a torch optimizer's step now would read each rank's local gradients (_guards.py).
+      .def("unsynced_grads_accumulated",
+           [](const PythonDdp& d) {
+             const meshddp::GradBufferHandle buffer = d.grad_buffer();
+             return buffer->stats().grads_accumulated > 0 && !buffer->grad_sync_started() &&
+                    !buffer->grad_sync_finished();
+           })
       // Waits for the pending param all-gathers of the buckets holding `tensors` (a module's own params,
       // in its forward pre-hook: meshddp/_guards.py).
       .def(
