@@ -224,3 +224,16 @@ def test_a_torch_step_on_gradients_accumulated_under_no_sync_and_never_synced_is
     assert not all(p.equal(before[n]) for n, p in ddp.named_parameters())
     ddp.zero_grad_buffer()
     opt.step()  # nothing accumulated since zero_grad_buffer(): a step on zero gradients is not refused
+
+
+@pytest.mark.parametrize("case,field,values", [
+    ("lr", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),
+    ("scheduler", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),
+    ("invalid_on_one_rank", "param_groups[2]['weight_decay']", "rank 0: 0.0, rank 1: -1.0")])
+def test_param_group_values_that_differ_across_ranks_at_step_are_refused_on_every_rank(case, field, values):
+    """Each ZeRO-1 shard would be updated with its own rank's LR (an LR scheduler stepped on a rank-local
+    value does this); a value bad on one rank only would fail that rank alone and leave the other in the
+    step's collectives. Every rank refuses the step, naming each rank's value; no param changes."""
+    for rank, r in enumerate(multiprocess.run(2, "surface_workers.group_values_differ", case=case)):
+        assert r["error"] is not None and f"step: {field} differs across the ranks ({values})" in r["error"], (rank, r)
+        assert not r["changed"], rank
