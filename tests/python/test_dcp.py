@@ -229,6 +229,14 @@ def test_dcp_async_save_of_ddp_and_optimizer_state_dicts_resumes_as_the_sync_sav
             assert v["async_vs_full"] == 0.0 and v["sync_vs_full"] == 0.0, (variant, rank, v)
 
 
+def test_dcp_async_save_staged_by_dcp_stager_of_a_torch_tp_model_resumes_bit_for_bit(tmp_path):
+    """dp 2 x tp 2, DTensor params (torch TP) under ZeRO-1: meshddp.DcpStager stages the DTensors as
+    DTensors (their local shards copied to host memory), training goes on during the write, and the resume
+    equals the uninterrupted run (the same size, the same arithmetic: 0)."""
+    for rank, diff in enumerate(multiprocess.run(4, "dcp_workers.tp_async_save", directory=str(tmp_path))):
+        assert diff == 0.0, f"rank {rank}: resumed from the async save differs from the uninterrupted run by {diff}"
+
+
 def test_an_async_save_in_meshddps_format_commits_at_a_step_boundary_and_resumes_bit_for_bit(tmp_path):
     """DistributedOptimizer.save_checkpoint(async_save=True) at 2 ranks: committed at a later
     checkpoint_step_boundary() (or wait_checkpoint()), `latest` moved; resumes to the uninterrupted
