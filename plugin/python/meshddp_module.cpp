@@ -149,15 +149,18 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  py::class_<DdpConfig> ddp_config(m, "DdpConfig",
-                                   "meshddp's DdpConfig: the C++ fields by the same names (DdpConfig.field_names()), "
-                                   "as keywords or properties, validated on every change");
+  py::class_<DdpConfig> ddp_config(
+      m, "DdpConfig",
+      "meshddp's DdpConfig: the C++ fields by the same names (DdpConfig.field_names()), "
+      "as keywords or properties; validate() checks the ranges (DistributedDataParallel does, after the ranks "
+      "agreed on them)");
   meshddp::python::bind_config_fields(ddp_config, meshddp::kDdpConfigFields, "DdpConfig");
 
   py::class_<DistributedOptimizerConfig> optimizer_config(
       m, "OptimizerConfig",
       "meshddp's DistributedOptimizerConfig: the C++ fields by the same names (OptimizerConfig.field_names()), as "
-      "keywords or properties, validated on every change; kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
+      "keywords or properties; validate() checks the ranges (DistributedOptimizer does, after the ranks agreed on "
+      "them); kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
       "'never', groups = [(pattern, lr or None, weight_decay or None)]");
   meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "OptimizerConfig");
 
