@@ -96,21 +96,52 @@ AsyncSaveStart AsyncCheckpointSave::start(const std::string& dir, const Checkpoi
                                           const std::vector<CheckpointTensor>& tensors,
                                           const CheckpointSaveOptions& options) {
   AsyncSaveStart out;
-  auto t0 = std::chrono::steady_clock::now();
-  if (pending_) {  // one save at a time: every rank has the same pending save, so all take one branch
-    if (options.if_busy == CheckpointSaveOptions::IfBusy::kRefuse) {
-      out.previous = advance(/*block=*/false);  // collective: it may have finished since the last poll
-      TORCH_CHECK(!pending_, "checkpoint save of step ", meta.step, " to '", dir, "/step-", meta.step,
-                  "' refused: the save of step ", pending_->meta.step, " to '", pending_->save->step_dir,
-                  "' is still being written (one save at a time; options.if_busy is IfBusy::kRefuse). Save at a ",
-                  "later step, or pass IfBusy::kWait to wait for it");
-    } else {
-      out.previous = wait();
-      out.wait_ms = ms_since(t0);
-    }
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool was_pending = pending();
+  out.previous = settle_pending(meta.step, dir, options);
+  if (was_pending && options.if_busy == CheckpointSaveOptions::IfBusy::kWait) out.wait_ms = ms_since(t0);
+  try {
+    return start_after_settling(dir, meta, tensors, options, out);
+  } catch (const c10::Error& e) {
+    // The save waited for failed too: both are reported, in order (the caller reports out.previous
+    // only when this returns).
+    if (!out.previous.failed()) throw;
+    TORCH_CHECK(false, out.previous.message, "\nThen the next save failed too: ", e.what_without_backtrace());
   }
+}
+
+AsyncSaveReport AsyncCheckpointSave::settle_pending(int64_t step, const std::string& dir,
+                                                    const CheckpointSaveOptions& options) {
+  if (!pending_) return {};  // every rank has the same pending save, so all take one branch
+  const bool refuse = options.if_busy == CheckpointSaveOptions::IfBusy::kRefuse;
+  const std::vector<Json> ifs =
+      save_phases::agree(*mesh_.world, Json{{"if_busy_refuse", refuse}}, "checkpoint save: if_busy");
+  std::string values;
+  bool same = true;
+  for (size_t r = 0; r < ifs.size(); ++r) {
+    const bool theirs = json_bool(json_at(ifs[r], "if_busy_refuse", "if_busy"), "if_busy_refuse");
+    same = same && theirs == refuse;
+    values += (r ? ", rank " : "rank ") + std::to_string(r) + (theirs ? " refuse" : " wait");
+  }
+  TORCH_CHECK(same, "checkpoint save of step ", step, " to '", dir, "/step-", step,
+              "' refused on every rank: the ranks disagree on if_busy (save_checkpoint(..., if_busy=) in Python, ",
+              "CheckpointSaveOptions::if_busy in C++): ", values, "; with the save of step ", pending_->meta.step,
+              " still pending they would go separate ways. Pass the same value on every rank; the save of step ",
+              pending_->meta.step, " goes on and is committed at a later step boundary");
+  if (!refuse) return wait();
+  AsyncSaveReport previous = advance(/*block=*/false);  // collective: it may have finished since the last poll
+  TORCH_CHECK(!pending_, "checkpoint save of step ", step, " to '", dir, "/step-", step, "' refused: the save of step ",
+              pending_->meta.step, " to '", pending_->save->step_dir,
+              "' is still being written (one save at a time; options.if_busy is IfBusy::kRefuse). Save at a ",
+              "later step, or pass IfBusy::kWait to wait for it");
+  return previous;
+}
+
+AsyncSaveStart AsyncCheckpointSave::start_after_settling(const std::string& dir, const CheckpointMeta& meta,
+                                                         const std::vector<CheckpointTensor>& tensors,
+                                                         const CheckpointSaveOptions& options, AsyncSaveStart out) {
   // (1) The snapshot, into the buffers of the previous save when the pieces are the same.
-  t0 = std::chrono::steady_clock::now();
+  auto t0 = std::chrono::steady_clock::now();
   bool reuse = buffers_.size() == tensors.size();
   for (size_t i = 0; reuse && i < tensors.size(); ++i) {
     reuse = buffers_[i].numel() == tensors[i].data.numel() &&

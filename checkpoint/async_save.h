@@ -25,7 +25,8 @@
 // Every rank sees the same gathered statuses, so every rank takes the same branch at the same call.
 // A process killed at any point leaves what a killed sync save leaves: a step directory without a
 // manifest (never loaded), or a committed one. One save at a time: start() while one is pending
-// waits for it (IfBusy::kWait; it is committed first) or refuses (kRefuse), on every rank alike.
+// waits for it (IfBusy::kWait; it is committed first) or refuses (kRefuse), on every rank alike (the
+// ranks' if_busy is agreed first).
 #pragma once
 
 #include "store.h"
@@ -77,9 +78,17 @@ class AsyncCheckpointSave {
   // flight that would change the tensors while they are copied). Snapshots `tensors`, prepares
   // <dir>/step-<meta.step>/ and starts writing this rank's file in the background; returns what it
   // stalled. A save still pending is waited for first, or refused (options.if_busy), on every rank.
-  // Throws on every rank when phase 1 fails (nothing started) or the save is refused.
+  // Throws on every rank when phase 1 fails (nothing started) or the save is refused; a failure of the
+  // save it waited for is then named first, in the same message.
   AsyncSaveStart start(const std::string& dir, const CheckpointMeta& meta, const std::vector<CheckpointTensor>& tensors,
                        const CheckpointSaveOptions& options);
+
+  // Collective over mesh.world, before a save of step `step` to `dir` while one is pending (start()
+  // calls it; so does CheckpointSaver's synchronous save): agrees options.if_busy over mesh.world
+  // (refused on every rank, naming each rank's value, when they differ: the ranks would take different
+  // branches), then waits for the pending save (kWait) or, if it is still being written, refuses the
+  // new one (kRefuse). Returns the pending save's report (kNone when none was pending).
+  AsyncSaveReport settle_pending(int64_t step, const std::string& dir, const CheckpointSaveOptions& options);
 
   // Collective over mesh.world, at every step boundary (every rank, the same calls): advances the
   // pending save (Note [Async save protocol]); kNone without one, no communication then.
@@ -95,6 +104,10 @@ class AsyncCheckpointSave {
  private:
   struct Pending;
   AsyncSaveReport advance(bool block);
+  // start() once no save is pending: the snapshot, phase 1 and the writer thread.
+  AsyncSaveStart start_after_settling(const std::string& dir, const CheckpointMeta& meta,
+                                      const std::vector<CheckpointTensor>& tensors,
+                                      const CheckpointSaveOptions& options, AsyncSaveStart out);
   CheckpointMesh mesh_;
   std::vector<at::Tensor> buffers_;  // reused while the pieces keep their sizes and dtypes
   std::unique_ptr<Pending> pending_;

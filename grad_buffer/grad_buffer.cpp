@@ -329,9 +329,12 @@ void GradBuffer::register_comm_hook(std::shared_ptr<CommHook> hook) {
 
 SyncStats GradBuffer::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  int64_t in_place = 0;
-  for (const Slot& slot : slots_) in_place += slot.written_in_place ? 1 : 0;
-  return SyncStats{syncs_completed_, next_bucket_, launched_by_hooks_, in_place};
+  int64_t in_place = 0, accumulated = 0;
+  for (const Slot& slot : slots_) {
+    in_place += slot.written_in_place ? 1 : 0;
+    accumulated += slot.got_grad ? 1 : 0;
+  }
+  return SyncStats{syncs_completed_, next_bucket_, launched_by_hooks_, in_place, accumulated};
 }
 
 int64_t GradBuffer::grad_buffer_bytes() const {

@@ -113,6 +113,7 @@ struct SyncStats {
   int64_t buckets_launched = 0;           // this step (reset by zero_grad_buffer())
   int64_t buckets_launched_by_hooks = 0;  // of those, launched during backward (overlap at work)
   int64_t grads_written_in_place = 0;     // params whose gradient was written in place this step
+  int64_t grads_accumulated = 0;          // params that got a gradient since zero_grad_buffer() (no_sync() too)
 };
 
 class GradBuffer {

@@ -23,16 +23,12 @@ AsyncSaveStart CheckpointSaver::save(const std::string& dir, int64_t step, const
   }
   AsyncSaveStart started;
   auto t0 = std::chrono::steady_clock::now();
-  if (async_.pending() && options.if_busy == CheckpointSaveOptions::IfBusy::kRefuse) {
-    started.previous = async_.poll();  // collective: it may have finished since the last step boundary
-    handle(started.previous);
-    TORCH_CHECK(!async_.pending(), "checkpoint save of step ", step, " to '", dir, "/step-", step,
-                "' refused: the async save of step ", async_.pending_step(),
-                " is still being written (one save at a time; options.if_busy is IfBusy::kRefuse). Save at a ",
-                "later step, or pass IfBusy::kWait to wait for it");
-  } else if (async_.pending()) {
-    started.previous = async_.wait();
-    started.wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (async_.pending()) {
+    // The ranks' if_busy agreed, then the pending async save waited for, or this save refused.
+    started.previous = async_.settle_pending(step, dir, options);
+    if (options.if_busy == CheckpointSaveOptions::IfBusy::kWait) {
+      started.wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
     handle(started.previous);
   }
   t0 = std::chrono::steady_clock::now();

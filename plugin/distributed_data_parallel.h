@@ -96,6 +96,11 @@ class DdpEngine {
   DdpEngine(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers, SyncGroups groups,
             const std::vector<int64_t>& dp_global_ranks, DdpConfig config,
             c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
+  // Virtual: a pipeline holds its chunks, of different module types, as std::unique_ptr<DdpEngine>,
+  // and deleting one must destroy the DistributedDataParallel<M> around it (its module) too.
+  virtual ~DdpEngine() = default;
+  DdpEngine(DdpEngine&&) = default;
+  DdpEngine& operator=(DdpEngine&&) = default;
 
   // Blocks until every bucket is reduced (launching those not launched yet, in order). A second call
   // in the same step is a no-op.

@@ -4,6 +4,10 @@
 # ctest. Works on a fresh clone; needs no GPU.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# MESHDDP_SANITIZE=1: the C++ suites under AddressSanitizer and UBSan instead (scripts/sanitize.sh).
+if [ "${MESHDDP_SANITIZE:-0}" = "1" ]; then
+  exec bash "$root/scripts/sanitize.sh" "$@"
+fi
 bash "$root/scripts/build.sh"
 bash "$root/scripts/install_python.sh"
 cd "${MESHDDP_BUILD_DIR:-$root/build}"

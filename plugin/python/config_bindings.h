@@ -90,9 +90,12 @@ std::string field_names_text(const Fields& fields) {
   return out;
 }
 
-// Binds `Config` as `cls` with `fields`: Config(**kwargs) (each keyword a field, validated with
-// Config::validate()), a property per field (setting one validates the result first),
-// field_names() and __repr__ "<python_name>(a=1, b=True, ...)" with every field.
+// Binds `Config` as `cls` with `fields`: Config(**kwargs) (each keyword a field), a property per
+// field, validate(), _settings() (each field's text, as the cross-rank agreement compares them),
+// field_names() and __repr__ "<python_name>(a=1, b=True, ...)" with every field. A value of the
+// wrong type is refused at once; the ranges are checked by validate(), which the wrapper that takes
+// the config calls after the ranks agreed on it (Note [Agree first, then validate],
+// mesh/config_fields.h): a value invalid on one rank only then fails every rank alike, naming it.
 template <typename Config, typename Fields>
 void bind_config_fields(py::class_<Config>& cls, const Fields& fields, const char* python_name) {
   cls.def(py::init([fields, python_name](const py::kwargs& kwargs) {
@@ -111,9 +114,10 @@ void bind_config_fields(py::class_<Config>& cls, const Fields& fields, const cha
                              field_names_text(fields));
       }
     }
-    config.validate();
     return config;
   }));
+  cls.def("validate", &Config::validate, "checks every field's range (a RuntimeError naming the field)");
+  cls.def("_settings", [fields](const Config& c) { return field_settings(c, fields); });
   for_each_field(fields, [&](const auto& f) {
     using T = typename std::decay_t<decltype(f)>::Value;
     const auto member = f.member;
@@ -121,10 +125,7 @@ void bind_config_fields(py::class_<Config>& cls, const Fields& fields, const cha
     cls.def_property(
         name, [member](const Config& c) { return to_python(c.*member); },
         [member, name, python_name](Config& c, py::handle value) {
-          Config changed = c;
-          changed.*member = from_python<T>(value, python_name, name);
-          changed.validate();
-          c = changed;
+          c.*member = from_python<T>(value, python_name, name);
         });
   });
   cls.def_static(

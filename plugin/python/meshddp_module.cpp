@@ -149,15 +149,18 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  py::class_<DdpConfig> ddp_config(m, "DdpConfig",
-                                   "meshddp's DdpConfig: the C++ fields by the same names (DdpConfig.field_names()), "
-                                   "as keywords or properties, validated on every change");
+  py::class_<DdpConfig> ddp_config(
+      m, "DdpConfig",
+      "meshddp's DdpConfig: the C++ fields by the same names (DdpConfig.field_names()), "
+      "as keywords or properties; validate() checks the ranges (DistributedDataParallel does, after the ranks "
+      "agreed on them)");
   meshddp::python::bind_config_fields(ddp_config, meshddp::kDdpConfigFields, "DdpConfig");
 
   py::class_<DistributedOptimizerConfig> optimizer_config(
       m, "OptimizerConfig",
       "meshddp's DistributedOptimizerConfig: the C++ fields by the same names (OptimizerConfig.field_names()), as "
-      "keywords or properties, validated on every change; kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
+      "keywords or properties; validate() checks the ranges (DistributedOptimizer does, after the ranks agreed on "
+      "them); kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
       "'never', groups = [(pattern, lr or None, weight_decay or None)]");
   meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "OptimizerConfig");
 
@@ -286,6 +289,14 @@ PYBIND11_MODULE(_C, m) {
              } catch (const c10::Error&) {
                return true;
              }
+           })
+      // Whether gradients were accumulated since zero_grad_buffer() (backwards under no_sync()) and no
+      // sync has begun: a torch optimizer's step now would read each rank's local gradients (_guards.py).
+      .def("unsynced_grads_accumulated",
+           [](const PythonDdp& d) {
+             const meshddp::GradBufferHandle buffer = d.grad_buffer();
+             return buffer->stats().grads_accumulated > 0 && !buffer->grad_sync_started() &&
+                    !buffer->grad_sync_finished();
            })
       // Waits for the pending param all-gathers of the buckets holding `tensors` (a module's own params,
       // in its forward pre-hook: meshddp/_guards.py).

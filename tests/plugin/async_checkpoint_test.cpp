@@ -2,7 +2,8 @@
 // writes the same bytes as a sync save of the same step, even while training changes the state
 // during the write, and both resume to the same params bit for bit; a write that fails on one rank is
 // reported on every rank at the next step boundary, naming the rank and its file, and `latest` stays;
-// a save started while the previous one is still being written waits for it or is refused by name.
+// a save started while the previous one is still being written waits for it or is refused by name (the
+// ranks' if_busy agreed first); a failed save is reported even when the next save fails to start.
 // (Kills at random points of async saves: tests/examples/check_async_save_kills.py.)
 #include "checkpoint/json.h"
 #include "checkpoint/manifest.h"
@@ -184,6 +185,90 @@ TEST(AsyncCheckpoint, AFailedBackgroundWriteIsNamedOnEveryRankAtTheNextStepBound
   EXPECT_THAT(thrown[0], HasSubstr("/step-6' failed (writing the files)"));
   EXPECT_EQ(read_text(dir + "/latest"), "step-7\n");
   std::cout << "[ rank 0 reported: " << reports[0] << " ]" << std::endl;
+  remove_dir(dir);
+}
+
+// The save waited for failed in its background write, and the next one fails to start (phase 1: its
+// directory lies under a regular file, which stops root too): one error on every rank names both, in
+// the order they were made, each with its step directory.
+TEST(AsyncCheckpoint, AFailedSaveIsStillReportedWhenTheNextSaveFailsToStart) {
+  const std::string dir = scratch_dir("twice"), blocked = scratch_dir("twice-blocked");
+  {
+    std::ofstream(blocked) << "a file, not a directory";
+  }
+  const ZeroScenario s{.world = 2, .steps = 4};
+  std::vector<std::string> thrown(2);
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    CheckpointSaver saver(state_of(rank));
+    CheckpointSaveOptions options;
+    options.async_save = true;
+    options.before_file_written = [&](const std::string& path) {
+      if (mesh.rank() != 1) return;
+      if (::geteuid() == 0) {
+        ::mkdir(path.c_str(), 0755);
+      } else {
+        ::chmod(path.substr(0, path.rfind('/')).c_str(), 0555);
+      }
+    };
+    rank.train(0, 1);
+    saver.save(dir, 1, {}, options);
+    rank.train(1, 2);
+    options.before_file_written = nullptr;
+    thrown[mesh.rank()] = error_of([&] { saver.save(blocked + "/sub", 2, {}, options); });
+    EXPECT_FALSE(saver.pending());
+  });
+  EXPECT_EQ(thrown[0], thrown[1]) << "every rank reports the same failures";
+  const std::string& m = thrown[0];
+  const size_t first = m.find("checkpoint save of step 1 to '" + dir + "/step-1' failed (writing the files)");
+  const size_t second =
+      m.find("checkpoint save of step 2 to '" + blocked + "/sub/step-2' failed (preparing the directory)");
+  EXPECT_NE(first, std::string::npos) << m;
+  EXPECT_NE(second, std::string::npos) << m;
+  EXPECT_LT(first, second) << "reported in the order the saves were made: " << m;
+  EXPECT_THAT(m, HasSubstr("rank00001.safetensors"));
+  std::cout << "[ rank 0 reported: " << m << " ]" << std::endl;
+  ::chmod((dir + "/step-1").c_str(), 0755);
+  remove_dir(dir);
+  remove_dir(blocked);
+}
+
+// if_busy decides which collectives a rank runs next while a save is pending (wait for it, or look
+// once and refuse): ranks that disagree are refused alike, naming each rank's value, and the pending
+// save is committed as usual afterwards.
+TEST(AsyncCheckpoint, RanksThatDisagreeOnIfBusyAreRefusedByNameAndThePendingSaveStillCommits) {
+  const std::string dir = scratch_dir("if-busy");
+  const ZeroScenario s{.world = 2, .steps = 4};
+  std::vector<std::string> refusals(2);
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, s, kZeroSeed);
+    CheckpointSaver saver(state_of(rank));
+    CheckpointSaveOptions held;
+    held.async_save = true;
+    auto latch = std::make_shared<Latch>();
+    held.before_file_written = [latch](const std::string&) { latch->future.wait(); };
+    rank.train(0, 1);
+    saver.save(dir, 1, {}, held);
+    rank.train(1, 2);
+    CheckpointSaveOptions next;
+    next.async_save = true;
+    next.if_busy = mesh.rank() == 0 ? CheckpointSaveOptions::IfBusy::kWait : CheckpointSaveOptions::IfBusy::kRefuse;
+    // Released from another thread, so that ranks that went separate ways (no agreement) do not wait
+    // for each other forever.
+    std::thread release([latch] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      latch->release();
+    });
+    refusals[mesh.rank()] = error_of([&] { saver.save(dir, 2, {}, next); });
+    release.join();
+    EXPECT_EQ(saver.wait().kind, AsyncSaveReport::Kind::kCommitted);
+  });
+  EXPECT_EQ(refusals[0], refusals[1]);
+  EXPECT_THAT(refusals[0], HasSubstr("checkpoint save of step 2 to '" + dir +
+                                     "/step-2' refused on every rank: the "
+                                     "ranks disagree on if_busy"));
+  EXPECT_THAT(refusals[0], HasSubstr("rank 0 wait, rank 1 refuse"));
+  EXPECT_EQ(read_text(dir + "/latest"), "step-1\n");
   remove_dir(dir);
 }
 

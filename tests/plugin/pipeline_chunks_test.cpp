@@ -128,3 +128,23 @@ TEST(PipelineChunks, FinalizeNamesAMissingOrMisorderedChunk) {
                 ::testing::HasSubstr("virtual_pipeline_chunk = 2 must be < virtual_pipeline_size = 2"));
   });
 }
+
+// A pipeline holds chunks of different module types through their base, std::unique_ptr<DdpEngine>:
+// deleting one through it destroys the whole DistributedDataParallel<M>, whose module reference goes
+// with it (the module is freed once the caller lets go of it too).
+TEST(PipelineChunks, AChunkDeletedThroughItsEngineReleasesItsModule) {
+  static_assert(std::has_virtual_destructor_v<DdpEngine>, "chunks are deleted through DdpEngine");
+  run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    std::weak_ptr<torch::nn::SequentialImpl> module;
+    {
+      auto [first, second] = make_halves();
+      std::unique_ptr<DdpEngine> chunk =
+          std::make_unique<DistributedDataParallel<torch::nn::SequentialImpl>>(first.ptr(), mesh, "dp", DdpConfig{});
+      module = first.ptr();
+      first = nullptr;
+      EXPECT_FALSE(module.expired()) << "the chunk holds its module";
+      chunk.reset();
+    }
+    EXPECT_TRUE(module.expired()) << "deleting the chunk through DdpEngine left its module alive";
+  });
+}

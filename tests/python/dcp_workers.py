@@ -244,3 +244,27 @@ def meshddp_async_save(rank, world_size, directory):
         train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
         out[f"{kind}_vs_full"] = max((a - b).abs().max().item() for a, b in zip(full, params_of(ddp)))
     return out
+
+
+def tp_async_save(rank, world_size, directory):
+    """dp (world_size / 2) x tp 2, a torch-TP model (DTensor params) under ZeRO-1: dcp.async_save staged by
+    meshddp.DcpStager at SAVE_AT, CONTINUE more steps while it writes; then resumed into a model and
+    optimizer built with other initial values and trained the same CONTINUE steps. Returns the largest
+    difference from the uninterrupted run's params."""
+    side = dist.new_group(backend="gloo")
+    dp = world_size // 2
+    ddp, opt, dp_rank = build_tp(dp, 0)
+    train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT))
+    path = os.path.join(directory, "tp_async")
+    future = dcp.async_save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path,
+                            process_group=side, async_stager=meshddp.DcpStager())
+    full = train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT, SAVE_AT + CONTINUE))
+    future.result()
+    ddp, opt, dp_rank = build_tp(dp, 1)
+    sd = {"model": ddp.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    ddp.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    resumed = train_tp(ddp, opt, dp_rank, dp, range(SAVE_AT, SAVE_AT + CONTINUE))
+    dist.destroy_process_group(side)
+    return max((a - b).abs().max().item() for a, b in zip(full, resumed))

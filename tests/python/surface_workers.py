@@ -316,3 +316,27 @@ def suite(rank, world_size, directory):
             "moe_instances": moe(rank, world_size, 2, zero1=True, hf_style=True, instances=2),
             "moe_instances_ep1": moe(rank, world_size, 1, zero1=True, hf_style=True, instances=2),
             "moe_instances_refused": instances_refused_by_expert_dp(rank, world_size, 4)}
+
+
+def group_values_differ(rank, world_size, case):
+    """At step(), rank 1's param_groups hold another value than rank 0's: set by hand ("lr"), by an LR
+    scheduler with a rank-dependent factor ("scheduler"), or a value that only rank 1's validation would
+    reject ("invalid_on_one_rank"). Returns each rank's error and whether any param changed."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(Block(), mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1, groups=GROUPS))
+    before = [p.detach().clone() for p in ddp.parameters()]
+    if case == "scheduler":
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 if rank == 0 else 0.5)
+    elif rank == 1:
+        opt.param_groups[0 if case == "lr" else 2]["lr" if case == "lr" else "weight_decay"] = (
+            0.05 if case == "lr" else -1.0)
+    ddp.zero_grad_buffer()
+    x, y = data(0, ROWS)
+    F.mse_loss(ddp(x), y).backward()
+    try:
+        opt.step()
+        error = None
+    except (RuntimeError, ValueError) as e:
+        error = str(e)
+    return {"error": error, "changed": any(not p.equal(b) for p, b in zip(ddp.parameters(), before))}

@@ -15,6 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
 
 import meshddp
 import multiprocess
@@ -129,6 +130,41 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     assert opt.steps_taken == 0  # nothing was applied
 
 
+def test_a_bf16_checkpoint_read_into_an_fp32_model_is_refused_naming_each_param(mesh, tmp_path):
+    """dcp.load casts the saved bf16 params into an fp32 model's silently, and an fp32 optimizer's dict has
+    no "master" for the saved fp32 masters: training on would start from the bf16 values widened. Refused
+    by load_state_dict (sync and async saves alike: the same files), naming each param and the way out;
+    the same model cast to bf16 loads."""
+    ddp, opt = build(1, 0, "sgd_bf16")
+    train(ddp, opt, 0, 1, range(2))
+    path = str(tmp_path / "bf16")
+    dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(1)
+        model = Net().to(dtype)
+        other = meshddp.DistributedDataParallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
+                                                config=meshddp.DdpConfig(bucket_bytes=1024,
+                                                                         use_distributed_optimizer=True))
+        other_opt = meshddp.DistributedOptimizer(other, meshddp.OptimizerConfig(
+            kind="sgd", lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
+        sd = {"model": other.state_dict(), "optim": other_opt.state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        other.load_state_dict(sd["model"])
+        if dtype == torch.float32:
+            with pytest.raises(RuntimeError, match=r"load_state_dict: the model's dtypes differ from the checkpoint's: "
+                                                   r"'out.bias' is bfloat16 in the checkpoint but float32 here; .*"
+                                                   r"'embed.weight' is bfloat16 in the checkpoint but float32 here\. "
+                                                   r"The checkpoint's "
+                                                   r"fp32 master weights of the low-precision params would be "
+                                                   r"dropped.*Cast the model to the dtype it was saved in"):
+                other_opt.load_state_dict(sd["optim"])
+            assert other_opt.steps_taken == 0
+        else:
+            other_opt.load_state_dict(sd["optim"])
+            assert other_opt.steps_taken == 2
+    assert sd["optim"]["param_dtypes"]["embed.weight"] == "bfloat16"
+
+
 def test_with_tp_the_state_keys_name_the_tp_rank_and_reshard_over_dp():
     """Saved at 2 (DP) x 2 (TP), loaded at 1 x 2: the same params as a resume from meshddp's format."""
     keys = multiprocess.run_once(4, "dcp_workers.tp_save", directory=_directory.name)
@@ -191,6 +227,14 @@ def test_dcp_async_save_of_ddp_and_optimizer_state_dicts_resumes_as_the_sync_sav
             print(f"[{variant} rank {rank}: async vs uninterrupted {v['async_vs_full']}, sync {v['sync_vs_full']}]")
             assert v["async_losses"] == v["sync_losses"] == v["full_losses"], (variant, rank, v)
             assert v["async_vs_full"] == 0.0 and v["sync_vs_full"] == 0.0, (variant, rank, v)
+
+
+def test_dcp_async_save_staged_by_dcp_stager_of_a_torch_tp_model_resumes_bit_for_bit(tmp_path):
+    """dp 2 x tp 2, DTensor params (torch TP) under ZeRO-1: meshddp.DcpStager stages the DTensors as
+    DTensors (their local shards copied to host memory), training goes on during the write, and the resume
+    equals the uninterrupted run (the same size, the same arithmetic: 0)."""
+    for rank, diff in enumerate(multiprocess.run(4, "dcp_workers.tp_async_save", directory=str(tmp_path))):
+        assert diff == 0.0, f"rank {rank}: resumed from the async save differs from the uninterrupted run by {diff}"
 
 
 def test_an_async_save_in_meshddps_format_commits_at_a_step_boundary_and_resumes_bit_for_bit(tmp_path):

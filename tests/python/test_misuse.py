@@ -42,13 +42,13 @@ def test_forward_before_finish_grad_sync_names_the_params(mesh):
 
 def test_config_errors_carry_the_cpp_text():
     with pytest.raises(RuntimeError, match=r"DdpConfig: bucket_bytes = -1 is negative"):
-        meshddp.DdpConfig(bucket_bytes=-1)
+        meshddp.DdpConfig(bucket_bytes=-1)  # a size: refused by its conversion, at once
     with pytest.raises(RuntimeError, match=r"GradBufferConfig: bucket_bytes = 2199023255552 \(over 1 TiB\)"):
-        meshddp.DdpConfig(bucket_bytes=1 << 41)
+        meshddp.DdpConfig(bucket_bytes=1 << 41).validate()
     with pytest.raises(TypeError, match=r"DdpConfig: no field 'bucket_size'; the fields are .*bucket_bytes"):
         meshddp.DdpConfig(bucket_size=1)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
-        meshddp.OptimizerConfig(lr=-1.0)
+        meshddp.OptimizerConfig(lr=-1.0).validate()
     with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', 'muon', got 'adam'"):
         meshddp.OptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
@@ -56,7 +56,7 @@ def test_config_errors_carry_the_cpp_text():
     assert meshddp.DdpConfig().comm_hook == "none"
     assert meshddp.DdpConfig(comm_hook="bf16_compress").comm_hook == "bf16_compress"
     with pytest.raises(RuntimeError, match=r"comm_hook = 'bf16' is not a built-in communication hook"):
-        meshddp.DdpConfig(comm_hook="bf16")
+        meshddp.DdpConfig(comm_hook="bf16").validate()
 
 
 # A non-default value for every config field, keyed by name. The key set must equal the C++ field list
@@ -96,11 +96,13 @@ def test_every_config_field_is_settable_readable_and_in_repr(cls):
     assert text.startswith(cls.__name__ + "(") and text.count("=") == len(values), text
 
 
-def test_config_properties_are_validated_and_typed():
+def test_config_properties_are_typed_at_once_and_validated_by_validate():
+    """A wrong type is refused where it is set; a range by validate(), which the wrappers call after the
+    ranks agreed on the config (test_config_agreement.py)."""
     c = meshddp.DdpConfig()
+    c.tp_replica_check_interval = -1
     with pytest.raises(RuntimeError, match=r"DdpConfig: tp_replica_check_interval must be >= 0, got -1"):
-        c.tp_replica_check_interval = -1
-    assert c.tp_replica_check_interval == 100  # unchanged by the rejected value
+        c.validate()
     with pytest.raises(TypeError, match=r"DdpConfig: check_for_nan_in_grad must be True or False, got 'yes'"):
         meshddp.DdpConfig(check_for_nan_in_grad="yes")
     with pytest.raises(TypeError, match=r"DdpConfig: tp_replica_check_interval must be an int, got True"):
@@ -113,8 +115,10 @@ def test_config_properties_are_validated_and_typed():
     with pytest.raises(RuntimeError, match=r"OptimizerConfig: fused_step must be one of 'auto', 'always', 'never', "
                                            r"got 'sometimes'"):
         meshddp.OptimizerConfig(fused_step="sometimes")
+    c = meshddp.OptimizerConfig()
+    c.beta1 = 1.5
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: beta1 must be in \[0, 1\), got 1.5"):
-        meshddp.OptimizerConfig().beta1 = 1.5
+        c.validate()
 
 
 def test_the_tp_dim_rule_is_the_cpp_one(mesh):

@@ -200,3 +200,40 @@ def test_expert_params_by_name_pattern_are_declared(mesh):
     model = surface_workers.Block()
     meshddp.DistributedDataParallel(model, mesh, expert_params=["fc2.*"])
     assert [meshddp._C._is_expert_param(p) for p in model.parameters()] == [False, False, False, False, True, True]
+
+
+def test_a_torch_step_on_gradients_accumulated_under_no_sync_and_never_synced_is_refused(mesh):
+    """Every backward under no_sync() and then optimizer.step() with no sync at all: each rank would step on
+    its own local gradients and the ranks' params would diverge. Refused before the step, naming the call
+    to add; after finish_grad_sync() the same step goes through."""
+    ddp = meshddp.DistributedDataParallel(surface_workers.Block(), mesh)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in ddp.named_parameters()}
+    ddp.zero_grad_buffer()
+    for m in range(2):
+        x, y = surface_workers.data(m, 4)
+        with ddp.no_sync():
+            F.mse_loss(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) was called on gradients that were accumulated \(backward "
+                                           r"under no_sync\(\).*but never synced.*Call ddp.finish_grad_sync\(\) after "
+                                           r"the last backward and before optimizer.step\(\)"):
+        opt.step()
+    assert all(p.equal(before[n]) for n, p in ddp.named_parameters())
+    ddp.finish_grad_sync()
+    opt.step()
+    assert not all(p.equal(before[n]) for n, p in ddp.named_parameters())
+    ddp.zero_grad_buffer()
+    opt.step()  # nothing accumulated since zero_grad_buffer(): a step on zero gradients is not refused
+
+
+@pytest.mark.parametrize("case,field,values", [
+    ("lr", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),
+    ("scheduler", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),
+    ("invalid_on_one_rank", "param_groups[2]['weight_decay']", "rank 0: 0.0, rank 1: -1.0")])
+def test_param_group_values_that_differ_across_ranks_at_step_are_refused_on_every_rank(case, field, values):
+    """Each ZeRO-1 shard would be updated with its own rank's LR (an LR scheduler stepped on a rank-local
+    value does this); a value bad on one rank only would fail that rank alone and leave the other in the
+    step's collectives. Every rank refuses the step, naming each rank's value; no param changes."""
+    for rank, r in enumerate(multiprocess.run(2, "surface_workers.group_values_differ", case=case)):
+        assert r["error"] is not None and f"step: {field} differs across the ranks ({values})" in r["error"], (rank, r)
+        assert not r["changed"], rank

@@ -1,11 +1,12 @@
 """meshddp.DcpStager: the staging step of torch.distributed.checkpoint.async_save for state dicts that
-hold ShardedTensors, such as DistributedOptimizer.state_dict().
+hold ShardedTensors, such as DistributedOptimizer.state_dict(), and DTensors (a torch-TP model's
+ddp.state_dict()).
 
 torch's default stager (DefaultStager, torch 2.11) deep-copies a state dict tensor by tensor and
 fails on a ShardedTensor (`torch function 'data_ptr' ... not supported for ShardedTensor!`). This one
-copies every tensor to host memory, and each ShardedTensor's local shards into a new ShardedTensor
-with the same global metadata, so that training may change the live state while DCP's writer thread
-saves the copy:
+copies every tensor to host memory, each ShardedTensor's local shards into a new ShardedTensor with
+the same global metadata, and each DTensor's local shard into a new DTensor with the same mesh and
+placements, so that training may change the live state while DCP's writer thread saves the copy:
 
     side = dist.new_group(backend="gloo")      # once: DCP's collectives run on its writer thread
     stager = meshddp.DcpStager()               # once: its host buffers are reused by every save
@@ -29,6 +30,7 @@ import weakref
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.tensor import DTensor
 
 
 class DcpStager:
@@ -57,6 +59,10 @@ class DcpStager:
         return view
 
     def _stage(self, path, value):
+        if isinstance(value, DTensor):
+            # A torch-TP param (or its state): its local shard copied, under the same mesh and placements.
+            # Built from the spec, not DTensor.from_local, which would move the copy back to the mesh's device.
+            return DTensor(self._copy(f"{path}#local", value._local_tensor), value._spec, requires_grad=False)
         if isinstance(value, ShardedTensor):
             shards = [Shard(self._copy(f"{path}#{i}", s.tensor), s.metadata) for i, s in enumerate(value.local_shards())]
             return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())

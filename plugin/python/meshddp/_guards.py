@@ -9,8 +9,9 @@ silent wrong result into a result that is right or an error that names the way o
 - meshddp around torch's DDP: refused at construction (the C++ engine refuses meshddp around meshddp).
   torch's DDP over the wrapped module itself, built while meshddp's wrapper lives, finds the same
   ignore list on the module and nothing left to reduce.
-- A torch optimizer's step() while a gradient sync is pending (finish_grad_sync() forgotten): refused
-  before the step, by a global optimizer step pre-hook. So is a torch optimizer's step() over a bf16
+- A torch optimizer's step() while a gradient sync is pending (finish_grad_sync() forgotten), or on
+  gradients accumulated under no_sync() that no sync ever began on: refused before the step, by a
+  global optimizer step pre-hook. So is a torch optimizer's step() over a bf16
   or fp16 param whose gradient is reduced in fp32 (grad_reduce_in_fp32): its .grad is None (the
   gradient is param.main_grad), so the optimizer would skip the param without a word; and a torch
   optimizer's step() over the params of a wrapper built for the ZeRO-1 distributed optimizer
@@ -129,13 +130,20 @@ def _before_optimizer_step(optimizer, args, kwargs):
                         f"grad_reduce_in_fp32=False, or set p.grad = p.main_grad.to(p.dtype) yourself before step()")
         ids = ddp._param_ids
         steps_on_it = any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
+        if steps_on_it and engine.unsynced_grads_accumulated():
+            raise _error(
+                f"{type(optimizer).__name__}.step() was called on gradients that were accumulated (backward under "
+                f"no_sync(), set_is_last_microbatch(False) or set_requires_gradient_sync(False)) but never synced "
+                f"(the DistributedDataParallel of {_some_names(ddp)}): each rank would step on its own local "
+                f"gradients and the ranks' params would diverge. Call ddp.finish_grad_sync() after the last "
+                f"backward and before optimizer.step() (it averages what was accumulated), or run the last "
+                f"micro-batch's backward outside no_sync()")
         if not engine.sync_pending():
             if ddp._grads_state == "synced" and steps_on_it:  # meshddp.pipelining refuses adding to them
                 ddp._grads_state = "stepped"
             continue
         if steps_on_it:
-            names = [n for n, _ in ddp.named_parameters()]
-            which = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            which = _some_names(ddp)
             raise _error(
                 f"{type(optimizer).__name__}.step() was called while this step's gradient sync is still running "
                 f"(the DistributedDataParallel of {which}): "
@@ -143,6 +151,11 @@ def _before_optimizer_step(optimizer, args, kwargs):
                 f"gradients that are not averaged over the data-parallel ranks (each rank its own). Call "
                 f"ddp.finish_grad_sync() after the last backward and before optimizer.step() (under "
                 f"torch.distributed.pipelining: meshddp.pipelining.finish_grad_sync(stages), every stage of the rank)")
+
+
+def _some_names(ddp):
+    names = [n for n, _ in ddp.named_parameters()]
+    return ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def watch_optimizer_steps(wrapper):

@@ -19,9 +19,13 @@ Note [The optimizer state for DCP]
   wants, e.g. torch.distributed.checkpoint.state_dict.get_state_dict):
     {"state": {"<param>": {"exp_avg": ShardedTensor, "exp_avg_sq": ..., "master": ...}},
     (kind "muon": a Muon matrix has "momentum_buffer" instead of the two moments)
-     "step": 0-dim int64 tensor, "lr": float, "param_groups": [{"lr": float, "weight_decay": float}]}
+     "step": 0-dim int64 tensor, "lr": float, "param_groups": [{"lr": float, "weight_decay": float}],
+     "param_dtypes": {"<param>": "bfloat16" | "float16" | "float32"}}
   "master" is there for bf16/fp16 params only (an fp32 param is its own master: it comes from the
-  model's state_dict, which is to be saved and loaded with this one). With TP > 1 a param's state is
+  model's state_dict, which is to be saved and loaded with this one). "param_dtypes" (strings, which
+  DCP saves and loads back into the dict) lets load_state_dict refuse a model of another dtype than the
+  saved one: DCP casts the model's params silently, and a bf16 checkpoint read into an fp32 model would
+  otherwise leave its fp32 masters unread (the model's dict has no "master" to read them into). With TP > 1 a param's state is
   its local TP shard's, keyed "<param>@tp<t>of<T>": it reshards over DP only; load at the same TP size.
 """
 
@@ -78,11 +82,13 @@ def build(opt):
     dp_ranks = dist.get_process_group_ranks(ddp._dp_group)
     local = {n: (p._local_tensor if isinstance(p, DTensor) else p) for n, p in ddp.module.named_parameters()}
     pieces = {(name, kind): (view, offset) for kind, name, view, offset in opt._impl.state_pieces()}
-    state = {}
+    state, dtypes = {}, {}
     muon = set(opt._impl.muon_params())
     for name, (param_numel, segments) in _ownership(ddp._engine, len(dp_ranks)).items():
         param = local[name]
-        per_param = state.setdefault(_state_key(name, ddp._tp_rank, ddp._tp_size), {})
+        key = _state_key(name, ddp._tp_rank, ddp._tp_size)
+        dtypes[key] = _dtype_name(param.dtype)
+        per_param = state.setdefault(key, {})
         for kind in _kinds(opt, name, param.dtype, muon):
             shards_metadata = [ShardMetadata([off], [n], f"rank:{dp_ranks[r]}/{param.device}") for r, off, n in segments]
             view, offset = pieces.pop((name, kind), (None, None))
@@ -107,7 +113,33 @@ def build(opt):
         "lr": float(impl.lr()),
         "param_groups": [{"lr": impl.group_lr(g), "weight_decay": impl.group_weight_decay(g)}
                          for g in range(impl.num_groups())],
+        "param_dtypes": dtypes,
     }
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_dtypes(expected, given):
+    """Refuses a model of another dtype than the one saved (the "param_dtypes" of the saved dict, which
+    dcp.load wrote into `given`), naming each param, as meshddp's own format does."""
+    saved = given.get("param_dtypes")
+    if not isinstance(saved, dict):
+        return  # a dict made otherwise than by state_dict(): nothing to compare
+    differ = [(key, saved[key], here) for key, here in expected.items() if key in saved and saved[key] != here]
+    if not differ:
+        return
+    listed = "; ".join(f"'{key}' is {theirs} in the checkpoint but {here} here" for key, theirs, here in differ[:8])
+    more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
+    masters = any(theirs != "float32" and here == "float32" for _, theirs, here in differ)
+    lost = (" The checkpoint's fp32 master weights of the low-precision params would be dropped: an fp32 model's "
+            "dict has no 'master' for dcp.load to read them into, and its params hold the saved low-precision "
+            "values widened." if masters else "")
+    raise _error(f"the model's dtypes differ from the checkpoint's: {listed}{more}.{lost} Cast the model to the dtype "
+                 f"it was saved in (e.g. model.to(torch.bfloat16)) before wrapping it, build the optimizer, then "
+                 f"dcp.load and load_state_dict again (dcp.load has already written the saved values into this "
+                 f"model's params); nothing was loaded into the optimizer")
 
 
 def _why_other_states(config, name, takes_muon):
@@ -236,6 +268,7 @@ def _check(opt, state_dict):
                              f"must be read through torch.distributed.checkpoint (dcp.load into this optimizer's "
                              f"state_dict()), which reshards it")
             copies += [(mine[o], got[o]) for o in mine]
+    _check_dtypes(expected["param_dtypes"], state_dict)
     groups = state_dict["param_groups"]
     if len(groups) != opt._impl.num_groups():
         raise _error(f"the state dict has {len(groups)} param groups but this optimizer {opt._impl.num_groups()} "

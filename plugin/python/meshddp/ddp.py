@@ -223,6 +223,12 @@ class DistributedDataParallel(torch.nn.Module):
             raise _error(f"config must be a meshddp.DdpConfig, got {type(config).__name__}")
         dp_dims = _dp_dims_of(dp_dim)
         dp_group, world, tp_dim, tp_rank, tp_size, tp_group = _resolve_groups(mesh, dp_dims, process_group, tp_dim)
+        # Every field agreed over the mesh, then validated (Note [Agree first, then validate],
+        # mesh/config_fields.h), before any field is used: a value invalid on one rank only fails every
+        # rank here alike, naming the field and each rank's value.
+        _C._verify_same_settings(world or dp_group, config._settings(), "DistributedDataParallel",
+                                 "the DdpConfig settings")
+        config.validate()
         ep = config.expert_parallel_size
         instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
         if instance_group is not None and world is None:

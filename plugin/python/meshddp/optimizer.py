@@ -5,7 +5,7 @@ AdamW/SGD state for its 1/DP shard of every bucket; step() updates them and all-
 It is a torch.optim.Optimizer to torch's LR schedulers: `param_groups` holds one dict per param group
 of the C++ optimizer (0: the default, then one per OptimizerConfig.groups rule, in order), each with
 its "params", "param_names", "lr" and "weight_decay"; step() reads each group's "lr" and
-"weight_decay" (Note [Param groups are the source of the LR])."""
+"weight_decay" (Note [Param groups are the source of the LR]), agreed across the ranks at every step."""
 
 import math
 import os
@@ -75,6 +75,12 @@ def _warn_of_muon_conv_stacks(module, by_name, muon_names, patterns):
             f"match none of muon_adamw_params ({patterns!r}). Stacked Muon is for grouped experts [E, m, n]; keep "
             f"kernels on AdamW: muon_adamw_params={_adamw_params_adding(patterns, caught)!r}",
             UserWarning, stacklevel=3)
+
+
+def _as_float(value):
+    """A param group's value as a float for the cross-rank comparison (NaN when it is no number)."""
+    value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -182,6 +188,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._impl.set_group_lr(g, values["lr"])
             self._impl.set_group_weight_decay(g, values["weight_decay"])
 
+    def _agree_groups(self):
+        """One small all-gather over the optimizer's ranks before every step: each param group's "lr" and
+        "weight_decay" as param_groups holds them on each rank (a scheduler stepped on a rank-local value, or
+        a group edited on one rank, would update each rank's ZeRO-1 shard with its own value). Raises on
+        every rank, naming each rank's value, when they differ; compared before they are validated, so
+        that a value bad on one rank only fails every rank here alike."""
+        import torch.distributed as dist
+
+        mine = [_as_float(group.get(field)) for group in self.param_groups for field in ("lr", "weight_decay")]
+        group = self.ddp._world_group
+        if dist.get_world_size(group) == 1:
+            return
+        device = next(self.ddp.module.parameters()).device
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        # Bit patterns, so that two NaNs (a value that is no number, validated next) compare equal.
+        rows = [t.cpu().view(torch.int64).tolist() for t in gathered]
+        if all(row == rows[0] for row in rows):
+            return
+        ranks = dist.get_process_group_ranks(group)
+        values = [t.cpu().tolist() for t in gathered]
+        for i in range(len(mine)):
+            if len({row[i] for row in rows}) > 1:
+                g, field = divmod(i, 2)
+                field = ("lr", "weight_decay")[field]
+                each = ", ".join(f"rank {r}: {v[i]!r}" for r, v in zip(ranks, values))
+                raise RuntimeError(
+                    f"meshddp.DistributedOptimizer.step: param_groups[{g}]['{field}'] differs across the ranks "
+                    f"({each}): each rank would update its ZeRO-1 shard with its own value. Set it alike on every "
+                    f"rank (an LR scheduler stepped on every rank, from values that do not depend on the rank); "
+                    f"nothing was updated")
+
     def _pull_groups(self):
         for g, group in enumerate(self.param_groups):
             group["lr"] = self._impl.group_lr(g)
@@ -238,6 +277,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "after the optimizer's own clipping. Set meshddp.OptimizerConfig(clip_grad_norm=max_norm) instead "
                 "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
+        self._agree_groups()
         self._push_groups()
 
     def _after_step(self):
