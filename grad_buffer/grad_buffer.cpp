@@ -166,11 +166,10 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   }
   point_grads_at_buffer();
   install_hooks();
-  register_pipeline_chunk(groups_);  // last: a constructor that threw registers nothing
 }
 
 GradBuffer::~GradBuffer() {
-  unregister_pipeline_chunk(groups_);
+  forget_pipeline_chunks(this);
   *alive_ = false;
   for (const auto& p : params_) unregister_grad_slot(p.param, this);
   remove_hooks();

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -41,40 +42,41 @@ std::mutex& registry_mutex() {
   return mutex;
 }
 
-// Keyed by the pipeline group's address: every chunk of a rank is built from one mesh, hence one group.
-std::map<const c10d::ProcessGroup*, int64_t>& registry() {
-  static std::map<const c10d::ProcessGroup*, int64_t> chunks;
+std::map<const void*, int64_t>& registry() {
+  static std::map<const void*, int64_t> chunks;
   return chunks;
 }
 
 }  // namespace
 
-void register_pipeline_chunk(const SyncGroups& groups) {
-  if (!groups.has_pipeline()) return;
+void declare_pipeline_chunks(const void* buffer, int64_t chunks_per_rank) {
   std::lock_guard<std::mutex> lock(registry_mutex());
-  ++registry()[groups.pipeline.get()];
+  if (chunks_per_rank <= 1) {
+    registry().erase(buffer);
+  } else {
+    registry()[buffer] = chunks_per_rank;
+  }
 }
 
-void unregister_pipeline_chunk(const SyncGroups& groups) {
-  if (!groups.has_pipeline()) return;
+void forget_pipeline_chunks(const void* buffer) {
   std::lock_guard<std::mutex> lock(registry_mutex());
-  auto it = registry().find(groups.pipeline.get());
-  if (it == registry().end()) return;
-  if (--it->second <= 0) registry().erase(it);
+  registry().erase(buffer);
 }
 
-int64_t pipeline_chunks_held(const SyncGroups& groups) {
-  if (!groups.has_pipeline()) return 0;
+int64_t pipeline_chunks_of(const void* buffer) {
   std::lock_guard<std::mutex> lock(registry_mutex());
-  auto it = registry().find(groups.pipeline.get());
-  return it == registry().end() ? 0 : it->second;
+  auto it = registry().find(buffer);
+  return it == registry().end() ? 1 : it->second;
 }
 
-void check_every_chunk_given(const SyncGroups& groups, int64_t given, const std::string& who,
+void check_every_chunk_given(const SyncGroups& groups, const std::vector<const void*>& buffers, const std::string& who,
                              const std::string& remedy) {
-  const int64_t held = pipeline_chunks_held(groups);
+  int64_t held = 1;
+  for (const void* buffer : buffers) held = std::max(held, pipeline_chunks_of(buffer));
+  const auto given = static_cast<int64_t>(buffers.size());
   TORCH_CHECK(held <= given, who, ": this rank (", describe_stage(groups), "rank ", groups.stats_group().getRank(),
-              " of the stage) holds ", held, " model chunks on the pipeline but ", given,
+              " of the stage) holds ", held, " model chunks of the pipeline (DdpConfig::virtual_pipeline_size, or ",
+              "the PipelineStage's stages per rank) but ", given,
               " were given: the gradient norm, clipping and the non-finite skip of a pipeline cover every chunk of ",
               "every stage, and a chunk's own would be that chunk's alone. ", remedy);
 }

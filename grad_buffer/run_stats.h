@@ -30,15 +30,19 @@ std::string describe_stage(const SyncGroups& groups);
 // report line's start, its parenthesis left open for more.
 std::string describe_rank(const SyncGroups& groups);
 
-// The GradBuffers this process holds on `groups.pipeline` (one per model chunk of its stage):
-// registered by GradBuffer's constructor, removed by its destructor. 0 without a pipeline.
-void register_pipeline_chunk(const SyncGroups& groups);
-void unregister_pipeline_chunk(const SyncGroups& groups);
-int64_t pipeline_chunks_held(const SyncGroups& groups);
+// How many model chunks each rank of the pipeline holds, declared for a chunk's GradBuffer (keyed by
+// its address): DdpConfig::virtual_pipeline_size (DistributedDataParallel declares it), or the stages
+// per rank of a torch schedule (meshddp.pipelining.PipelineStage). Undeclared: 1. A GradBuffer's
+// destructor forgets it. A norm or a step over fewer chunks than one of them declares is refused:
+// it would be those chunks' alone. Other models on the same mesh (a frozen reference, a critic) are
+// not counted.
+void declare_pipeline_chunks(const void* buffer, int64_t chunks_per_rank);
+void forget_pipeline_chunks(const void* buffer);
+int64_t pipeline_chunks_of(const void* buffer);
 
-// Throws, naming `who` and the call to make, when `given` chunks were passed but this rank holds
-// more on the pipeline: a norm or step over part of a rank's chunks would be that part's alone.
-void check_every_chunk_given(const SyncGroups& groups, int64_t given, const std::string& who,
+// Throws, naming `who`, the counts and `remedy`, when `buffers` (the chunks given to one norm or
+// step) are fewer than one of them declares.
+void check_every_chunk_given(const SyncGroups& groups, const std::vector<const void*>& buffers, const std::string& who,
                              const std::string& remedy);
 
 // Whether every rank of the whole run passed the same `count` (e.g. of chunks), from the sums over

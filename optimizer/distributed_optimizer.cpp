@@ -329,14 +329,17 @@ StepResult DistributedOptimizer::step_together(const std::vector<DistributedOpti
   const DistributedOptimizer& first = *chunks.front();
   const SyncGroups& groups = first.buffer_->groups();
   const auto n = static_cast<double>(chunks.size());
-  // [non-finite count, sum of squares] of every chunk, then [chunks, chunks^2]: the ranks' chunk counts
-  // checked equal in the same all-reduce (a rank stepping fewer chunks would pair the reports wrongly).
+  // [non-finite count, sum of squares] of every chunk, then [chunks, chunks^2, clip, clip^2]: the ranks'
+  // chunk counts and clip_grad_norm checked equal in the same all-reduce (a rank stepping fewer chunks
+  // would pair the reports wrongly; another stage's bound would clip it by another coefficient).
   at::Tensor stats;
   for (DistributedOptimizer* chunk : chunks) {
     at::Tensor local = chunk->local_stats();
     stats = stats.defined() ? stats + local.to(stats.device()) : local;
   }
-  stats = at::cat({stats, at::tensor({n, n * n}, stats.options().device(c10::kCPU)).to(stats.device())});
+  const double clip = first.config_.clip_grad_norm;
+  stats =
+      at::cat({stats, at::tensor({n, n * n, clip, clip * clip}, stats.options().device(c10::kCPU)).to(stats.device())});
   // `stats` lives until after the wait and the read (Note [Stream lifetimes of collective temporaries]).
   all_reduce_over_run(groups, stats, "the optimizer's gradient checks (non-finite count, norm)");
   const at::Tensor host = stats.cpu();
@@ -344,6 +347,12 @@ StepResult DistributedOptimizer::step_together(const std::vector<DistributedOpti
               "DistributedOptimizer::step_together: the ranks of the run stepped different numbers of model chunks ",
               "(this rank ", chunks.size(), ", ", describe_rank(groups), ")); every rank steps every chunk it holds ",
               "in one call, and every stage holds the same number of chunks. Nothing was updated");
+  TORCH_CHECK(same_on_every_rank(host[4].item<double>(), host[5].item<double>(), ranks_in_run(groups)),
+              "DistributedOptimizer::step_together: clip_grad_norm differs across the ranks of the run (this rank ",
+              clip, ", ", describe_rank(groups), "); the mean over every rank is ",
+              host[4].item<double>() / static_cast<double>(ranks_in_run(groups)),
+              ". One run clips by one bound: give every stage's optimizers the same ",
+              "DistributedOptimizerConfig::clip_grad_norm. Nothing was updated");
   StepResult result;
   result.grad_norm = std::sqrt(host[1].item<double>());
   if (host[0].item<double>() > 0) {
@@ -355,9 +364,8 @@ StepResult DistributedOptimizer::step_together(const std::vector<DistributedOpti
     return result;
   }
   double grad_scale = 1.0;
-  const double max_norm = first.config_.clip_grad_norm;
-  if (max_norm > 0) {
-    const double coef = max_norm / (result.grad_norm + 1e-6);
+  if (clip > 0) {
+    const double coef = clip / (result.grad_norm + 1e-6);
     if (coef < 1.0) {
       grad_scale = coef;
       result.clipped = true;
@@ -390,8 +398,9 @@ void DistributedOptimizer::check_chunks(const std::vector<DistributedOptimizer*>
                 " but chunk 0 at ", chunks.front()->config_.clip_grad_norm,
                 " (DistributedOptimizerConfig::clip_grad_norm); the chunks of one run clip by one norm to one bound");
   }
-  check_every_chunk_given(chunks.front()->buffer_->groups(), static_cast<int64_t>(chunks.size()),
-                          "DistributedOptimizer::step",
+  std::vector<const void*> buffers;
+  for (const DistributedOptimizer* chunk : chunks) buffers.push_back(&*chunk->buffer_);
+  check_every_chunk_given(chunks.front()->buffer_->groups(), buffers, "DistributedOptimizer::step",
                           "Step every chunk's optimizer in one call: "
                           "DistributedOptimizer::step_together({&chunk0_optimizer, &chunk1_optimizer, ...}) "
                           "(Python: meshddp.DistributedOptimizer.step_together([...]))");

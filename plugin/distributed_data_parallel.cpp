@@ -1,5 +1,6 @@
 #include "plugin/distributed_data_parallel.h"
 
+#include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
 #include "mesh/placement.h"
@@ -396,6 +397,8 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     }
   }
   buffer_ = std::make_unique<GradBuffer>(named, groups_, static_cast<GradBufferConfig>(config_));
+  // A norm or a step must then cover every chunk of this rank (grad_buffer/run_stats.h).
+  declare_pipeline_chunks(buffer_.get(), config_.virtual_pipeline_size);
   verify_same_settings_across_ranks(*dp_group_, layout_settings(*buffer_, LayoutPart::kDense),
                                     "DistributedDataParallel", "the gradient bucket layouts");
   if (has_experts) {

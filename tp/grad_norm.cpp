@@ -98,7 +98,9 @@ void check_chunks(const std::vector<GradBufferHandle>& chunks, const char* who) 
                 g.data_parallel_size(), " vs ", first.data_parallel_size(),
                 "); the chunks of one norm must be wrapped over the same mesh");
   }
-  check_every_chunk_given(first, static_cast<int64_t>(chunks.size()), std::string("meshddp::") + who,
+  std::vector<const void*> buffers;
+  for (const GradBufferHandle& chunk : chunks) buffers.push_back(&*chunk);
+  check_every_chunk_given(first, buffers, std::string("meshddp::") + who,
                           std::string("Pass every chunk's gradient buffer in one call: meshddp::") + who +
                               "({chunk0.grad_buffer(), chunk1.grad_buffer(), ...}) (Python: meshddp." + who +
                               "([ddp0, ddp1, ...]))");
@@ -117,11 +119,18 @@ std::string nonfinite_params(const std::vector<GradBufferHandle>& chunks) {
 
 }  // namespace
 
-double grad_norm(const std::vector<GradBufferHandle>& chunks) {
-  check_chunks(chunks, "grad_norm");
+namespace {
+
+// grad_norm over `chunks`; `max_norm` (0 for grad_norm) agreed over the whole run in the same
+// all-reduce, so that no stage clips by another bound than the others.
+double run_grad_norm(const std::vector<GradBufferHandle>& chunks, double max_norm, const char* who) {
+  check_chunks(chunks, who);
   // On the host, as the sum over the run is read there anyway (CPU fp64): [dense params, expert
-  // params], summed apart because they have different replica counts.
-  at::Tensor sum = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
+  // params] (summed apart because they have different replica counts), [max_norm, max_norm^2].
+  at::Tensor sum = at::zeros({4}, at::TensorOptions().dtype(at::kDouble));
+  const double agreed = std::isfinite(max_norm) ? max_norm : -1.0;  // a NaN would differ from itself
+  sum[2] = agreed;
+  sum[3] = agreed * agreed;
   for (const GradBufferHandle& buffer : chunks) {
     buffer.finish_grad_sync();
     const SyncGroups& g = buffer->groups();
@@ -134,7 +143,13 @@ double grad_norm(const std::vector<GradBufferHandle>& chunks) {
     }
   }
   const SyncGroups& g = chunks.front()->groups();
-  all_reduce_over_run(g, sum, "the gradient norm (meshddp::grad_norm)");
+  all_reduce_over_run(g, sum, std::string("the gradient norm (meshddp::") + who + ")");
+  const int64_t ranks = ranks_in_run(g);
+  TORCH_CHECK(same_on_every_rank(sum[2].item<double>(), sum[3].item<double>(), ranks), "meshddp::", who,
+              ": max_norm differs across the ranks of the run (this rank ", max_norm, ", ", describe_rank(g),
+              "); the mean over every rank is ", sum[2].item<double>() / static_cast<double>(ranks),
+              " (0 for a rank calling grad_norm). One run clips by one bound: pass the same max_norm on every ",
+              "rank of every stage. Nothing was scaled");
   // The stats group spans DP too, where every rank of a param's reduction group holds the same mean:
   // count it once (Note [Gradient norm over DP x TP]).
   const double expert_replicas = g.expert_dp ? static_cast<double>(g.expert_dp->getSize()) : 1.0;
@@ -142,13 +157,17 @@ double grad_norm(const std::vector<GradBufferHandle>& chunks) {
                    sum[1].item<double>() / expert_replicas);
 }
 
+}  // namespace
+
+double grad_norm(const std::vector<GradBufferHandle>& chunks) { return run_grad_norm(chunks, 0.0, "grad_norm"); }
+
 double grad_norm(GradBufferHandle buffer) { return grad_norm(std::vector<GradBufferHandle>{buffer}); }
 
 double clip_grad_norm_(const std::vector<GradBufferHandle>& chunks, double max_norm, bool error_if_nonfinite) {
-  check_chunks(chunks, "clip_grad_norm_");
+  // Agreed over the run first (a bound bad on one rank fails every rank alike), then validated.
+  const double norm = run_grad_norm(chunks, max_norm, "clip_grad_norm_");
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "meshddp::clip_grad_norm_: max_norm must be positive and ",
               "finite, got ", max_norm);
-  const double norm = grad_norm(chunks);
   if (error_if_nonfinite) {
     const SyncGroups& g = chunks.front()->groups();
     TORCH_CHECK(std::isfinite(norm), "meshddp::clip_grad_norm_: the total norm of order 2 of the gradients is ",

@@ -99,8 +99,11 @@ void bind_training(py::module_& m) {
     for (PythonDdp* chunk : chunks) buffers.push_back(chunk->grad_buffer());
     return buffers;
   };
-  m.def("_pipeline_chunks_held",
-        [](const PythonDdp& ddp) { return pipeline_chunks_held(ddp.grad_buffer()->groups()); });
+  // The model chunks a rank of the pipeline holds (meshddp.pipelining.PipelineStage: its schedule's stages
+  // per rank), for the norm's and the step's check that every chunk is given (grad_buffer/run_stats.h).
+  m.def("_declare_pipeline_chunks",
+        [](const PythonDdp& ddp, int64_t chunks) { declare_pipeline_chunks(&*ddp.grad_buffer(), chunks); });
+  m.def("_pipeline_chunks_of", [](const PythonDdp& ddp) { return pipeline_chunks_of(&*ddp.grad_buffer()); });
   m.def(
       "_grad_norm", [buffers_of](const std::vector<PythonDdp*>& chunks) { return grad_norm(buffers_of(chunks)); },
       Release());

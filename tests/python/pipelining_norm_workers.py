@@ -2,7 +2,8 @@
 schedules over dp 2 x pp 2 (4 ranks), clipped by the whole pipeline's gradient norm (meshddp.clip_grad_norm_
 over every chunk of the rank, or OptimizerConfig(clip_grad_norm=...) with DistributedOptimizer.step_together),
 against one process clipping with torch.nn.utils.clip_grad_norm_; a NaN on one stage skipped by every stage;
-a norm or a step over part of a rank's chunks refused."""
+a norm or a step over part of a rank's chunks refused; stages clipping to other bounds refused; a second
+model on the same mesh not counted as a chunk."""
 
 import math
 
@@ -137,3 +138,42 @@ def part_of_the_chunks(rank, world_size, zero1=False):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def clip_differs(rank, world_size, zero1=False):
+    """1F1B, the last stage clipping to twice the first's bound: the error message this rank got."""
+    mesh = _mesh()
+    stages, wrapped = build(mesh, "1F1B", zero1=zero1)
+    sched = SCHEDULES["1F1B"][0](stages[0], MICRO, loss_fn=F.mse_loss)
+    ddps = [ddp for _, ddp in wrapped]
+    bound = MAX_NORM * (1 + mesh["pp"].get_local_rank())
+    if zero1:
+        opts = [meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR, clip_grad_norm=bound))
+                for ddp in ddps]
+    args, kwargs = _step_inputs(mesh, stages, 0)
+    sched.step(*args, **kwargs)
+    meshddp.pipelining.finish_grad_sync(stages)
+    try:
+        if zero1:
+            meshddp.DistributedOptimizer.step_together(opts)
+        else:
+            meshddp.clip_grad_norm_(ddps, bound)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def a_second_model(rank, world_size):
+    """Two models pipelined over the same mesh (a trained one and, e.g., a frozen reference): the norm of
+    the first's one chunk per rank is neither refused nor changed by the second. (norm, golden norm)."""
+    mesh = _mesh()
+    stages, wrapped = build(mesh, "1F1B")
+    _other = build(mesh, "1F1B")  # noqa: F841 (kept alive beside the first)
+    sched = SCHEDULES["1F1B"][0](stages[0], MICRO, loss_fn=F.mse_loss)
+    ddps = [ddp for _, ddp in wrapped]
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    args, kwargs = _step_inputs(mesh, stages, 0)
+    sched.step(*args, **kwargs)
+    meshddp.pipelining.finish_grad_sync(stages)
+    return meshddp.grad_norm(ddps), golden(mesh["dp"].size())[0][0]

@@ -6,7 +6,8 @@ Gloo, CPU), the MLP of test_pipelining.py, 3 SGD steps clipped to a norm below e
   the clipped params equal one process's within 3e-7 (as test_pipelining.py): plain DDP through
   meshddp.clip_grad_norm_(list of the rank's chunks), ZeRO-1 through DistributedOptimizer.step_together;
 - a NaN in one stage's gradient makes every stage skip the step (ZeRO-1), nothing updated anywhere;
-- a norm or a step over part of a rank's chunks is refused, naming the call to make."""
+- a norm or a step over part of a rank's chunks is refused, naming the call to make; stages that clip to
+  other bounds are refused on every rank; a second model pipelined over the same mesh is no extra chunk."""
 
 import math
 
@@ -40,5 +41,19 @@ def test_a_norm_or_step_over_part_of_the_ranks_chunks_is_refused(zero1):
     messages = multiprocess.run(4, "pipelining_norm_workers.part_of_the_chunks", zero1=zero1)
     call = "DistributedOptimizer.step_together" if zero1 else "grad_norm({chunk0"
     for message in messages:
-        assert message is not None and "holds 2 model chunks on the pipeline but 1 were given" in message, message
+        assert message is not None and "holds 2 model chunks of the pipeline" in message, message
+        assert "but 1 were given" in message, message
         assert call in message, message
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_stages_that_clip_to_other_bounds_are_refused_on_every_rank(zero1):
+    messages = multiprocess.run(4, "pipelining_norm_workers.clip_differs", zero1=zero1)
+    what = "clip_grad_norm differs across the ranks of the run" if zero1 else "max_norm differs across the ranks"
+    for message in messages:
+        assert message is not None and what in message, message
+
+
+def test_a_second_model_on_the_same_mesh_is_not_a_chunk():
+    for norm, want in multiprocess.run(4, "pipelining_norm_workers.a_second_model"):
+        assert math.isclose(norm, want, rel_tol=1e-6), (norm, want)

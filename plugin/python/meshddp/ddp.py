@@ -14,7 +14,6 @@ A step (as with Megatron's DDP):
 
 import contextlib
 import datetime
-import gc
 
 import torch
 import torch.distributed as dist
@@ -122,14 +121,6 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
     else:
         world = mesh[tuple(n for n in names if n in dp_dims or n == tp_dim)]._flatten().get_group()
     return dp_group, world, tp_dim, tp_rank, tp_size, mesh.get_group(tp_dim) if tp_size > 1 else None
-
-
-def _collect_released_chunks(ddps):
-    """Before a norm or a step checks that every model chunk this rank holds on its pipeline was given
-    (grad_buffer/run_stats.h): a DDP dropped by the user but not yet freed still counts (its module's
-    hooks refer to it, so the cycle collector frees it), so collect once when more are counted. Local."""
-    if ddps and _C._pipeline_chunks_held(ddps[0]._engine) > len(ddps):
-        gc.collect()
 
 
 def _ranks_of(mesh):
@@ -243,6 +234,7 @@ class DistributedDataParallel(torch.nn.Module):
         # A "pp" dim: the gradient norm and the non-finite checks span every stage (one run).
         pipeline_group = (mesh.get_group("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ())
                           and mesh.size(mesh.mesh_dim_names.index("pp")) > 1 else None)
+        self._pipeline_group = pipeline_group  # meshddp.pipelining.PipelineStage checks it is its own
         _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,
                             expert_instance_group],
                            stuck_report_after, timeout)

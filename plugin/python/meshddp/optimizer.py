@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from meshddp import _C, _state_dict
-from meshddp.ddp import DistributedDataParallel, _collect_released_chunks
+from meshddp.ddp import DistributedDataParallel
 
 
 def _finish_pending_gathers(impl):
@@ -120,7 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # What step() takes from the build, not from param_groups (Note [Param groups are the source of
         # the LR]): each group's params, and the hyperparameters of OptimizerConfig.
         self._built_params = [list(group["params"]) for group in self.param_groups]
-        self._built_names = [list(group["param_names"]) for group in self.param_groups]
+        # A group of no params (a frozen stage's chunk) has no "param_names" from torch.
+        self._built_names = [list(group.get("param_names", [])) for group in self.param_groups]
         self._config_values = {"betas": (config.beta1, config.beta2), "eps": config.eps, "momentum": config.momentum}
         self._module_path = module_path
         if config.kind == "muon":
@@ -240,7 +241,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("meshddp.DistributedOptimizer.step: a closure is not supported; run forward and "
                                "backward before step()")
         self._before_step()
-        _collect_released_chunks([self.ddp])
         result = self._impl.step()
         self._after_step()
         return result
@@ -259,7 +259,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 f"objects, got {type(opt).__name__}")
         for opt in optimizers:
             opt._before_step()
-        _collect_released_chunks([opt.ddp for opt in optimizers])
         result = _C._DistributedOptimizer.step_together([opt._impl for opt in optimizers])
         for opt in optimizers:
             opt._after_step()
@@ -294,6 +293,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "GradScaler.step(optimizer); it unscales .grad only on this rank's view (fp32 main grads of bf16/fp16 "
                 "params are not .grad) and checks for infs on it. Leave unscaling to step() (call scaler.step(opt) "
                 "directly); to clip, set OptimizerConfig(clip_grad_norm=max_norm), which clips the unscaled gradient")
+        chunks = _C._pipeline_chunks_of(self.ddp._engine)
+        if chunks > 1:  # refused before the gradients are unscaled, not after
+            raise RuntimeError(
+                f"meshddp.DistributedOptimizer.step: GradScaler.step(optimizer) on one of the {chunks} model chunks "
+                f"this rank holds of the pipeline: the gradient norm, clipping and the skip cover every chunk, and "
+                f"step_together() takes no GradScaler yet; use bf16 (no loss scaling), or one chunk per rank; "
+                f"nothing was changed")
         self.ddp.finish_grad_sync()
         self.ddp.scale_gradients(1.0 / grad_scaler.get_scale())  # the synced shards too: elementwise
         result = self.step()

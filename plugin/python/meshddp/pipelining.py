@@ -53,6 +53,7 @@ tokens, with the schedule's scale_grads=False): the DP reduction is then a sum, 
 FSDP with its gradient divide factor set to 1."""
 
 import inspect
+import warnings
 import weakref
 
 import torch
@@ -61,6 +62,7 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
+from meshddp import _C
 from meshddp.ddp import DistributedDataParallel
 
 # Note [torch's stage methods this stage overrides]
@@ -129,6 +131,17 @@ class PipelineStage(_TorchPipelineStage):
         if grad_reduction not in ("mean", "sum"):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
+        # The stages this rank holds (interleaved and V-shaped schedules: num_stages / pp): a gradient
+        # norm or an optimizer step over fewer of them is refused (docs/pipeline.md, "One run across stages").
+        pp_size = dist.get_world_size(self.group)
+        _C._declare_pipeline_chunks(submodule._engine, max(1, self.num_stages // pp_size))
+        if pp_size > 1 and submodule._pipeline_group is None:
+            warnings.warn(
+                f"meshddp.pipelining.PipelineStage {self.stage_index}: its DistributedDataParallel was built without "
+                f"a 'pp' mesh dim (process_group=, or a mesh of the stage only), so its gradient norm, clipping and "
+                f"non-finite skip cover this stage alone, not the {pp_size}-stage pipeline; build it from the whole "
+                f"mesh, e.g. DistributedDataParallel(module, mesh, dp_dim='dp') with mesh dims ('dp', 'pp')",
+                UserWarning, stacklevel=2)
         self._sync_started = False  # this schedule.step()'s buffers scaled and their sync started
         self._backward_ran = False  # a backward of this schedule.step() (none under schedule.eval())
         # Whatever finishes the chunk's sync (this stage, the DDP's finish_grad_sync, DistributedOptimizer.step,

@@ -8,7 +8,7 @@ import math
 import torch
 
 from meshddp import _C
-from meshddp.ddp import DistributedDataParallel, _collect_released_chunks
+from meshddp.ddp import DistributedDataParallel
 
 
 class LrScheduler:
@@ -118,7 +118,6 @@ def _chunks(ddp, who):
     chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
     for chunk in chunks:
         _plain_ddp(chunk, who)
-    _collect_released_chunks(chunks)
     return chunks
 
 
