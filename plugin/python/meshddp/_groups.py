@@ -139,3 +139,11 @@ def embedding_group(mesh):
     if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
         return None
     return subgroup(_mine(_C.embedding_groups(list(mesh.shape), list(mesh.mesh_dim_names), "pp"), mesh))
+
+
+def pipeline_group(mesh):
+    """On a mesh with a "pp" dim of more than one rank: this rank's pipeline (one rank per stage), over
+    which gradient norms and non-finite checks are summed after the stage's. None otherwise."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or mesh.size(mesh.mesh_dim_names.index("pp")) == 1:
+        return None
+    return mesh.get_group("pp")

@@ -231,9 +231,7 @@ class DistributedDataParallel(torch.nn.Module):
             embedding_group = _groups.embedding_group(mesh)  # a "pp" dim: made from the mesh
         expert_dp_group = _groups.expert_dp_group(mesh, dp_dims, ep) if ep > 1 else None
         expert_instance_group = _groups.expert_instance_group(mesh, dp_dims, config)
-        # A "pp" dim: the gradient norm and the non-finite checks span every stage (one run).
-        pipeline_group = (mesh.get_group("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ())
-                          and mesh.size(mesh.mesh_dim_names.index("pp")) > 1 else None)
+        pipeline_group = _groups.pipeline_group(mesh)  # a "pp" dim: norms and non-finite checks span the stages
         self._pipeline_group = pipeline_group  # meshddp.pipelining.PipelineStage checks it is its own
         _register_progress([dp_group, world, tp_group, instance_group, cross_group, expert_dp_group,
                             expert_instance_group],
