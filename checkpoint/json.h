@@ -9,7 +9,7 @@
 // integer outside int64 (nlohmann reads it as uint64 or as a rounded double), nesting deeper than
 // kMaxJsonDepth, and a byte-order mark. nlohmann refuses the rest itself: a number past the double
 // range (1e999), malformed escapes and lone surrogates, raw control characters and invalid UTF-8 in
-// strings, leading zeros, NaN, trailing bytes. scripts/consolidate_checkpoint.py refuses the same.
+// strings, leading zeros, NaN, trailing bytes. (meshddp-consolidate reads through this parser.)
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -157,6 +157,11 @@ std::string resolve_checkpoint(const std::string& dir, std::optional<int64_t> st
       TORCH_CHECK(path_exists(dir + "/" + name), "checkpoint: '", dir, "/latest' names '", name,
                   "', which does not exist", listing.describe(), choose);
     } else {
+      TORCH_CHECK(!listing.complete.empty() || !path_exists(dir + "/.metadata"), "checkpoint: '", dir,
+                  "' is a torch.distributed.checkpoint (DCP) directory (it has .metadata), not meshddp's format ",
+                  "(save_checkpoint); load it with torch.distributed.checkpoint (dcp.load of meshddp's state dicts), ",
+                  "or make one file of it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save('", dir,
+                  "', 'full.pt') (the optimizer's state as flattened params)");
       TORCH_CHECK(!listing.complete.empty(), "checkpoint: '", dir, "' holds no complete checkpoint",
                   listing.describe());
       // No `latest` (a crash between a manifest and the pointer): the live run's head, the one

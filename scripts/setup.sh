@@ -2,8 +2,8 @@
 # Installs what meshddp needs into a project-local virtualenv (.venv): the PyPI wheel torch==2.11.0,
 # whose LibTorch (headers, libs, CMake config, c10d, torchrun, pybind11) the build uses, the PyPI
 # package nlohmann-json==3.12.0 (the JSON headers checkpoint/ uses: cmake/JsonFromWheel.cmake), plus
-# scikit-build-core (builds the Python package), pytest (its tests), crc32c (a dependency of the
-# package) and clang-format (pinned: the style check, scripts/check_format.sh). Idempotent: a ready
+# scikit-build-core (builds the Python package), pytest and crc32c (the tests; they re-sign
+# checkpoints they damage on purpose) and clang-format (pinned: the style check, scripts/check_format.sh). Idempotent: a ready
 # .venv is reused (what it lacks of these is added), and pip's cache (~/.cache/pip) is reused when it
 # is there.
 set -euo pipefail
@@ -12,7 +12,7 @@ venv="${MESHDDP_VENV:-$root/.venv}"
 torch_version="2.11.0"
 json_version="3.12.0"
 
-# crc32c: meshddp's dependency (pyproject.toml), hardware CRC32C for meshddp-consolidate; same pin.
+# crc32c: the tests' CRC32C (they re-sign checkpoints they edit on purpose).
 python_tools="scikit-build-core>=0.10 pytest crc32c==2.9.post0 clang-format==19.1.7 nlohmann-json==$json_version"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
   # A .venv from before the Python package, the JSON headers or the style check: add what is missing

@@ -9,6 +9,7 @@
 #include "optimizer/shard_layout.h"
 #include "plugin/ddp_config_fields.h"
 #include "plugin/python/async_checkpoint_bindings.h"
+#include "plugin/python/checkpoint_file_bindings.h"
 #include "plugin/python/config_bindings.h"
 #include "plugin/python/pipeline_bindings.h"
 #include "plugin/python/python_ddp.h"
@@ -133,6 +134,7 @@ PYBIND11_MODULE(_C, m) {
         "with more than one rank ('' if none)");
   meshddp::python::bind_reduction_groups(m);
   meshddp::python::bind_async_checkpoint(m);
+  meshddp::python::bind_checkpoint_files(m);
   meshddp::python::bind_pipeline(m);
   meshddp::python::bind_training(m);
   m.def("_declare_expert_param", &meshddp::declare_expert_param, py::arg("param"),

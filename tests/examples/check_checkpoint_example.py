@@ -1,7 +1,7 @@
 """Checkpoints through examples/02_dp_x_tp_gpt: train 10 steps at 2x2 with --save-dir --save-every 5
 (the reference curve; saves step-5 and step-10), then --resume from step-5 at 4x1 (and at 1x4 with
 --distributed-optimizer, from the same plain-DDP checkpoint) up to step 10: the `step <n> loss`
-lines continue at 5 and match the reference. Then scripts/consolidate_checkpoint.py turns the 2x2 step-5 checkpoint into one
+lines continue at 5 and match the reference. Then meshddp-consolidate turns the 2x2 step-5 checkpoint into one
 safetensors file, which a plain single-process PyTorch GPT (below, written from gpt.h) loads; its
 loss on step 5's batch equals the example's step-5 loss.
 
@@ -19,8 +19,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-import consolidate_checkpoint  # noqa: E402
+from meshddp import consolidate  # noqa: E402  (the engine's checkpoint reader; needs only its _C)
 
 binary = sys.argv[1]
 SEED, BATCH = 1, 16
@@ -92,8 +91,7 @@ try:
             sys.exit(f"FAILED: no complete {name} in {save_dir}: {os.listdir(save_dir)}\n{log}")
     # Consolidate step 5 before the resumed runs add step-10.
     out = os.path.join(work, "full.safetensors")
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(consolidate_checkpoint.__file__), "consolidate_checkpoint.py"),
-                    save_dir, out, "--step", "5"], check=True)
+    subprocess.run([sys.executable, "-m", "meshddp.consolidate", save_dir, out, "--step", "5"], check=True)
     for dp, tp, extra in ((4, 1, ()), (1, 4, ("--distributed-optimizer",))):
         shutil.rmtree(os.path.join(save_dir, "step-10"), ignore_errors=True)
         with open(os.path.join(save_dir, "latest"), "w") as f:
@@ -107,7 +105,7 @@ try:
             if not close(a, b, 1e-5):
                 sys.exit(f"FAILED: step {5 + s}: loss {a} uninterrupted vs {b} resumed at {name} (rtol 1e-5)")
 
-    state = consolidate_checkpoint.load_safetensors(out)
+    state = consolidate.load_safetensors(out)
     try:
         import safetensors.torch  # noqa: PLC0415  (optional: the reference reader agrees with ours)
         other = safetensors.torch.load_file(out)

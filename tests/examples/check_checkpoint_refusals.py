@@ -1,22 +1,22 @@
 """Checkpoints are untrusted input (issue 20), through the tools a user runs: a 2-rank checkpoint of
 examples/02_dp_x_tp_gpt, damaged or edited, is refused with `error: <file>: <what is wrong>` and exit
-1 by scripts/consolidate_checkpoint.py (no traceback, no output file) and by `--resume` (exit 1, the
+1 by meshddp-consolidate (the engine's reader; no traceback, no output file) and by `--resume` (exit 1, the
 value named; torchrun adds its own traceback of the child's exit). The edits a tool could make consistently (a re-signed manifest, a rewritten header)
-are made here with the script's own helpers, which also checks that Python and C++ agree on the
-manifest checksum. Usage: check_checkpoint_refusals.py <gpt_example>."""
+are made here with the helpers below (the `crc32c` package), which also checks that the manifest
+checksum is the documented one (docs: the checkpoint format). Usage: check_checkpoint_refusals.py <gpt_example>."""
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-import consolidate_checkpoint as cc  # noqa: E402
+import crc32c as crc32c_package
 
 binary = sys.argv[1]
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "consolidate_checkpoint.py")
+CONSOLIDATE = [sys.executable, "-m", "meshddp.consolidate"]
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ARGS = ["--seed", "1", "--global-batch", "8", "--dp", "2", "--tp", "1"]
 failures = []
@@ -32,6 +32,28 @@ def gpt(steps, save_dir, *extra):
     cmd = [torchrun, "--standalone", "--nproc-per-node=2", "--no-python", binary, "--steps", str(steps), *ARGS,
            "--save-dir", save_dir, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+
+class cc:
+    """The format's checksums and header, written out here to craft consistent edits."""
+
+    @staticmethod
+    def crc32c(data, crc=0):
+        return crc32c_package.crc32c(data, value=crc)
+
+    @staticmethod
+    def manifest_checksum(text):
+        """(stored, computed) manifest_crc32c: the CRC32C of the text with its 8 hex digits zeroed."""
+        m = re.search(rb'"manifest_crc32c"[ \t\r\n]*:[ \t\r\n]*"0x([0-9a-fA-F]{8})"', text)
+        zeroed = text[:m.start(1)] + b"00000000" + text[m.end(1):]
+        return int(m.group(1), 16), cc.crc32c(zeroed)
+
+    @staticmethod
+    def read_header(path):
+        """(header dict, data start) of a safetensors file."""
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            return json.loads(f.read(n)), 8 + n
 
 
 def sign(manifest):
@@ -87,7 +109,7 @@ try:
         shutil.copytree(pristine, step_dir)
 
     # The intact checkpoint consolidates; a Python-signed copy of its manifest is still accepted.
-    run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
+    run = subprocess.run([*CONSOLIDATE, save, target], capture_output=True, text=True, timeout=240)
     expect("the intact checkpoint consolidates", run.returncode == 0 and os.path.exists(target), run.stderr)
     if os.path.exists(target):
         os.remove(target)
@@ -138,7 +160,7 @@ try:
         ("a truncated file", raw("rank00001.safetensors", lambda d: d[:-5]), "bytes but the manifest says"),
         ("a flipped data byte", raw("rank00001.safetensors", lambda d: d[:-3] + bytes([d[-3] ^ 4]) + d[-2:]),
          "has CRC32C 0x"),
-        ("wrong JSON types", manifest_edit(lambda m: m["mesh"].update(world_size="2")), "mesh.world_size is \"2\""),
+        ("wrong JSON types", manifest_edit(lambda m: m["mesh"].update(world_size="2")), 'mesh.world_size is string "2"'),
     ]
     RESUMED = {"data_position edited by hand", "a piece's file reaching out of the directory",
                "a duplicated piece at a negative begin", "a header length of 2^64-1", "wrong JSON types"}
@@ -147,7 +169,7 @@ try:
         damage()
         if os.path.exists(target):
             os.remove(target)
-        run = subprocess.run([sys.executable, SCRIPT, save, target], capture_output=True, text=True, timeout=240)
+        run = subprocess.run([*CONSOLIDATE, save, target], capture_output=True, text=True, timeout=240)
         expect(f"consolidate refuses {name}", run.returncode == 1 and run.stderr.startswith("error: ")
                and message in run.stderr and "Traceback" not in run.stderr and not os.path.exists(target),
                f"exit {run.returncode}\n{run.stderr[-3000:]}")
@@ -165,7 +187,7 @@ try:
             if os.path.lexists(leftover):
                 os.remove(leftover)
         try:
-            return subprocess.run([sys.executable, SCRIPT, *extra], capture_output=True, text=True, timeout=timeout)
+            return subprocess.run([*CONSOLIDATE, *extra], capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess([], -1, "", f"(no answer in {timeout} s)")
 
@@ -230,20 +252,20 @@ try:
         return damage
 
     for name, damage, message in (
-        ("a number past the double range (re-signed)", with_member("1e999"), "out of range (not a finite double)"),
-        ("NaN (re-signed)", with_member("NaN"), "NaN is not JSON"),
+        ("a number past the double range (re-signed)", with_member("1e999"), "number overflow parsing '1e999'"),
+        ("NaN (re-signed)", with_member("NaN"), "invalid literal"),
         ("an integer past int64 (re-signed)", with_member("18446744073709551616"), "out of range (not an int64)"),
-        ("a lone surrogate (re-signed)", with_member('"\\ud800"'), "lone surrogate"),
+        ("a lone surrogate (re-signed)", with_member('"\\ud800"'), "surrogate U+D800..U+DBFF must be followed by U+DC00..U+DFFF"),
         ("nesting 65 deep (re-signed)", with_member("[" * 65 + "]" * 65), "nesting deeper than 64 levels"),
         ("8 bytes appended to a rank file (re-signed)", grown(8), "but its header ends its data at byte"),
         ("a 1 TiB sparse tail on a rank file (re-signed)", grown(1 << 40), "but its header ends its data at byte"),
         ("a tensor's shape edited (re-signed)", manifest_edit(flattened), "do not have the checksum the manifest gives"),
         ("a tensor named __metadata__", manifest_edit(lambda m: m["tensors"].update(__metadata__=m["tensors"][
-            first_two_piece_tensor(m)])), "'__metadata__' is not a tensor name"),
-        ("a duplicate key", with_duplicate_key, f"manifest '{manifest_path}' is not valid: duplicate key 'format'"),
-        ("`latest` naming ../x/step-2", lambda: open(latest, "w").write("../x/step-2\n"), "holds b'../x/step-2'"),
-        ("`latest` with a NUL", lambda: open(latest, "w").write("step-2\0"), "holds b'step-2\\x00'"),
-        ("`latest` empty", lambda: open(latest, "w").close(), "holds b''"),
+            first_two_piece_tensor(m)])), 'tensors["__metadata__"] is not a tensor name'),
+        ("a duplicate key", with_duplicate_key, f"duplicate key \"format\" in manifest '{manifest_path}'"),
+        ("`latest` naming ../x/step-2", lambda: open(latest, "w").write("../x/step-2\n"), "holds '../x/step-2', which is not a step directory name"),
+        ("`latest` with a NUL", lambda: open(latest, "w").write("step-2\0"), "holds 'step-2\\x00', which is not a step directory name"),
+        ("`latest` empty", lambda: open(latest, "w").close(), "holds '', which is not a step directory name"),
     ):
         restore()
         with open(latest, "w") as f:

@@ -39,8 +39,7 @@ import torch
 
 from torchrun_losses import expect_curve_close, expect_decreasing, logged_grad_norms, run_losses
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-import consolidate_checkpoint  # noqa: E402
+from meshddp import consolidate  # noqa: E402  (the engine's checkpoint reader; needs only its _C)
 
 binary, case = sys.argv[1], sys.argv[2]
 STEPS = 4
@@ -107,8 +106,8 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_norms_close(logged_grad_norms(reference_err), logged_grad_norms(err))
     if "--inject-nan" in args and f"step {NAN_STEP} skipped" not in err:
         sys.exit(f"FAILED: {case}: no 'step {NAN_STEP} skipped' report in the pipeline run's stderr:\n{err}")
-    want, _ = consolidate_checkpoint.consolidate(ref_dir, STEPS)
-    got, _ = consolidate_checkpoint.consolidate(case_dir, STEPS)
+    want, _ = consolidate.consolidate(ref_dir, STEPS)
+    got, _ = consolidate.consolidate(case_dir, STEPS)
     worst = 0.0
     for key, ref in want.items():
         if key not in got:

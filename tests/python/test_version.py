@@ -1,6 +1,6 @@
 """meshddp.__version__ (CMake's project version), the torch it was built against and the check at
 import (a copy of the built package whose recorded torch is faked, imported in a subprocess), and the
-`meshddp-consolidate` command with the `crc32c` package."""
+`meshddp-consolidate` command, which reads through the engine's checkpoint reader."""
 
 import os
 import re
@@ -83,10 +83,9 @@ def test_another_patch_release_of_the_same_minor_is_accepted(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == meshddp.__version__, r.stderr
 
 
-def test_meshddp_consolidate_is_the_consolidation_script_as_a_console_entry_point(mesh, tmp_path):
+def test_meshddp_consolidate_reads_through_the_engines_checkpoint_reader(mesh, tmp_path):
     assert pyproject()["project"]["scripts"]["meshddp-consolidate"] == "meshddp.consolidate:main"
-    with open(os.path.join(ROOT, "scripts", "consolidate_checkpoint.py")) as f:
-        assert open(consolidate.__file__).read() == f.read(), "meshddp/consolidate.py is the script, copied by CMake"
+    assert not os.path.exists(os.path.join(ROOT, "scripts", "consolidate_checkpoint.py")), "one checkpoint reader"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
@@ -97,14 +96,13 @@ def test_meshddp_consolidate_is_the_consolidation_script_as_a_console_entry_poin
     assert sorted(full) == sorted(model.state_dict())
     for name, value in model.state_dict().items():
         assert torch.equal(full[name], value), name
-
-
-def test_crc32c_comes_from_the_crc32c_package_and_the_fallback_agrees(monkeypatch):
-    assert consolidate._crc32c_package is not None, (
-        "the `crc32c` package (a dependency of meshddp, pyproject.toml) is not installed in this Python: "
-        "run scripts/setup.sh, or pip install crc32c==2.9.post0")
-    data = bytes(range(256)) * 40
-    fast = [consolidate.crc32c(b"123456789"), consolidate.crc32c(data[100:], consolidate.crc32c(data[:100]))]
-    monkeypatch.setattr(consolidate, "_crc32c_package", None)
-    slow = [consolidate.crc32c(b"123456789"), consolidate.crc32c(data[100:], consolidate.crc32c(data[:100]))]
-    assert fast == slow == [0xE3069283, consolidate.crc32c(data)], (fast, slow)  # 0xE3069283: CRC-32C's check value
+    # The step directory itself, and a damaged file: the engine's reader names it, nothing is written.
+    step_dir = tmp_path / "ckpt" / "step-0"
+    again, saved = consolidate.consolidate(str(step_dir), optimizer=True)
+    assert saved["step"] == 0 and saved["optimizer"]["kind"] == "adamw" and any(k.startswith("optim/") for k in again)
+    rank0 = step_dir / "rank00000.safetensors"
+    data = bytearray(rank0.read_bytes())
+    data[-1] ^= 1
+    rank0.write_bytes(bytes(data))
+    with pytest.raises(consolidate.CheckpointError, match="CRC32C"):
+        consolidate.consolidate(str(tmp_path / "ckpt"))
