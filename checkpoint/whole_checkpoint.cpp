@@ -1,4 +1,5 @@
 #include "checkpoint/whole_checkpoint.h"
+
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "mesh/process_group_factory.h"
@@ -32,7 +33,8 @@ WholeCheckpoint read_whole_checkpoint(const std::string& dir, std::optional<int6
   }
   const std::vector<at::Tensor> loaded = reader.read(wanted, model_keys);
   WholeCheckpoint whole{reader.path(), reader.meta(), {}};
-  for (size_t i = 0; i < wanted.size(); ++i) whole.tensors.emplace_back(wanted[i].key, loaded[i].view(wanted[i].global_shape));
+  for (size_t i = 0; i < wanted.size(); ++i)
+    whole.tensors.emplace_back(wanted[i].key, loaded[i].view(wanted[i].global_shape));
   return whole;
 }
 

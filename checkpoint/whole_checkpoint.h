@@ -16,8 +16,8 @@
 namespace meshddp {
 
 struct WholeCheckpoint {
-  std::string path;     // <dir>/step-<N>, the directory read
-  CheckpointMeta meta;  // step, values, optimizer of the save
+  std::string path;                                         // <dir>/step-<N>, the directory read
+  CheckpointMeta meta;                                      // step, values, optimizer of the save
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // checkpoint key -> whole CPU tensor, sorted by key
 };
 

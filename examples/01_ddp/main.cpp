@@ -184,7 +184,8 @@ int main(int argc, char** argv) {
     examples::SkippedSteps skipped(flags.run.max_skipped_steps);
     const auto named = model->named_parameters();
     const auto first_param = named.begin();
-    examples::NanInjector inject(flags.run.inject_nan, first_param->value(), first_param->key());
+    examples::NanInjector inject(flags.run.inject_nan, first_step, flags.run.steps, world, first_param->value(),
+                                 first_param->key());
     for (int64_t step = first_step; step < flags.run.steps; ++step) {
       const auto start = std::chrono::steady_clock::now();
       auto gen = at::make_generator<at::CPUGeneratorImpl>(flags.seed * 1000003 + step + 7);

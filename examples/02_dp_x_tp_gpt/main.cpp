@@ -127,7 +127,8 @@ int main(int argc, char** argv) {
     examples::SkippedSteps skipped(f.run.max_skipped_steps);
     const auto named = model->named_parameters();
     const auto first_param = named.begin();
-    examples::NanInjector inject(f.run.inject_nan, first_param->value(), first_param->key());
+    examples::NanInjector inject(f.run.inject_nan, first_step, f.run.steps, mesh.world()->getSize(),
+                                 first_param->value(), first_param->key());
     for (int64_t step = first_step; step < f.run.steps; ++step) {
       const auto start = std::chrono::steady_clock::now();
       auto [ids, targets] = gpt::make_batch(f.model, f.seed, step, f.global_batch);

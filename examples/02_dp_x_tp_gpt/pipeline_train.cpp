@@ -165,7 +165,8 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
   examples::SkippedSteps skipped(f.run.max_skipped_steps);
   // --inject-nan STEP:RANK: the first param of the rank's first chunk (whichever stage it is).
   const auto first_named = chunks.front().module->named_parameters();
-  examples::NanInjector inject(f.run.inject_nan, first_named.begin()->value(), first_named.begin()->key());
+  examples::NanInjector inject(f.run.inject_nan, first_step, f.run.steps, mesh.world()->getSize(),
+                               first_named.begin()->value(), first_named.begin()->key());
   double exposed_total = 0, schedule_total = 0;  // after the first step (which warms up)
   for (int64_t step = first_step; step < f.run.steps; ++step) {
     const auto start = Clock::now();

@@ -32,6 +32,17 @@ meshddp::LrScheduleConfig lr_schedule(const RunFlags& f) {
   return c;
 }
 
+NanInjector::NanInjector(StepRank at, int64_t first_step, int64_t steps, int64_t world_size, at::Tensor param,
+                         std::string name)
+    : at_(at), param_(std::move(param)), name_(std::move(name)) {
+  if (at_.step < 0 && at_.rank < 0) return;  // unset
+  const std::string flag = "--inject-nan " + std::to_string(at_.step) + ":" + std::to_string(at_.rank);
+  TORCH_CHECK(at_.rank >= 0 && at_.rank < world_size, flag, ": rank ", at_.rank, " is not a rank of this run (world ",
+              "size ", world_size, "); give a rank in [0, ", world_size, ")");
+  TORCH_CHECK(at_.step >= first_step && at_.step < steps, flag, ": step ", at_.step, " is not one this run takes ",
+              "(steps ", first_step, " to ", steps - 1, "); give a step in that range");
+}
+
 void NanInjector::before_backward(int64_t step, int64_t rank) {
   if (step != at_.step || rank != at_.rank) return;
   std::fprintf(stderr, "# --inject-nan: rank %lld makes element 0 of the gradient of '%s' NaN at step %lld\n",

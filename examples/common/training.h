@@ -20,11 +20,11 @@ meshddp::LrScheduleConfig lr_schedule(const RunFlags& f);
 
 // --inject-nan STEP:RANK: during STEP's backward on global rank RANK, element 0 of `param`'s
 // gradient becomes NaN (a tensor hook, so before the gradient reaches the buffer and its bucket
-// collective).
+// collective). A STEP outside [first_step, steps) or a RANK outside the world throws naming the flag
+// (it would never fire: a test of the NaN path would pass without testing it).
 class NanInjector {
  public:
-  NanInjector(StepRank at, at::Tensor param, std::string name)
-      : at_(at), param_(std::move(param)), name_(std::move(name)) {}
+  NanInjector(StepRank at, int64_t first_step, int64_t steps, int64_t world_size, at::Tensor param, std::string name);
   // Call before backward: arms the hook if this is the step and the rank.
   void before_backward(int64_t step, int64_t rank);
   // Call after backward: disarms it.

@@ -39,9 +39,8 @@ void bind_checkpoint_files(py::module_& m) {
       "_load_safetensors",
       [](const std::string& path) {
         const SafetensorsHeader header = read_safetensors_header(path, file_bytes(path));
-        TORCH_CHECK(header.data_start + header.data_bytes() == file_bytes(path), "'", path, "' has ",
-                    file_bytes(path), " bytes but its header ends its data at byte ",
-                    header.data_start + header.data_bytes());
+        TORCH_CHECK(header.data_start + header.data_bytes() == file_bytes(path), "'", path, "' has ", file_bytes(path),
+                    " bytes but its header ends its data at byte ", header.data_start + header.data_bytes());
         py::dict tensors;
         for (const auto& [name, t] : header.tensors) {
           at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(scalar_type_from_safetensors(t.dtype)));

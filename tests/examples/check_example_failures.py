@@ -103,6 +103,14 @@ expect("gpt_example plain DDP --pp 2 --inject-nan 2:1 stops every stage at step 
        and "gpt_example (rank 0)" in err and "gpt_example (rank 1)" in err,
        f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
 
+# An injection that would never fire (a rank or step the run does not have) is refused, naming the flag:
+# a NaN test that passes without its NaN tests nothing.
+for spec, message in (("2:5", "--inject-nan 2:5: rank 5 is not a rank of this run (world size 2)"),
+                      ("9:1", "--inject-nan 9:1: step 9 is not one this run takes (steps 0 to 3)")):
+    code, out, err = run(torchrun_cmd(gpt_binary, 2, "--dp", "2", "--tp", "1", "--steps", "4", "--inject-nan", spec))
+    expect(f"gpt_example --inject-nan {spec} is refused before training", code != 0 and steps_printed(out) == []
+           and message in err, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}")
+
 # 3. ZeRO-1: one NaN step is skipped and reported; the run goes on (exit 0, 1 skipped in the summary).
 #    With --max-skipped-steps 1 the same run stops there.
 zero = ["--dp", "2", "--tp", "1", "--steps", "5", "--distributed-optimizer", "--inject-nan", "2:1"]
