@@ -340,3 +340,25 @@ def group_values_differ(rank, world_size, case):
     except (RuntimeError, ValueError) as e:
         error = str(e)
     return {"error": error, "changed": any(not p.equal(b) for p, b in zip(ddp.parameters(), before))}
+
+
+def step_together_in_another_order(rank, world_size):
+    """Two models' optimizers with different numbers of param groups, stepped together in another order on
+    each rank (rank 1 swaps them). Returns each rank's error and whether any param changed."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    config = meshddp.DdpConfig(use_distributed_optimizer=True)
+    ddps = [meshddp.DistributedDataParallel(Block(), mesh, config=config) for _ in range(2)]
+    opts = [meshddp.DistributedOptimizer(ddps[0], meshddp.OptimizerConfig(kind="sgd", lr=0.1, groups=GROUPS)),
+            meshddp.DistributedOptimizer(ddps[1], meshddp.OptimizerConfig(kind="sgd", lr=0.1))]
+    before = [p.detach().clone() for ddp in ddps for p in ddp.parameters()]
+    x, y = data(0, ROWS)
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+        F.mse_loss(ddp(x), y).backward()
+    try:
+        meshddp.DistributedOptimizer.step_together(opts if rank == 0 else opts[::-1])
+        error = None
+    except (RuntimeError, ValueError) as e:
+        error = str(e)
+    after = [p for ddp in ddps for p in ddp.parameters()]
+    return {"error": error, "changed": any(not p.equal(b) for p, b in zip(after, before))}

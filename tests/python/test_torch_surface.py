@@ -226,6 +226,16 @@ def test_a_torch_step_on_gradients_accumulated_under_no_sync_and_never_synced_is
     opt.step()  # nothing accumulated since zero_grad_buffer(): a step on zero gradients is not refused
 
 
+def test_step_together_in_another_order_on_each_rank_is_refused_on_every_rank():
+    """Optimizers of different param-group counts stepped in another order per rank: the per-step group
+    agreement would all-gather tensors of different sizes (a failure inside Gloo). Refused on every rank,
+    naming each rank's count and the fix; no param changes."""
+    for rank, r in enumerate(multiprocess.run(2, "surface_workers.step_together_in_another_order")):
+        assert r["error"] is not None and "different numbers of param groups (rank 0: 3, rank 1: 1)" in r["error"] \
+            and "same order" in r["error"], (rank, r)
+        assert not r["changed"], rank
+
+
 @pytest.mark.parametrize("case,field,values", [
     ("lr", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),
     ("scheduler", "param_groups[0]['lr']", "rank 0: 0.1, rank 1: 0.05"),

@@ -202,14 +202,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if dist.get_world_size(group) == 1:
             return
         device = next(self.ddp.module.parameters()).device
+        ranks = dist.get_process_group_ranks(group)
+        # The group counts first: an all-gather of tensors of different sizes fails inside the backend.
+        count = torch.tensor([len(self.param_groups)], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in ranks]
+        dist.all_gather(counts, count, group=group)
+        counts = [int(c.item()) for c in counts]
+        if len(set(counts)) > 1:
+            each = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
+            raise RuntimeError(
+                f"meshddp.DistributedOptimizer.step: the ranks' optimizers have different numbers of param groups "
+                f"({each}). Every rank of a model steps the same param groups; with step_together(), pass each "
+                f"rank's chunks' optimizers in the same order (chunk 0 first); nothing was updated")
         local = torch.tensor(mine, dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        gathered = [torch.empty_like(local) for _ in ranks]
         dist.all_gather(gathered, local, group=group)
         # Bit patterns, so that two NaNs (a value that is no number, validated next) compare equal.
         rows = [t.cpu().view(torch.int64).tolist() for t in gathered]
         if all(row == rows[0] for row in rows):
             return
-        ranks = dist.get_process_group_ranks(group)
         values = [t.cpu().tolist() for t in gathered]
         for i in range(len(mine)):
             if len({row[i] for row in rows}) > 1:
