@@ -159,7 +159,7 @@ def main():
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", config)
     masters = None  # plain DDP in bf16: (name, param, fp32 master) for AdamW to step
     if args.distributed_optimizer:
-        optimizer = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=args.lr))
+        optimizer = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=args.lr))
     elif bf16:
         masters = [(n, p, p.detach().float().requires_grad_(True)) for n, p in model.named_parameters()]
         optimizer = torch.optim.AdamW([m for _, _, m in masters], lr=args.lr, weight_decay=0.0)

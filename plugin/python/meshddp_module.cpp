@@ -157,12 +157,14 @@ PYBIND11_MODULE(_C, m) {
   meshddp::python::bind_config_fields(ddp_config, meshddp::kDdpConfigFields, "DdpConfig");
 
   py::class_<DistributedOptimizerConfig> optimizer_config(
-      m, "OptimizerConfig",
-      "meshddp's DistributedOptimizerConfig: the C++ fields by the same names (OptimizerConfig.field_names()), as "
+      m, "DistributedOptimizerConfig",
+      "meshddp's DistributedOptimizerConfig (alias: OptimizerConfig): the C++ fields by the same names "
+      "(DistributedOptimizerConfig.field_names()), as "
       "keywords or properties; validate() checks the ranges (DistributedOptimizer does, after the ranks agreed on "
       "them); kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
       "'never', groups = [(pattern, lr or None, weight_decay or None)]");
-  meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "OptimizerConfig");
+  meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "DistributedOptimizerConfig");
+  m.attr("OptimizerConfig") = optimizer_config;  // the short name, an alias (as in C++)
 
   py::class_<meshddp::StepResult>(m, "StepResult")
       .def_readonly("skipped", &meshddp::StepResult::skipped)

@@ -97,7 +97,7 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     other.hidden = torch.nn.Linear(16, 12)
     other.out = torch.nn.Linear(12, 8)
     other_ddp = meshddp.DistributedDataParallel(other, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    other_opt = meshddp.DistributedOptimizer(other_ddp, meshddp.OptimizerConfig(groups=[("*.bias", None, 0.0)]))
+    other_opt = meshddp.DistributedOptimizer(other_ddp, meshddp.DistributedOptimizerConfig(groups=[("*.bias", None, 0.0)]))
     with pytest.raises(RuntimeError, match=r"parameter 'out.weight' 'exp_avg' has 96 elements in the state dict "
                                            r"but 128 in this model"):
         opt.load_state_dict(other_opt.state_dict())
@@ -145,7 +145,7 @@ def test_a_bf16_checkpoint_read_into_an_fp32_model_is_refused_naming_each_param(
         other = meshddp.DistributedDataParallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
                                                 config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                          use_distributed_optimizer=True))
-        other_opt = meshddp.DistributedOptimizer(other, meshddp.OptimizerConfig(
+        other_opt = meshddp.DistributedOptimizer(other, meshddp.DistributedOptimizerConfig(
             kind="sgd", lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
         sd = {"model": other.state_dict(), "optim": other_opt.state_dict()}
         dcp.load(sd, checkpoint_id=path)

@@ -62,7 +62,7 @@ def test_under_cpu_autocast_it_behaves_as_F_linear(mesh):
         ref.zero_grad()
         bound = {name: torch.zeros_like(p) for name, p in ref.named_parameters()}
         for micro in range(2):
-            ddp.set_is_last_microbatch(micro == 1)
+            ddp.set_requires_gradient_sync(micro == 1)
             x = torch.randn(5, 8, generator=gen)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out, expected = ddp(x), ref(x)
@@ -106,7 +106,7 @@ def test_load_state_dict_under_zero1_with_bf16_params_refreshes_the_masters(mesh
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     config = meshddp.DdpConfig(use_distributed_optimizer=True, bucket_bytes=0)
     ddp = meshddp.DistributedDataParallel(model, mesh, config=config)
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1, momentum=0.0, weight_decay=0.0))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=0.1, momentum=0.0, weight_decay=0.0))
     ddp.zero_grad_buffer()
     loss_of(ddp(torch.randn(3, 4).to(torch.bfloat16))).backward()
     opt.step()  # the masters now hold this step's weights
@@ -137,7 +137,7 @@ def _zero1_bf16(mesh, lr, overlap=False, model=None):
     model = (model or torch.nn.Linear(4, 4)).to(torch.bfloat16)
     config = meshddp.DdpConfig(use_distributed_optimizer=True, bucket_bytes=0)
     ddp = meshddp.DistributedDataParallel(model, mesh, config=config)
-    opt_config = meshddp.OptimizerConfig(kind="sgd", lr=lr, momentum=0.0, weight_decay=0.0, overlap_param_gather=overlap)
+    opt_config = meshddp.DistributedOptimizerConfig(kind="sgd", lr=lr, momentum=0.0, weight_decay=0.0, overlap_param_gather=overlap)
     return model, ddp, meshddp.DistributedOptimizer(ddp, opt_config)
 
 

@@ -54,22 +54,22 @@ def test_dp_dims_out_of_mesh_order_or_unknown_are_errors_naming_them():
 
 def test_flattened_groups_are_cxx_arithmetic():
     sizes, names = [2, 2, 2], ["dp", "cp", "tp"]
-    assert meshddp.flattened_groups(sizes, names, ["dp", "cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert meshddp.flattened_groups(sizes, names, ["cp", "tp"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert meshddp.flattened_group_ranks(5, sizes, names, ["dp", "cp"]) == [1, 3, 5, 7]
+    assert meshddp.groups.flattened_groups(sizes, names, ["dp", "cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert meshddp.groups.flattened_groups(sizes, names, ["cp", "tp"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert meshddp.groups.flattened_group_ranks(5, sizes, names, ["dp", "cp"]) == [1, 3, 5, 7]
     with pytest.raises(RuntimeError, match="not in mesh order"):
-        meshddp.flattened_groups(sizes, names, ["cp", "dp"])
+        meshddp.groups.flattened_groups(sizes, names, ["cp", "dp"])
 
 
 def test_expert_and_optimizer_instance_groups_are_cxx_arithmetic():
     # dp 4 x tp 2: EP 2 takes consecutive DP ranks, expert DP every 2nd (Megatron-core's layout).
     sizes, names = [4, 2], ["dp", "tp"]
-    assert meshddp.expert_parallel_groups(sizes, names, ["dp"], 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert meshddp.expert_data_parallel_groups(sizes, names, ["dp"], 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    dense = meshddp.flattened_groups(sizes, names, ["dp"])
-    assert meshddp.optimizer_instance_groups(dense, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert meshddp.cross_instance_groups(dense, 2, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert meshddp.groups.expert_parallel_groups(sizes, names, ["dp"], 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert meshddp.groups.expert_data_parallel_groups(sizes, names, ["dp"], 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    dense = meshddp.groups.flattened_groups(sizes, names, ["dp"])
+    assert meshddp.groups.optimizer_instance_groups(dense, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert meshddp.groups.cross_instance_groups(dense, 2, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(RuntimeError, match="EP size 3 does not divide the 4 ranks"):
-        meshddp.expert_parallel_groups(sizes, names, ["dp"], 3)
+        meshddp.groups.expert_parallel_groups(sizes, names, ["dp"], 3)
     with pytest.raises(RuntimeError, match="3 optimizer instances do not divide"):
-        meshddp.optimizer_instance_groups(dense, 3, "dp")
+        meshddp.groups.optimizer_instance_groups(dense, 3, "dp")

@@ -47,7 +47,7 @@ def test_controls_hold_start_finish_and_scale(mesh):
 
 
 def test_embedding_groups_pair_first_and_last_stage():
-    assert meshddp.embedding_groups([2, 3], ["dp", "pp"]) == [[0, 2], [1], [3, 5], [4]]
+    assert meshddp.groups.embedding_groups([2, 3], ["dp", "pp"]) == [[0, 2], [1], [3, 5], [4]]
 
 
 def test_tied_pipeline_matches_one_process():

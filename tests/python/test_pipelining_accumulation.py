@@ -38,7 +38,7 @@ def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finis
     ("Interleaved1F1B", "ddp_twice", True, "sum"),
 ])
 def test_every_way_to_end_an_accumulation_gives_one_process_gradients(schedule, ending, zero1, grad_reduction):
-    """The last schedule.step() of each optimizer step finished by meshddp.pipelining.finish_grad_sync(stages),
+    """The last schedule.step() of each optimizer step finished by meshddp.pipelining.finalize_model_grads(stages),
     each chunk's ddp.finish_grad_sync(), either twice (a second call is a no-op), or nothing before
     DistributedOptimizer.step() (which finishes it): the same gradients. Broken on purpose, each fails: a
     second stage call scaled the buffers again (grad_reduction="sum": times the DP size each call); the DDP's

@@ -30,7 +30,7 @@ def test_an_optimizer_step_before_every_chunk_finished_its_sync_is_refused(sched
                                 finished=finished)
     for rank, m in enumerate(messages):
         assert m is not None and "SGD.step() was called while this step's gradient sync is still running" in m, m
-        assert "meshddp.pipelining.finish_grad_sync(stages)" in m and "'0.fc.weight'" in m, m
+        assert "meshddp.pipelining.finalize_model_grads(stages)" in m and "'0.fc.weight'" in m, m
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])

@@ -18,7 +18,7 @@ def model():
 def zero1(mesh, groups=()):
     m = model()
     ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=0.1, groups=list(groups)))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=0.1, groups=list(groups)))
     ddp.zero_grad_buffer()
     ddp(torch.randn(3, 4)).sum().backward()
     return m, ddp, opt
@@ -158,7 +158,7 @@ def test_zero1_steps_on_gradients_meshddp_scaled_after_finish_grad_sync(mesh, sc
     m = model()
     golden = model()
     ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=0.1))
     x = torch.randn(3, 4)
     ddp.zero_grad_buffer()
     ddp(x).sum().backward()

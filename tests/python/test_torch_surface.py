@@ -123,7 +123,7 @@ def test_optimizer_instances_match_one_process(suite):
 def zero1(mesh, **optimizer):
     ddp = meshddp.DistributedDataParallel(surface_workers.Block(), mesh,
                                           config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, groups=surface_workers.GROUPS,
+    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2, groups=surface_workers.GROUPS,
                                                                           **optimizer))
 
 

@@ -6,7 +6,7 @@ tensors and c10d groups, once.
 A step (as with Megatron's DDP):
     ddp.zero_grad_buffer()                  # not optimizer.zero_grad(): grads are views of the buffer
     for m in range(k):
-        ddp.set_is_last_microbatch(m == k - 1)    # or wrap micro-batches 0..k-2 in `with ddp.no_sync():`
+        ddp.set_requires_gradient_sync(m == k - 1)  # or wrap micro-batches 0..k-2 in `with ddp.no_sync():`
         loss_fn(ddp(x[m]), y[m]).div(k).backward()  # buckets reduce over "dp" while backward runs
     ddp.finish_grad_sync()                  # param.grad now holds the DP mean
     optimizer.step()
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _groups, _guards
+from meshddp import _C, _deprecated, _groups, _guards
 
 
 def _error(what):
@@ -377,8 +377,10 @@ class DistributedDataParallel(torch.nn.Module):
         return version is not None and sum(g._version for g in self._version_probes) != version
 
     def set_is_last_microbatch(self, is_last):
-        """False for micro-batches before the last: backward only accumulates. Default True."""
-        self._engine.set_is_last_microbatch(bool(is_last))
+        """Deprecated: set_requires_gradient_sync(is_last), the same switch."""
+        _deprecated.warn("DistributedDataParallel.set_is_last_microbatch",
+                         "DistributedDataParallel.set_requires_gradient_sync (or `with ddp.no_sync():`)")
+        self._engine.set_requires_gradient_sync(bool(is_last))
 
     # -- the controls a pipeline schedule drives (docs/pipeline.md) ------------------------------------
     def start_grad_sync(self):
@@ -388,8 +390,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.start_grad_sync()
 
     def set_requires_gradient_sync(self, requires_sync):
-        """FSDP2's name. False: hold every bucket (backward only accumulates) until set True again;
-        the same switch as set_is_last_microbatch() and no_sync()."""
+        """False: hold every bucket (backward only accumulates) until set True again, e.g. for every
+        micro-batch but the last (FSDP2's name; torch DDP's and Megatron's no_sync() context is the same
+        switch). Default True."""
         self._engine.set_requires_gradient_sync(bool(requires_sync))
 
     def scale_gradients(self, factor):

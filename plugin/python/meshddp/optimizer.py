@@ -96,9 +96,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(ddp, DistributedDataParallel):
             raise RuntimeError(f"meshddp.DistributedOptimizer: ddp must be a meshddp.DistributedDataParallel, got "
                                f"{type(ddp).__name__}")
-        config = _C.OptimizerConfig() if config is None else config
-        if not isinstance(config, _C.OptimizerConfig):
-            raise RuntimeError(f"meshddp.DistributedOptimizer: config must be a meshddp.OptimizerConfig, got "
+        config = _C.DistributedOptimizerConfig() if config is None else config
+        if not isinstance(config, _C.DistributedOptimizerConfig):
+            raise RuntimeError(f"meshddp.DistributedOptimizer: config must be a meshddp.DistributedOptimizerConfig, got "
                                f"{type(config).__name__}")
         self.ddp = ddp
         self._impl = _C._DistributedOptimizer(ddp._engine, config)
@@ -273,7 +273,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(e.g. by torch.nn.utils.clip_grad_norm_). The buffer is sharded for the ZeRO-1 distributed "
                 "optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of its shard "
                 "only: torch's clip_grad_norm_ takes the norm of unreduced gradients, and would clip a second time "
-                "after the optimizer's own clipping. Set meshddp.OptimizerConfig(clip_grad_norm=max_norm) instead "
+                "after the optimizer's own clipping. Set meshddp.DistributedOptimizerConfig(clip_grad_norm=max_norm) instead "
                 "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         self._agree_groups()

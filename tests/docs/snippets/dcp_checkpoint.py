@@ -16,7 +16,7 @@ def build():
     torch.manual_seed(int(os.environ["RANK"]) + 10)  # different on each rank: DDP broadcasts rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2))
+    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2))
 
 
 def train(ddp, opt, steps):

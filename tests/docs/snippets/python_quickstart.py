@@ -44,7 +44,7 @@ opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 for step in range(steps):
     ddp.zero_grad_buffer()                  # not opt.zero_grad(): grads are views of the buffer
     for m in range(k):
-        ddp.set_is_last_microbatch(m == k - 1)     # or: `with ddp.no_sync():` for micro-batches 0..k-2
+        ddp.set_requires_gradient_sync(m == k - 1)     # or: `with ddp.no_sync():` for micro-batches 0..k-2
         loss_fn(ddp(x[m]), y[m]).div(k).backward() # buckets reduce over "dp" while backward runs
     ddp.finish_grad_sync()                  # every .grad now holds the DP mean
     opt.step()

@@ -32,7 +32,7 @@ for step in range(3):
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    meshddp.pipelining.finish_grad_sync(stage)  # every chunk's sync done before the step
+    meshddp.pipelining.finalize_model_grads(stage)  # every chunk's sync done before the step
     optimizer.step()
     if losses:
         print(f"step {step} dp {dp_rank}: loss {torch.stack(losses).mean().item():.4f}")
