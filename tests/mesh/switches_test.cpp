@@ -1,5 +1,5 @@
-// The environment switches (mesh/switches.h): values, overrides, and docs/api.md's table against the
-// one list in the header.
+// The environment switches (mesh/switches.h): values, overrides, and docs/reference/environment.md's
+// table against the one list in the header.
 #include "mesh/switches.h"
 
 #include "tests/support/error_of.h"
