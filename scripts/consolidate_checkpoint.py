@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Turns a sharded meshddp checkpoint (any DP x TP; docs/checkpoints.md) into one full-model
+"""Turns a sharded meshddp checkpoint (any DP x TP; docs/reference/checkpoints.md) into one full-model
 safetensors file that a single-process PyTorch model loads with load_state_dict.
 
     meshddp-consolidate CKPT_DIR OUT.safetensors [--step N] [--optimizer] [--no-verify] [--torch-save OUT.pt]
     .venv/bin/python scripts/consolidate_checkpoint.py ...     (the same, without installing meshddp)
 
 CKPT_DIR is a save directory (its `latest` complete step is taken, or step-N with --step) or a
-step-<N> directory. Everything is checked first, as the C++ loader does (docs/checkpoints.md, "What
+step-<N> directory. Everything is checked first, as the C++ loader does (docs/reference/checkpoints.md, "What
 is checked"): the manifest's checksum and every field, each file's size, header, save id and CRC32C,
 and each piece's checksum (--no-verify skips the CRCs). CRC32C comes from the `crc32c` package (a
 dependency of meshddp, installed by scripts/setup.sh: GB/s), else from a pure-Python fallback

@@ -14,7 +14,7 @@ batch with 10 significant digits, like the C++ examples; stderr: a status line p
 weights: ZeRO-1's own, or with torch's AdamW a whole fp32 copy it steps (Megatron's
 Float16OptimizerWithFloat16Params). --grad-reduce-in-bf16: main grads accumulated and reduced in bf16;
 needed at --tp > 1, where torch's TP makes the params DTensors, whose .grad is a view of meshddp's
-buffer in the param's own dtype (docs/python.md "Limits")."""
+buffer in the param's own dtype (docs/guide/python.md "Limits")."""
 
 import argparse
 import math
@@ -213,7 +213,7 @@ if __name__ == "__main__":
     # target returns). Gloo's worker threads may still be dropping their reference to a tensor of the
     # last collective (the loss all-reduce above, a TP collective) when the interpreter finalizes;
     # that drop needs the GIL, a thread that takes the GIL during finalization is ended mid-C++, and
-    # the process dies in std::terminate (exit -6) after a clean run: docs/python.md "Exiting".
+    # the process dies in std::terminate (exit -6) after a clean run: docs/guide/python.md "Exiting".
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

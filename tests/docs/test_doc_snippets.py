@@ -138,8 +138,10 @@ def test_each_guide_reads_in_ten_minutes_and_the_porting_path_stays_under_40k():
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
-def test_every_relative_link_of_the_readme_and_the_docs_names_a_file_that_exists():
+def test_every_relative_link_of_the_readme_the_docs_and_the_results_names_a_file_that_exists():
     pages = ["README.md", "CHANGELOG.md"] + [os.path.join("docs", p) for p in doc_pages()]
+    pages += [os.path.join("bench", "results", f) for f in sorted(os.listdir(os.path.join(ROOT, "bench", "results")))
+              if f.endswith(".md")]
     pages += [os.path.join("examples", d, "README.md") for d in sorted(os.listdir(os.path.join(ROOT, "examples")))
               if os.path.isfile(os.path.join(ROOT, "examples", d, "README.md"))]
     broken = []

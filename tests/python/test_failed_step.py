@@ -10,7 +10,7 @@ import sys
 import time
 
 TIMEOUT_S = 90    # the process group's collective timeout
-EXIT_BOUND_S = 30  # from a rank's failure to the end of both processes (measured: see docs/checkpoints.md)
+EXIT_BOUND_S = 30  # from a rank's failure to the end of both processes (measured: see docs/reference/checkpoints.md)
 
 
 def launch(scenario, directory):

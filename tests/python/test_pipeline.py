@@ -1,4 +1,4 @@
-"""The data-parallel side of a pipeline schedule from Python (docs/pipeline.md): the per-chunk
+"""The data-parallel side of a pipeline schedule from Python (docs/guide/pipelines.md): the per-chunk
 controls on one rank, and a 2-stage toy pipeline with an embedding tied to the LM head, per-token loss
 (pipeline_workers.py), against one process. Tolerance 2e-6 (fp32 SGD, 3 steps; ~1e-7 measured)."""
 

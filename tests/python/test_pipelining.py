@@ -26,7 +26,7 @@ def test_schedule_matches_one_process(schedule, scale_grads):
 
 
 def test_the_docs_torchrun_script_trains_on_4_ranks():
-    """docs/pipeline.md's script (tests/docs/snippets/torch_pipelining.py) under torchrun, dp 2 x pp 2."""
+    """docs/guide/pipelines.md's script (tests/docs/snippets/torch_pipelining.py) under torchrun, dp 2 x pp 2."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node=4",

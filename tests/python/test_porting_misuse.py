@@ -154,7 +154,7 @@ def test_dcp_stager_never_overwrites_a_save_its_writer_still_holds(mesh, tmp_pat
 @pytest.mark.parametrize("scale", ["scale_gradients", "finalize_model_grads"])
 def test_zero1_steps_on_gradients_meshddp_scaled_after_finish_grad_sync(mesh, scale):
     # Before: step() refused, blaming torch's clip_grad_norm_, gradients that meshddp itself had scaled
-    # after finish_grad_sync() (docs/pipeline.md allows it: after finish_grad_sync, before the step).
+    # after finish_grad_sync() (docs/guide/pipelines.md allows it: after finish_grad_sync, before the step).
     m = model()
     golden = model()
     ddp = meshddp.DistributedDataParallel(m, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))

@@ -96,7 +96,7 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
                 f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape "
                 f"{tuple(mesh.shape)}; pass dp_dim= one of them (or a tuple of them, in mesh order), or name the "
                 f"mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
-    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/pipeline.md).
+    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/guide/pipelines.md).
     stage = [(n, size) for n, size in zip(names, mesh.shape) if n != "pp"]
     others = [n for n, _ in stage if n not in dp_dims]
     if tp_dim is None:
@@ -201,7 +201,7 @@ class DistributedDataParallel(torch.nn.Module):
         pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
         stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. Default: made from
         `mesh` when it has a "pp" dim (by the group's members, at the first DDP over the mesh). A "pp" dim
-        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/guide/pipelines.md).
         expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
         (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
         DTensor params on the expert-parallel sub-mesh are expert params without a pattern
@@ -382,7 +382,7 @@ class DistributedDataParallel(torch.nn.Module):
                          "DistributedDataParallel.set_requires_gradient_sync (or `with ddp.no_sync():`)")
         self._engine.set_requires_gradient_sync(bool(is_last))
 
-    # -- the controls a pipeline schedule drives (docs/pipeline.md) ------------------------------------
+    # -- the controls a pipeline schedule drives (docs/guide/pipelines.md) ------------------------------------
     def start_grad_sync(self):
         """Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
         contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its

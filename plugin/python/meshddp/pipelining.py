@@ -133,7 +133,7 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         # The stages this rank holds (interleaved and V-shaped schedules: num_stages / pp): a gradient
-        # norm or an optimizer step over fewer of them is refused (docs/pipeline.md, "One run across stages").
+        # norm or an optimizer step over fewer of them is refused (docs/guide/pipelines.md, "One run across stages").
         pp_size = dist.get_world_size(self.group)
         _C._declare_pipeline_chunks(submodule._engine, max(1, self.num_stages // pp_size))
         if pp_size > 1 and submodule._pipeline_group is None:

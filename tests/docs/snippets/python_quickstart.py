@@ -1,4 +1,4 @@
-"""docs/python.md's quickstart block, run under torchrun (tests/docs/test_doc_snippets.py): the
+"""docs/guide/python.md's quickstart block, run under torchrun (tests/docs/test_doc_snippets.py): the
 names it leaves to the reader (dp, tp, MyModel, plan, steps, k, x, y, loss_fn) are given here, the
 block's own lines follow in order. It checks that the loss falls and that every DP rank ends with
 the same params."""
@@ -60,4 +60,4 @@ for p in model.parameters():
 print(f"quickstart: rank {dist.get_rank()} ok, dp {dp} x tp {tp}, losses {losses[0]:.4f} -> {losses[-1]:.4f}")
 dist.destroy_process_group()
 sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/python.md, "Exiting")
+os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/guide/python.md, "Exiting")

@@ -1,4 +1,4 @@
-# docs/pipeline.md, "From Python: torch.distributed.pipelining": a torch model split into 2 pipeline
+# docs/guide/pipelines.md, "From Python: torch.distributed.pipelining": a torch model split into 2 pipeline
 # stages, each a meshddp DistributedDataParallel over "dp", driven by torch's Schedule1F1B.
 # torchrun --standalone --nproc-per-node=4 tests/docs/snippets/torch_pipelining.py   (dp 2 x pp 2, CPU)
 import torch
