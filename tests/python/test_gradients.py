@@ -1,7 +1,20 @@
 """Gradients off the plain path, from Python, on one rank in this process: torch.autograd.grad and
 torch.autocast through meshddp.linear_with_grad_in_buffer (golden: F.linear on a copy of the params),
 weights loaded under ZeRO-1 with bf16 params, params frozen or unfrozen after wrapping, and params
-that cannot live in a flat buffer (meta)."""
+that cannot live in a flat buffer (meta).
+
+What the cases check:
+- one rank: torch.autograd.grad through linear_with_grad_in_buffer returns the true gradient and the next
+  backward gives 1.000x (was 2x); under torch.autocast("cpu", bfloat16) it matches F.linear (output identical,
+  gradients within 2^-7 of the sum of each micro-batch's gradient magnitude: one bf16 rounding per micro-batch
+  on each side); load_state_dict under ZeRO-1 with bf16 params survives a zero-gradient SGD step, and
+  reload_masters_from_params(); a param (also a DTensor param) frozen or unfrozen after wrapping is refused
+  naming it (the weight not moved by AdamW); a meta-device model is refused naming the param; a gradient
+  penalty (create_graph) under autocast reaches the weight as through F.linear; a resume by load_state_dict +
+  load_checkpoint in either order and a partial load_state_dict keep the fp32 masters (bit-exact);
+  state_dict() right after step() waits for the param all-gathers; an nn.Embedding(sparse=True) and an
+  uninitialized lazy module are refused at wrap naming them
+"""
 
 
 import pytest

@@ -1,5 +1,11 @@
 """Misuse from Python: each a RuntimeError (or TypeError for a wrong keyword) naming the problem,
-with the C++ engine's own text where the check is C++'s. One rank, in this process."""
+with the C++ engine's own text where the check is C++'s. One rank, in this process.
+
+What the cases check:
+- wrong dim name, a non-DeviceMesh argument, a forward before finish_grad_sync(), config errors with the C++
+  text, ZeRO-1 without use_distributed_optimizer, a DTensor .grad set to None, optimizer instances that do not
+  divide DP or without a mesh
+"""
 
 
 import pytest

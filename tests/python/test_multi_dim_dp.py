@@ -4,7 +4,15 @@ context parallel), against one process on the same global batch; and meshddp's g
 
 Tolerance 5e-7 on gradients and on params after 5 steps, as test_tensor_parallel.py (fp32 sums split
 four ways in another order; the DP x CP mean is a pre-divided Gloo sum; measured <= 3e-8 on
-gradients, <= 6e-8 on params). Averaging over DP only leaves differences of order 0.1."""
+gradients, <= 6e-8 on params). Averaging over DP only leaves differences of order 0.1.
+
+What the cases check:
+- dp_dim=("dp", "cp") on 4 ranks vs one process on the global batch (each rank its rows and sequence slice):
+  dp 2 x cp 2 with torch SGD and with ZeRO-1 AdamW, and cp 2 x tp 2 (a dp 1 x cp 2 x tp 2 mesh, torch TP
+  DTensor params): gradients and params after 5 steps within 5e-7 (measured <= 3e-8 / 6e-8; averaged over DP
+  only they differ by 0.04-0.19); the engine's DP ranks are the flattened group's; dims out of mesh order,
+  unknown, or not names are refused naming them; the group functions give the C++ results
+"""
 
 import pytest
 

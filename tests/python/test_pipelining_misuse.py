@@ -2,7 +2,13 @@
 processes): each a named RuntimeError on the ranks concerned, never a hang. And the V-shaped schedules
 (ScheduleZBVZeroBubble, ScheduleDualPipeV) on one Gloo rank: torch's own stage fails in its warm-up
 send/recv to the stage on its own rank (Gloo has no pair from a rank to itself, pytorch/gloo#344),
-meshddp's stage leaves those sends out and matches one process."""
+meshddp's stage leaves those sends out and matches one process.
+
+What the cases check:
+- micro-batch counts or grad_reduction differing across DP ranks, an optimizer step before every chunk
+  finished its sync: named errors on every rank; V-shaped schedules on one Gloo rank: torch's stage fails
+  (Pair is not connected), meshddp's runs
+"""
 
 import pytest
 
