@@ -118,7 +118,7 @@ TEST(DocSnippets, OptimizerZero1LoopWithLrSchedule) {
     opt_config.groups = {{"*.bias", std::nullopt, 0.0}, {"*norm*", std::nullopt, 0.0}};  // no decay on biases/norms
     opt_config.clip_grad_norm = 1.0;                                                     // 0 = off
     opt_config.overlap_param_gather = true;             // gathers complete during the next forward
-    opt_config.fused_step = meshddp::FusedStep::kAuto;  // fused kernels on CUDA, ATen foreach on CPU (docs/reference/gpu.md)
+    opt_config.fused_step = meshddp::FusedStep::kAuto;  // fused kernels on CUDA, ATen foreach on CPU
     meshddp::DistributedOptimizer opt(ddp.grad_buffer(), opt_config);
 
     for (int64_t step = 0; step < steps; ++step) {

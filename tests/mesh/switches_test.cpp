@@ -37,10 +37,11 @@ TEST(Switches, ATestOverrideWinsUntilCleared) {
   EXPECT_EQ(switch_on(Switch::kForceCollectives), from_env);
 }
 
-// Every row of docs/reference/environment.md's "Runtime switches" table names a switch of kSwitches with its
-// default, and every switch has a row.
+// Every row of docs/reference/environment.md's "Runtime switches" table names a switch of kSwitches
+// with its default, and every switch has a row.
 TEST(Switches, DocsTableListsEverySwitchWithItsDefault) {
-  std::ifstream docs(MESHDDP_SOURCE_DIR "/docs/reference/environment.md");  // GCC 12 -Warray-bounds misfired on string +
+  // GCC 12 -Warray-bounds misfired on string +
+  std::ifstream docs(MESHDDP_SOURCE_DIR "/docs/reference/environment.md");
   ASSERT_TRUE(docs) << "cannot read docs/reference/environment.md";
   std::map<std::string, std::string> documented;  // name -> default column
   for (std::string line; std::getline(docs, line);) {
@@ -55,7 +56,7 @@ TEST(Switches, DocsTableListsEverySwitchWithItsDefault) {
   }
   for (const SwitchSpec& spec : kSwitches) {
     const std::string name(spec.name);
-    ASSERT_TRUE(documented.count(name)) << name << " has no row in docs/reference/environment.md's Runtime switches table";
+    ASSERT_TRUE(documented.count(name)) << name << " has no row in docs/reference/environment.md's switches table";
     EXPECT_EQ(documented[name], spec.default_on ? "on" : "off") << name;
     documented.erase(name);
   }
