@@ -198,7 +198,7 @@ class DistributedDataParallel(torch.nn.Module):
         MESHDDP_NCCL_BLOCKING_WAIT=1) fails naming the collective; a Gloo group fails after the timeout
         it was created with (init_process_group(timeout=)).
         embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
-        pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
+        pipeline (meshddp.groups.embedding_groups gives them), over which the two copies of a weight tied across
         stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. Default: made from
         `mesh` when it has a "pp" dim (by the group's members, at the first DDP over the mesh). A "pp" dim
         of `mesh` is neither DP nor TP: each stage syncs within itself (docs/guide/pipelines.md).
