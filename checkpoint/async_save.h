@@ -2,7 +2,7 @@
 // save_checkpoint_files (checkpoint/store.h), but the caller pays only a copy of its pieces to host
 // memory at the step boundary; a writer thread writes, fsyncs and verifies this rank's file while
 // training goes on, and the commit follows at a later step boundary. No collectives on the writer
-// thread. Whole training states go through plugin/checkpoint_saver.h; docs/reference/checkpoints.md has the guide.
+// thread. Whole training states go through plugin/checkpoint_saver.h; docs/checkpoints.md has the guide.
 //
 // Note [Async save protocol]
 // Collectives from two threads on one Gloo or NCCL group are unsafe (their order would differ

@@ -1,7 +1,7 @@
 // Checkpoint directories: the crash-safe layout, the manifest, and the collective save and load of
 // a list of tensor pieces over the whole mesh. What goes into a checkpoint is the callers' business
 // (DistributedOptimizer::checkpoint_tensors, plugin/training_checkpoint.h); this file only stores pieces and
-// finds them again, at any DP x TP. The format is described in docs/reference/checkpoints.md.
+// finds them again, at any DP x TP. The format is described in docs/checkpoints.md.
 //
 // Note [Checkpoint layout and commit protocol]
 //   <dir>/step-<N>/rank<R>.safetensors   one per rank R of the world group: the pieces it owns

@@ -23,7 +23,7 @@
 //   their unit roundoff) plus that of every partial sum the collective forms in the low dtype.
 //   fp16's range (max 65504, subnormals below 6e-5) can overflow or flush small gradients; a
 //   non-finite reduced gradient makes the distributed optimizer skip the step. Halves the bytes
-//   moved; costs a cast pass and a copy-back. Measured: docs/reference/cpp_api.md, "Communication hooks".
+//   moved; costs a cast pass and a copy-back. Measured: docs/api.md, "Communication hooks".
 //
 // Note [Stream lifetimes of collective temporaries]
 //   On NCCL a collective runs on c10d's own stream; at launch that stream waits for the current

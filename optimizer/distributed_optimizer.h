@@ -39,7 +39,7 @@ namespace meshddp {
 // a 3-D param with muon_stacked_matrices; AdamW on the rest.
 enum class OptimizerKind { kAdamW, kSgd, kMuon };
 
-// Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/reference/gpu.md).
+// Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/gpu.md).
 enum class FusedStep {
   kAuto,    // the fused kernels for CUDA shards, ATen's foreach ops on CPU (faster there today)
   kAlways,  // the fused kernels on CPU too (tests; an error for fp16 params, which they do not write)
@@ -67,7 +67,7 @@ struct DistributedOptimizerConfig {
   double clip_grad_norm = 0.0;              // > 0: clip the global gradient L2 norm to this; 0 = off
   bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
-  // Muon (kind = kMuon; optimizer/muon.h, docs/reference/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
+  // Muon (kind = kMuon; optimizer/muon.h, docs/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
   // A param takes Muon when it is 2-D (or 3-D with muon_stacked_matrices) and matches none of
   // muon_adamw_params; the others take AdamW (beta1, beta2, eps above) in the same step. lr /
   // weight_decay / group rules apply to both.
@@ -170,7 +170,7 @@ class DistributedOptimizer {
   double group_weight_decay(int64_t group) const;
   double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
 
-  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/reference/checkpoints.md). save: this
+  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this
   // optimizer's params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree); returns that
   // directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP; checks everything on every rank
   // before changing anything; then all-gathers the params; returns the step loaded. Module buffers, frozen params and

@@ -2,7 +2,7 @@
 // save_checkpoint saves (plugin/training_checkpoint.h), synchronously or asynchronously
 // (options.async_save: a host snapshot at the step boundary, a background write, the commit at a later
 // step boundary; Note [Async save protocol] in checkpoint/async_save.h). It owns the snapshot buffers
-// and the writer thread, so keep one per training loop. Guide and costs: docs/reference/checkpoints.md.
+// and the writer thread, so keep one per training loop. Guide and costs: docs/checkpoints.md.
 //
 //   meshddp::CheckpointSaver saver(state);
 //   for (step ...) {

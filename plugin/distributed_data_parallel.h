@@ -57,7 +57,7 @@ struct DdpConfig : GradBufferConfig {
                                             // group (DP size / EP ranks holding the same experts), dense ones over DP.
                                             // >= 1, must divide the DP (x CP) size; > 1 needs a DeviceMesh. 1 = the
                                             // expert-DP group is the DP group
-  // Pipeline parallel (docs/guide/pipelines.md): V, the model chunks each rank holds (Megatron's
+  // Pipeline parallel (docs/pipeline.md): V, the model chunks each rank holds (Megatron's
   // virtual_pipeline_model_parallel_size), and which of them this DDP wraps (0..V-1). On a mesh with
   // a "pp" dim, every rank's pp size and V are compared at the construction of its chunk 0, and a
   // weight tied across stages is exchanged by the first stage's chunk 0 and the last stage's chunk V-1
@@ -106,7 +106,7 @@ class DdpEngine {
   // in the same step is a no-op.
   void finish_grad_sync() { buffer_->finish_grad_sync(); }
 
-  // -- The controls a pipeline schedule drives (docs/guide/pipelines.md; plugin/pipeline.h) --
+  // -- The controls a pipeline schedule drives (docs/pipeline.md; plugin/pipeline.h) --
   // Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
   // contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
   // sync overlaps the other chunks' backward. finish_grad_sync() then waits.

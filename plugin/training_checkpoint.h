@@ -2,7 +2,7 @@
 // module's params (frozen ones too) and buffers, the optimizer's state and step, and user values
 // (data position, LR schedule, ...). Crash-safe, checksummed, all-or-nothing over the whole mesh,
 // loadable at any other DP x TP. The layout and commit protocol: checkpoint/store.h; the
-// format and guarantees: docs/reference/checkpoints.md.
+// format and guarantees: docs/checkpoints.md.
 //
 //   meshddp::TrainingState state{&ddp.module(), &ddp, &zero_optimizer};   // or {..., nullptr, &adamw}
 //   meshddp::save_checkpoint(state, "ckpt", step, {{"data_position", step * batch}});
