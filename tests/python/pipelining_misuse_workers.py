@@ -62,7 +62,8 @@ def step_before_finish(rank, world_size, schedule="1F1B", finished=0, broken=Non
     for _, ddp in wrapped:
         ddp.zero_grad_buffer()
     sched.step(*((x,) if any(s.is_first for s in stages) else ()), target=y if any(s.is_last for s in stages) else None)
-    meshddp.pipelining.finalize_model_grads(stages[:finished])
+    if finished:
+        meshddp.pipelining.finalize_model_grads(stages[:finished])
     message = None
     try:
         opt.step()

@@ -46,8 +46,10 @@ def test_the_pipeline_module_warns_at_import_naming_meshddp_pipelining():
 
 def test_finish_grad_sync_of_stages_warns_naming_finalize_model_grads():
     with pytest.warns(FutureWarning, match=r"finish_grad_sync is deprecated.*use meshddp\.pipelining\.finalize_model_grads"):
-        with pytest.raises(RuntimeError, match="no chunks given"):  # the call went on to finalize_model_grads
-            meshddp.pipelining.finish_grad_sync([])
+        meshddp.pipelining.finish_grad_sync([])  # no stage: nothing to finish, as before
+    with pytest.warns(FutureWarning, match=r"use meshddp\.pipelining\.finalize_model_grads"):
+        with pytest.raises(RuntimeError, match="expected meshddp.pipelining.PipelineStage, got int"):
+            meshddp.pipelining.finish_grad_sync([3])
 
 
 def test_top_level_pipeline_functions_are_the_pipelining_ones_without_a_warning():

@@ -326,9 +326,9 @@ def declare_tied_across_stages(param):
 
 
 def finish_grad_sync(stages):
-    """Deprecated: finalize_model_grads(stages), the same call."""
+    """Deprecated: finalize_model_grads(stages), the same call (an empty list here finishes nothing)."""
     _deprecated.warn("meshddp.pipelining.finish_grad_sync", "meshddp.pipelining.finalize_model_grads")
     for stage in stages if isinstance(stages, (list, tuple)) else [stages]:
         if not isinstance(stage, PipelineStage):
             raise _error(f"finish_grad_sync: expected meshddp.pipelining.PipelineStage, got {type(stage).__name__}")
-    finalize_model_grads(stages)
+        stage.finish_grad_sync()
