@@ -14,7 +14,7 @@ batch with 10 significant digits, like the C++ examples; stderr: a status line p
 weights: ZeRO-1's own, or with torch's AdamW a whole fp32 copy it steps (Megatron's
 Float16OptimizerWithFloat16Params). --grad-reduce-in-bf16: main grads accumulated and reduced in bf16;
 needed at --tp > 1, where torch's TP makes the params DTensors, whose .grad is a view of meshddp's
-buffer in the param's own dtype (docs/guide/python.md "Limits")."""
+buffer in the param's own dtype (docs/reference/python_api.md "Limits")."""
 
 import argparse
 import math
