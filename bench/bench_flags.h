@@ -30,7 +30,7 @@ struct Flags {
   std::string json;
   uint64_t seed = 0;
   std::string optimizer = "sgd";    // sgd (momentum 0.9) or adamw
-  std::string device = "cpu";       // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/gpu.md)
+  std::string device = "cpu";       // cpu, or cuda (NCCL groups, GPU cuda:LOCAL_RANK; docs/reference/gpu.md)
   int64_t optimizer_instances = 2;  // meshddp_zero1_instances: DdpConfig::num_distributed_optimizer_instances
 };
 

@@ -5,7 +5,7 @@
 # its one source, without and with meshddp_target_precompile_headers(). CPU seconds of the compiler
 # (user, as /usr/bin/time reports them: wall time follows the machine's load), the median of REPS
 # runs, the prefixes alternated run by run so that both see the same load. Prints a table, and the
-# ratio of each prefix to the first. Results: docs/building.md.
+# ratio of each prefix to the first. Results: docs/reference/building.md.
 #
 # Usage: bench/consumer_compile_bench.sh LABEL=PREFIX [LABEL=PREFIX ...]
 #   PREFIX: a `cmake --install build --prefix PREFIX` of meshddp; torch: the repository's .venv.

@@ -1,5 +1,5 @@
 // The fused optimizer pass (optimizer/fused_step.h) against today's ATen paths on one flat fp32
-// shard of N elements, for the decision in docs/gpu.md (which path DistributedOptimizer uses where)
+// shard of N elements, for the decision in docs/reference/gpu.md (which path DistributedOptimizer uses where)
 // and issue 10's GPU figures. Per N it times, best of --reps after --warmup:
 //   foreach   DistributedOptimizer's foreach AdamW sequence + the bf16 cast-copy of the master
 //   aten_fused  at::_fused_adamw_ + the cast-copy (CUDA only: ATen has no CPU fused AdamW kernel here)

@@ -4,7 +4,7 @@
 # ("../checkpoint/store.h"), so a consumer's own folders named mesh/, checkpoint/, ... cannot
 # shadow them), the
 # static libraries under P/lib, and P/lib/cmake/meshddp/ with meshddpConfig.cmake + its version file,
-# exporting meshddp::meshddp (docs/building.md "Using meshddp from another CMake project"). The
+# exporting meshddp::meshddp (docs/reference/building.md "Using meshddp from another CMake project"). The
 # engine is built position-independent, so the archives link into executables and shared objects.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)

@@ -2,7 +2,7 @@
 # scripts/setup.sh installs into .venv beside torch, and defines meshddp::json (what checkpoint/
 # links). The package ships the headers (nlohmann_json/include/nlohmann/...) but no CMake config, so
 # the include directory is asked of the venv's Python, as for torch; MESHDDP_JSON_INCLUDE_DIR names
-# another copy of the same version instead. Why this package: docs/building.md "nlohmann-json".
+# another copy of the same version instead. Why this package: docs/reference/building.md "nlohmann-json".
 set(MESHDDP_JSON_VERSION "3.12.0")
 if(NOT MESHDDP_JSON_INCLUDE_DIR)
   execute_process(

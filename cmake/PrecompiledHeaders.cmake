@@ -1,6 +1,6 @@
 # Precompiled torch headers. Parsing torch's headers is most of what compiling one of our sources
 # costs (g++ 12, -O2 -g1: 22 of 28 s for grad_buffer.cpp), so targets that share compile flags share
-# one precompiled header (docs/building.md "Build time"). Two groups, because a precompiled header is
+# one precompiled header (docs/reference/building.md "Build time"). Two groups, because a precompiled header is
 # only valid with the flags it was made with (-fPIC vs the default -fPIE):
 #   engine: the position-independent libraries (mesh, grad_buffer, optimizer, plugin), which also go
 #           into the Python module; ATen, autograd and c10d's ProcessGroup;

@@ -5,7 +5,7 @@
 # wheel's TorchConfig cannot be loaded (it requires a CUDA toolkit of the same major version), so the
 # CPU libraries are imported by hand: the CPU build never needs a GPU, a driver or a toolkit.
 #
-# Pitfalls handled here (see docs/building.md):
+# Pitfalls handled here (see docs/reference/building.md):
 # - TORCH_CUDA_ARCH_LIST is set explicitly (auto-detection fails without a GPU).
 # - CUDA::nvToolsExt (gone in CUDA 13) is defined as the header-only NVTX3 if the config asks for it.
 # - nccl.h is not in the torch wheel: it comes from the nvidia-nccl wheel beside it, else the toolkit.

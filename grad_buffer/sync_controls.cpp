@@ -1,4 +1,4 @@
-// GradBuffer's controls for a pipeline schedule (docs/pipeline.md): start a step's sync now, scale
+// GradBuffer's controls for a pipeline schedule (docs/guide/pipelines.md): start a step's sync now, scale
 // the buffers, and the step's sync state.
 #include "grad_buffer/grad_buffer.h"
 

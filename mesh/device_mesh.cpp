@@ -147,13 +147,13 @@ DeviceMesh DeviceMesh::from_env(std::vector<int64_t> sizes, std::vector<std::str
                 " cannot serve the TCPStore on ", where, ": ", cause,
                 ". A port in use: pick a free MASTER_PORT (torchrun --standalone picks one). Ranks that did not join: ",
                 "check that they were started with this MASTER_ADDR and MASTER_PORT and can reach this host ",
-                "(docs/launching.md)");
+                "(docs/guide/launching.md)");
     TORCH_CHECK(false, "DeviceMesh::from_env: rank ", rank, " of ", world_size, " cannot reach the TCPStore at ", where,
                 use_agent_store ? " (torchrun's agent serves it)" : " (rank 0 serves it)", " within the timeout of ",
                 options.timeout.count(), " ms: ", cause,
                 ". Check that MASTER_ADDR names a host this node can reach (not 127.0.0.1 across machines), that the ",
                 "port is open between the nodes, and that ", use_agent_store ? "the agent" : "rank 0",
-                " is running (docs/launching.md)");
+                " is running (docs/guide/launching.md)");
   }
   if (options.device_type == c10::DeviceType::CUDA && options.device_index < 0) {
     options.device_index = require_int_env("LOCAL_RANK", "this process's GPU index");
@@ -179,7 +179,7 @@ DeviceMesh DeviceMesh::from_store(c10::intrusive_ptr<c10d::Store> store, int64_t
   // communicator is created at once (one ncclCommInitRank bootstrapped through the store); each dim's
   // group is then made by ncclCommSplit of it (color = the group's first global rank), in dim order
   // on every rank, instead of its own store bootstrap. MESHDDP_NCCL_SPLIT=0 turns splitting off
-  // (each group then bootstraps itself, lazily at its warm-up). Set-up cost: docs/gpu.md.
+  // (each group then bootstraps itself, lazily at its warm-up). Set-up cost: docs/reference/gpu.md.
   const bool split = on_gpu && sizes.size() > 1 && switch_on(Switch::kNcclSplit);
   const int device_index = device.has_index() ? device.index() : -1;
   c10::intrusive_ptr<c10d::ProcessGroup> world;

@@ -1,5 +1,5 @@
 // The DistributedOptimizer's part of a checkpoint: its params and state as pieces in global
-// coordinates (checkpoint/store.h stores them; docs/checkpoints.md has the format).
+// coordinates (checkpoint/store.h stores them; docs/reference/checkpoints.md has the format).
 //
 // Note [What a ZeRO-1 rank saves]
 // DP rank r owns segment s of param p (elements [s.param_offset, +s.numel) of p's local TP shard)

@@ -21,7 +21,7 @@
 # (checks this script's flow on a CPU machine: every GPU test then skips and is reported so;
 # timeouts x10).
 # GoogleTest on a machine without it: `bash scripts/gpu_deps.sh` here first (downloads its source
-# package into .gpu_deps/), then carry .gpu_deps with the device call (docs/gpu.md "Running the check").
+# package into .gpu_deps/), then carry .gpu_deps with the device call (docs/reference/gpu.md "Running the check").
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${MESHDDP_GPU_CHECK_DIR:-${OUT:-$root/build/gpu_check}}"
@@ -183,7 +183,7 @@ for s in "${stages[@]}"; do
     # on the ~1B-parameter bf16 GPT (--preset gpt1b: 1.04e9 params, batch 8 x 1024 tokens; memory
     # arithmetic in bench/bench_flags.cpp), beside meshddp_fp32_grads (Megatron's bf16 default); then
     # the fused step at 1e7..1e9; then with every collective forced (NCCL live on its stream at DP 1)
-    # and ZeRO-1 in place of meshddp_fp32_grads (docs/gpu.md); last the MLP with every candidate.
+    # and ZeRO-1 in place of meshddp_fp32_grads (docs/reference/gpu.md); last the MLP with every candidate.
     gpt=(--preset gpt1b --warmup 3 --reps 20); [ "$small" = 1 ] && gpt=(--model gpt --layers 2 --hidden 64 --heads 2 --seq 16 --vocab 128 --batch 2 --warmup 1 --reps 2)
     gpt+=(--device "$device" --dtype bf16 --collective-reps 0)
     step ddp_bench_gpt1b 300 "${ddp_env[@]}" MASTER_PORT=29534 "$build/bench/ddp_bench" "${gpt[@]}" \

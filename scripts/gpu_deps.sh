@@ -5,7 +5,7 @@
 #     it and CMake builds it: tests/CMakeLists.txt MESHDDP_GTEST_SOURCE_DIR);
 #   - the nlohmann-json==3.12.0 wheel (the JSON headers checkpoint/ uses; scripts/gpu_check.sh installs
 #     it offline into the device's Python, where cmake/JsonFromWheel.cmake finds it).
-# torch, CMake, nvcc, pytest and scikit-build-core are in the device image already (docs/gpu.md).
+# torch, CMake, nvcc, pytest and scikit-build-core are in the device image already (docs/reference/gpu.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$root/.gpu_deps"

@@ -2,7 +2,7 @@
 # The main job: examples/02_dp_x_tp_gpt, the tiny GPT trained on a 2 x 2 DP x TP mesh of 4 local CPU
 # ranks launched by torchrun (from the project's torch wheel). Extra args go to the example
 # (e.g. --sequence-parallel, --distributed-optimizer, --steps 100, --log-file losses.txt; all flags:
-# docs/examples.md). stdout: the `step <n> loss <x>` lines; stderr: set-up and build progress, then
+# docs/reference/examples.md). stdout: the `step <n> loss <x>` lines; stderr: set-up and build progress, then
 # rank 0's step log and summary.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

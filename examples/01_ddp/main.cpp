@@ -2,7 +2,7 @@
 // DistributedDataParallel over the "dp" dim of a (dp, tp=1) DeviceMesh built from torchrun's
 // environment. Rank 0 prints `step <n> loss <loss>`, the mean loss over the whole global batch;
 // the same --seed and --global-batch give the same losses at any rank count that divides the batch.
-// stderr (rank 0): the step log and a summary (examples/common/step_log.h). Flags: docs/examples.md.
+// stderr (rank 0): the step log and a summary (examples/common/step_log.h). Flags: docs/reference/examples.md.
 // --dtype bf16: bf16 params and activations, fp32 main grads (--grad-reduce-in-bf16: bf16) and fp32
 // master weights (examples/common/precision.h).
 //

@@ -4,8 +4,8 @@
 // from the projection's width / head_dim, the sequence length from q), so the same code runs on one
 // device, on TP shards, and on sequence shards. Context parallel (set_context_parallel): each rank of
 // the CP group holds a contiguous slice of every sequence; positions are global and attention
-// all-gathers keys and values over CP (docs/context_parallel.md). With experts > 0 each block's MLP is
-// a dropless mixture of experts (moe.h; expert parallel: set_expert_parallel, docs/expert_parallel.md).
+// all-gathers keys and values over CP (docs/guide/parallelism.md). With experts > 0 each block's MLP is
+// a dropless mixture of experts (moe.h; expert parallel: set_expert_parallel, docs/guide/parallelism.md).
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/moe.h"

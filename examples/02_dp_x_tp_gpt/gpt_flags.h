@@ -1,5 +1,5 @@
 // Example 02's flags: the Flags struct, strict parsing and the cross-flag checks (a bad combination
-// exits with status 2 naming the flags before any rank builds a mesh). Flags: docs/examples.md.
+// exits with status 2 naming the flags before any rank builds a mesh). Flags: docs/reference/examples.md.
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt.h"

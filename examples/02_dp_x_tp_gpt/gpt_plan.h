@@ -1,5 +1,5 @@
 // The tensor-parallel plan of the tiny GPT: which layer is split how. This file, not the model, is
-// where the parallelism lives (docs/tensor_parallel.md explains how to write one).
+// where the parallelism lives (docs/guide/parallelism.md explains how to write one).
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt.h"

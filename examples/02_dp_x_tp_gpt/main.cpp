@@ -2,15 +2,15 @@
 // single-device code; gpt_plan.h parallelizes it over "tp"; DistributedDataParallel syncs gradients
 // over "dp" (optionally with the ZeRO-1 distributed optimizer and sequence parallelism). --cp N adds a
 // context-parallel dim ("dp" x "cp" x "tp"): each CP rank holds a slice of every sequence and
-// gradients are averaged over DP x CP (docs/context_parallel.md). --experts E makes each block's MLP a
+// gradients are averaged over DP x CP (docs/guide/parallelism.md). --experts E makes each block's MLP a
 // dropless mixture of E experts (top --top-k); --ep N spreads them over expert-parallel groups of N
-// ranks carved out of DP (x CP), tokens moving by all-to-all (docs/expert_parallel.md).
+// ranks carved out of DP (x CP), tokens moving by all-to-all (docs/guide/parallelism.md).
 // --distributed-optimizer --optimizer-instances K shards the optimizer within K instances of DP(xCP)/K
-// ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/optimizer.md).
+// ranks and all-reduces the shards across them (hierarchical ZeRO-1, docs/reference/optimizer.md).
 // --dtype bf16 trains in bf16 with fp32 main grads and fp32 masters (--grad-reduce-in-bf16: bf16 main
 // grads), as Megatron does (examples/common/precision.h); --micro-batches K accumulates K micro-batches
 // per DP rank and syncs once. --pp N [--vpp V] runs it on a pipeline (pipeline_train.h: 1F1B or
-// interleaved, on meshddp's pipeline controls; docs/pipeline.md); --loss per-token normalises by the
+// interleaved, on meshddp's pipeline controls; docs/guide/pipelines.md); --loss per-token normalises by the
 // global count of valid tokens.
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python build/examples/gpt_example --dp 2 --tp 2 --steps 30
@@ -18,7 +18,7 @@
 // stdout (or --log-file): `step <n> loss <loss>` per step, the mean loss over the whole global batch
 // with 10 significant digits; stderr (rank 0): the step log (examples/common/step_log.h) and a
 // summary. The same --seed and --global-batch give the same loss curve at any DP x TP (to fp32
-// tolerance). Flags: docs/examples.md.
+// tolerance). Flags: docs/reference/examples.md.
 #include "examples/02_dp_x_tp_gpt/gpt.h"
 #include "examples/02_dp_x_tp_gpt/gpt_flags.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"

@@ -1,7 +1,7 @@
 // A dropless mixture-of-experts layer for the tiny GPT (the MLP of each block when --experts > 0).
 // Plain model code: it runs in one process with every expert local (the golden); set_expert_parallel
 // keeps a contiguous block of the experts on each rank of an EP group, and the tokens then travel to
-// their experts and back by all-to-all (tp/expert_parallel.h; docs/expert_parallel.md).
+// their experts and back by all-to-all (tp/expert_parallel.h; docs/guide/parallelism.md).
 //
 // Routing (Switch / Megatron-core's pre-softmax router): gates = softmax over all E router logits,
 // then each token takes its top-k experts with those (unrenormalised) probabilities as weights, so

@@ -8,7 +8,7 @@
 // registered under both names "wte.weight" and "lm_head.weight"; when the first and last chunks live
 // on different ranks the last chunk holds a copy under "lm_head.weight", both copies are declared
 // tied across stages (pipeline_train.cpp), and DDP sums their gradients over the embedding group, so
-// they stay bit-identical (docs/pipeline.md). Not parallelism itself: pipeline_train.cpp places the
+// they stay bit-identical (docs/guide/pipelines.md). Not parallelism itself: pipeline_train.cpp places the
 // chunks and gpt_plan.h still splits them over TP.
 #pragma once
 

@@ -2,7 +2,7 @@
 // runs forward or backward, in which order (1F1B for one chunk per rank, Megatron's interleaved order
 // for several), and the loop that runs them, moving activations forward and their gradients back
 // between ranks with c10d isend/irecv on the "pp" group. meshddp ships the gradient-sync controls; the
-// schedule is the user's (docs/pipeline.md): this file calls back into the training loop
+// schedule is the user's (docs/guide/pipelines.md): this file calls back into the training loop
 // (pipeline_train.cpp) before and after each chunk's last backward micro-batch, which is where that
 // chunk's DP gradient sync is allowed and started.
 #pragma once

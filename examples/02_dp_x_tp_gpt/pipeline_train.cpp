@@ -1,5 +1,5 @@
 // The pipeline training loop of example 02 (pipeline_train.h), on meshddp's pipeline controls
-// (docs/pipeline.md). One DistributedDataParallel per model chunk this rank holds, configured by
+// (docs/guide/pipelines.md). One DistributedDataParallel per model chunk this rank holds, configured by
 // pipeline_chunk_config (the first stage's chunk 0 bucketed, every other chunk one bucket); the tied
 // embedding's two copies (wte.weight on the first stage, lm_head.weight on the last) declared with
 // declare_tied_across_stages, so DDP sums their gradients over the embedding group before the DP

@@ -7,7 +7,7 @@
 // first and last stage, before the optimizer step. Combines with --tp, --sequence-parallel, --cp,
 // --distributed-optimizer, --optimizer muon, --dtype bf16 [--grad-reduce-in-bf16], --loss per-token and
 // the checkpoint flags. Mesh dims in Megatron's order: pp outermost, then dp, cp, tp innermost.
-// docs/pipeline.md "Example 02 on a pipeline".
+// docs/guide/pipelines.md "Example 02 on a pipeline".
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/gpt_flags.h"

@@ -14,7 +14,7 @@ batch with 10 significant digits, like the C++ examples; stderr: a status line p
 weights: ZeRO-1's own, or with torch's AdamW a whole fp32 copy it steps (Megatron's
 Float16OptimizerWithFloat16Params). --grad-reduce-in-bf16: main grads accumulated and reduced in bf16;
 needed at --tp > 1, where torch's TP makes the params DTensors, whose .grad is a view of meshddp's
-buffer in the param's own dtype (docs/python.md "Limits")."""
+buffer in the param's own dtype (docs/reference/python_api.md "Limits")."""
 
 import argparse
 import math
@@ -159,7 +159,7 @@ def main():
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", config)
     masters = None  # plain DDP in bf16: (name, param, fp32 master) for AdamW to step
     if args.distributed_optimizer:
-        optimizer = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=args.lr))
+        optimizer = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=args.lr))
     elif bf16:
         masters = [(n, p, p.detach().float().requires_grad_(True)) for n, p in model.named_parameters()]
         optimizer = torch.optim.AdamW([m for _, _, m in masters], lr=args.lr, weight_decay=0.0)
@@ -213,7 +213,7 @@ if __name__ == "__main__":
     # target returns). Gloo's worker threads may still be dropping their reference to a tensor of the
     # last collective (the loss all-reduce above, a TP collective) when the interpreter finalizes;
     # that drop needs the GIL, a thread that takes the GIL during finalization is ended mid-C++, and
-    # the process dies in std::terminate (exit -6) after a clean run: docs/python.md "Exiting".
+    # the process dies in std::terminate (exit -6) after a clean run: docs/guide/python.md "Exiting".
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

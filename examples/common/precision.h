@@ -2,7 +2,7 @@
 // in bf16 (bf16 params and activations; gradients accumulated and reduced in fp32 main grads unless
 // --grad-reduce-in-bf16; fp32 master weights and optimizer state), plus Fp32MasterParams, the fp32
 // master copy that plain DDP steps (Megatron's Float16OptimizerWithFloat16Params; ZeRO-1's
-// DistributedOptimizer keeps its own fp32 masters). What each buffer holds: docs/optimizer.md.
+// DistributedOptimizer keeps its own fp32 masters). What each buffer holds: docs/reference/optimizer.md.
 #pragma once
 
 #include "examples/common/flags.h"

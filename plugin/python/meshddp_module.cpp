@@ -99,7 +99,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
       "torch.nn.functional.linear whose backward writes the weight and bias gradients straight into "
-      "their slots of a meshddp DistributedDataParallel's flat gradient buffer (docs/python.md)");
+      "their slots of a meshddp DistributedDataParallel's flat gradient buffer (docs/guide/python.md)");
   m.def(
       "_register_collective_progress",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::intrusive_ptr<c10d::Store>& store,
@@ -159,12 +159,14 @@ PYBIND11_MODULE(_C, m) {
   meshddp::python::bind_config_fields(ddp_config, meshddp::kDdpConfigFields, "DdpConfig");
 
   py::class_<DistributedOptimizerConfig> optimizer_config(
-      m, "OptimizerConfig",
-      "meshddp's DistributedOptimizerConfig: the C++ fields by the same names (OptimizerConfig.field_names()), as "
+      m, "DistributedOptimizerConfig",
+      "meshddp's DistributedOptimizerConfig (alias: OptimizerConfig): the C++ fields by the same names "
+      "(DistributedOptimizerConfig.field_names()), as "
       "keywords or properties; validate() checks the ranges (DistributedOptimizer does, after the ranks agreed on "
       "them); kind = 'adamw' | 'sgd', fused_step = 'auto' | 'always' | "
       "'never', groups = [(pattern, lr or None, weight_decay or None)]");
-  meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "OptimizerConfig");
+  meshddp::python::bind_config_fields(optimizer_config, meshddp::kOptimizerConfigFields, "DistributedOptimizerConfig");
+  m.attr("OptimizerConfig") = optimizer_config;  // the short name, an alias (as in C++)
 
   py::class_<meshddp::StepResult>(m, "StepResult")
       .def_readonly("skipped", &meshddp::StepResult::skipped)
@@ -220,7 +222,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("instance_group") = py::none(), py::arg("cross_instance_group") = py::none(),
            py::arg("expert_instance_group") = py::none(), py::arg("pipeline_group") = py::none())
       .def("set_dtensor_grads", &PythonDdp::set_dtensor_grads)
-      // The controls a pipeline schedule drives (plugin/pipeline.h, docs/pipeline.md).
+      // The controls a pipeline schedule drives (plugin/pipeline.h, docs/guide/pipelines.md).
       .def("start_grad_sync", &PythonDdp::start_grad_sync, Release())
       .def("set_requires_gradient_sync", &PythonDdp::set_requires_gradient_sync, py::arg("requires_sync"))
       .def("requires_gradient_sync", &PythonDdp::requires_gradient_sync)

@@ -1,4 +1,4 @@
-// Python bindings of the data-parallel side of a pipeline schedule (docs/pipeline.md). The per-chunk
+// Python bindings of the data-parallel side of a pipeline schedule (docs/guide/pipelines.md). The per-chunk
 // controls are methods of _Ddp (meshddp_module.cpp); these are the free functions. Errors are the
 // C++ ones (RuntimeError, same text).
 #include "plugin/python/pipeline_bindings.h"

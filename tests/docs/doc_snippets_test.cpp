@@ -32,19 +32,19 @@ struct Net : torch::nn::Module {
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})))),
         head(register_module("head", torch::nn::Linear(3, 1))) {}
   torch::Tensor forward(torch::Tensor x) {
-    // docs/api.md, "Gradients written into the buffer": a layer of your own.
+    // docs/reference/cpp_api.md, "Gradients written into the buffer": a layer of your own.
     x = meshddp::linear_with_grad_in_buffer(x, fc->weight, fc->bias);  // instead of fc(x): same math
     return head(torch::tanh(norm(x)));
   }
   torch::nn::Linear fc;
-  torch::nn::LayerNorm norm;  // for docs/optimizer.md's "*norm*" group rule
+  torch::nn::LayerNorm norm;  // for docs/reference/optimizer.md's "*norm*" group rule
   torch::nn::Linear head;
 };
 
 torch::Tensor batch_x() { return torch::linspace(-1, 1, 24).reshape({6, 4}); }
 torch::Tensor batch_y() { return torch::linspace(0, 1, 6).reshape({6, 1}); }
 
-// docs/api.md: an autograd Function of your own writing its weight gradient into the buffer.
+// docs/reference/cpp_api.md: an autograd Function of your own writing its weight gradient into the buffer.
 struct MatmulWithGradInBuffer : torch::autograd::Function<MatmulWithGradInBuffer> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& w) {
     ctx->save_for_backward({input, w});
@@ -91,7 +91,7 @@ TEST(DocSnippets, ApiClipGradNorm) {
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
     ddp.zero_grad_buffer();
     auto loss = torch::mse_loss(ddp.forward(batch_x()), batch_y());
-    // docs/api.md, "Gradient norm and clipping for plain DDP"
+    // docs/reference/cpp_api.md, "Gradient norm and clipping for plain DDP"
     loss.backward();
     const double norm = meshddp::clip_grad_norm_(ddp.grad_buffer(), /*max_norm=*/1.0);  // norm before clipping
     optimizer.step();
@@ -106,7 +106,7 @@ TEST(DocSnippets, OptimizerZero1LoopWithLrSchedule) {
     auto x = batch_x();
     auto y = batch_y();
     const int64_t steps = 3;
-    // docs/optimizer.md
+    // docs/reference/optimizer.md
     meshddp::DdpConfig ddp_config;
     ddp_config.use_distributed_optimizer = true;  // pad buckets, reduce-scatter, flat param buffer
     meshddp::DistributedDataParallel ddp(model, mesh, "dp", ddp_config);
@@ -118,7 +118,7 @@ TEST(DocSnippets, OptimizerZero1LoopWithLrSchedule) {
     opt_config.groups = {{"*.bias", std::nullopt, 0.0}, {"*norm*", std::nullopt, 0.0}};  // no decay on biases/norms
     opt_config.clip_grad_norm = 1.0;                                                     // 0 = off
     opt_config.overlap_param_gather = true;             // gathers complete during the next forward
-    opt_config.fused_step = meshddp::FusedStep::kAuto;  // fused kernels on CUDA, ATen foreach on CPU (docs/gpu.md)
+    opt_config.fused_step = meshddp::FusedStep::kAuto;  // fused kernels on CUDA, ATen foreach on CPU
     meshddp::DistributedOptimizer opt(ddp.grad_buffer(), opt_config);
 
     for (int64_t step = 0; step < steps; ++step) {
@@ -129,9 +129,9 @@ TEST(DocSnippets, OptimizerZero1LoopWithLrSchedule) {
     }
     opt.finish_param_sync();  // before evaluation outside ddp.forward / checkpoints
 
-    // docs/api.md, "LR schedule"
+    // docs/reference/cpp_api.md, "LR schedule"
     auto& zero1_optimizer = opt;
-    // clang-format off: the lines as docs/api.md has them
+    // clang-format off: the lines as docs/reference/cpp_api.md has them
     meshddp::LrScheduleConfig sched_config{.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 100,
                                            .decay_steps = 10000, .decay_style = meshddp::LrDecayStyle::kCosine};
     // clang-format on
@@ -152,7 +152,7 @@ TEST(DocSnippets, OptimizerInstances) {
     torch::manual_seed(0);
     auto model = std::make_shared<Net>();
     meshddp::DdpConfig ddp_config;
-    // docs/optimizer.md, "Hierarchical ZeRO-1"
+    // docs/reference/optimizer.md, "Hierarchical ZeRO-1"
     ddp_config.use_distributed_optimizer = true;
     ddp_config.num_distributed_optimizer_instances = 2;  // D = 4: instances {0,1} {2,3}, across {0,2} {1,3}
     meshddp::DistributedDataParallel ddp(model, mesh, "dp", ddp_config);  // a DeviceMesh: it makes the groups
@@ -173,7 +173,7 @@ TEST(DocSnippets, CheckpointsSaveAndLoad) {
     meshddp::DistributedOptimizer zero1(ddp.grad_buffer(), {});
     const int64_t step = 7, samples_seen = 56;
     const std::string json_text = R"({"lr": 0.001})";
-    // docs/checkpoints.md
+    // docs/reference/checkpoints.md
     meshddp::TrainingState state{model.get(), &ddp, &zero1, nullptr};  // or {model.get(), &ddp, nullptr, &adamw}
     meshddp::save_checkpoint(state, "ckpt", step, {{"data_position", samples_seen}, {"lr_schedule", json_text}});
     // ... later, or in a restarted run:
@@ -186,7 +186,7 @@ TEST(DocSnippets, CheckpointsSaveAndLoad) {
   test::remove_dir(dir);
 }
 
-// docs/expert_parallel.md and docs/tensor_parallel.md declare experts on a model with MoE blocks:
+// docs/guide/parallelism.md and docs/guide/parallelism.md declare experts on a model with MoE blocks:
 // compiled here (the expert-parallel tests run the same calls on real models).
 struct MoeModel : torch::nn::Module {
   torch::nn::ModuleList experts{register_module("experts", torch::nn::ModuleList())};
@@ -195,16 +195,16 @@ struct MoeModel : torch::nn::Module {
 [[maybe_unused]] void declare_experts_as_the_docs_do(at::Tensor param, int64_t ep) {
   meshddp::DdpConfig config;
   std::vector<meshddp::PlanEntry> plan;
-  // docs/expert_parallel.md
+  // docs/guide/parallelism.md
   plan.push_back({"blocks.*.moe.experts", meshddp::ExpertParallel{}});
   meshddp::declare_expert_param(param);
   config.expert_parallel_size = ep;  // DdpConfig
 }
 
 [[maybe_unused]] void declare_experts_by_plan(std::shared_ptr<MoeModel> model, const DeviceMesh& mesh) {
-  // docs/tensor_parallel.md, "Expert parallel"
+  // docs/guide/parallelism.md, "Expert parallel"
   for (auto& p : model->experts->parameters()) meshddp::declare_expert_param(p);
-  // clang-format off: the lines as docs/tensor_parallel.md has them
+  // clang-format off: the lines as docs/guide/parallelism.md has them
     meshddp::parallelize(*model, mesh, {{"blocks.*.moe.experts.*.fc1", meshddp::ColwiseParallel{}},
                                         {"blocks.*.moe.experts.*.fc2", meshddp::RowwiseParallel{}},
                                         {"blocks.*.moe.experts", meshddp::ExpertParallel{}}});

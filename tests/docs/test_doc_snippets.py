@@ -1,4 +1,5 @@
-"""Every cpp, python and cmake code block of docs/*.md is compiled or run by a test: the line before
+"""Every cpp, python and cmake code block of docs/ (its pages and those of docs/guide/ and
+docs/reference/) is compiled or run by a test: the line before
 its opening fence is `<!-- snippet: <path> -->`, naming a file (from the repository root) that a test
 builds or runs, and every code line of the block appears in that file, in the block's order (a
 line's trailing comment and runs of spaces aside; the file may have lines in between: the setup a
@@ -34,12 +35,18 @@ def code_lines(text, language):
     return out
 
 
+def doc_pages():
+    """The pages of docs/ and its folders, as paths relative to docs/."""
+    pages = []
+    for base, _, files in os.walk(DOCS):
+        pages += [os.path.relpath(os.path.join(base, f), DOCS) for f in files if f.endswith(".md")]
+    return sorted(pages)
+
+
 def blocks():
-    """(doc, line number, language, marker or None, code) of every fenced block of docs/*.md."""
+    """(doc, line number, language, marker or None, code) of every fenced block of docs/**/*.md."""
     found = []
-    for name in sorted(os.listdir(DOCS)):
-        if not name.endswith(".md"):
-            continue
+    for name in doc_pages():
         lines = open(os.path.join(DOCS, name)).read().splitlines()
         i = 0
         while i < len(lines):
@@ -102,6 +109,47 @@ def test_the_python_quickstart_trains_on_2_ranks():
     assert torchrun("tests/docs/snippets/python_quickstart.py", 2).count(" ok, dp 2 x tp 1") == 2
 
 
+def test_the_zero1_block_trains_saves_and_resumes_on_2_ranks():
+    with tempfile.TemporaryDirectory() as scratch:
+        assert torchrun("tests/docs/snippets/python_zero1.py", 2, scratch).count(" ok, losses") == 2
+
+
 def test_the_dcp_block_restores_the_saved_params_on_2_ranks():
     with tempfile.TemporaryDirectory() as scratch:
         assert torchrun("tests/docs/snippets/dcp_checkpoint.py", 2, scratch).count(" ok") == 2
+
+
+def size(path):
+    return len(open(os.path.join(ROOT, path), encoding="utf-8").read().encode("utf-8"))
+
+
+def test_each_guide_reads_in_ten_minutes_and_the_porting_path_stays_under_40k():
+    guides = [os.path.join("docs", p) for p in doc_pages() if p.startswith("guide" + os.sep)]
+    assert len(guides) >= 5, f"only {guides} in docs/guide/"
+    too_long = [f"{g}: {size(g)} bytes" for g in guides if size(g) > 10_000]
+    assert not too_long, f"a guide is a page read in under ten minutes (<= 10,000 bytes): {too_long}"
+    porting = ["README.md"] + [g for g in guides if os.path.basename(g).startswith(("python", "pipeline"))]
+    assert len(porting) == 3, f"the porting path is the README, the Python guide and the pipeline guide: {porting}"
+    total = sum(size(p) for p in porting)
+    assert total <= 40_000, f"README + the Python guide + the pipeline guide: {total} bytes, over 40,000 ({porting})"
+    assert size("docs/benchmarks.md") <= 15_000, "docs/benchmarks.md is the summary: details go to bench/results/"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def test_every_relative_link_of_the_readme_the_docs_and_the_results_names_a_file_that_exists():
+    pages = ["README.md", "CHANGELOG.md"] + [os.path.join("docs", p) for p in doc_pages()]
+    pages += [os.path.join("bench", "results", f) for f in sorted(os.listdir(os.path.join(ROOT, "bench", "results")))
+              if f.endswith(".md")]
+    pages += [os.path.join("examples", d, "README.md") for d in sorted(os.listdir(os.path.join(ROOT, "examples")))
+              if os.path.isfile(os.path.join(ROOT, "examples", d, "README.md"))]
+    broken = []
+    for page in pages:
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        for target, _ in LINK.findall(text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not os.path.exists(os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))):
+                broken.append(f"{page}: ({target})")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)

@@ -69,7 +69,7 @@ def latest_step(ckpt):
 def resume_step(ckpt):
     """Where --resume must start: `latest`'s step; without `latest` (a kill between the first save's
     manifest and its pointer) the newest complete step (every save here continues the one before, so
-    it is the live run's head: docs/checkpoints.md, "The live run"); 0 without either."""
+    it is the live run's head: docs/reference/checkpoints.md, "The live run"); 0 without either."""
     if os.path.exists(os.path.join(ckpt, "latest")):
         return latest_step(ckpt)
     complete = [int(n[len("step-"):]) for n in (os.listdir(ckpt) if os.path.isdir(ckpt) else [])

@@ -1,4 +1,4 @@
-"""Elastic restarts under torchrun's agent (docs/launching.md, "Elastic restarts"), through
+"""Elastic restarts under torchrun's agent (docs/guide/launching.md, "Elastic restarts"), through
 examples/01_ddp with ZeRO-1: two agents on this machine (`--nnodes 1:2 --max-restarts 3`, c10d
 rendezvous on one endpoint), 2 workers each, training at world 4 and saving every 10 steps. Three
 failures, each once the run has committed a checkpoint past the previous one:

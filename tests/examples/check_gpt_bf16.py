@@ -34,7 +34,7 @@ from the whole-batch golden and 3.2e-4 from the one-process 4-micro-batch run, 4
 stage where one process lets autograd add its two uses in bf16; and a pipeline is a micro-batched run,
 which is exactly what the floor measures.
 
-Measured (8 steps, 2-core CPU; printed on every run; table in docs/examples.md "bf16"): floors 3.6e-4
+Measured (8 steps, 2-core CPU; printed on every run; table in docs/reference/examples.md "bf16"): floors 3.6e-4
 (dense) and 1.1e-3 (MoE) with fp32 main grads, 5.4e-4 and 7.3e-4 with bf16 ones; the distributed
 runs at 0.53x-1.51x their floor. A curve this short cannot tell a bf16 reduction from an fp32 one
 (dp 2 reduced in bf16 sits at 0.96x the fp32 floor), so every run's step-log header, read from the

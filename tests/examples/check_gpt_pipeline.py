@@ -29,7 +29,7 @@ if not; here the final checkpoint's two copies are compared bit for bit too.
 
 Tolerances: rtol 1e-6 for the losses over 4 steps and atol 1e-6 for the final params: the runs differ
 from the one process only in how fp32 sums are split (micro-batch gradients accumulated in the flat
-buffer, DP means, TP partial sums). Measured: see the numbers printed (docs/pipeline.md records them)."""
+buffer, DP means, TP partial sums). Measured: see the numbers printed (docs/guide/pipelines.md records them)."""
 import math
 import os
 import sys

@@ -160,7 +160,7 @@ def meshddp_bf16(rank, world_size, grad_reduce_in_fp32=True):
     config = meshddp.DdpConfig(bucket_bytes=4096, use_distributed_optimizer=True,
                                grad_reduce_in_fp32=grad_reduce_in_fp32)
     ddp = meshddp.DistributedDataParallel(model, process_group=dist.group.WORLD, config=config)
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=LR, weight_decay=0.0))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=LR, weight_decay=0.0))
     main_grad_dtype = ddp.main_grad("layers.0.gate_proj.weight").dtype
     losses = []
     for step in range(STEPS):

@@ -17,7 +17,7 @@ def invalid_on_one_rank(rank, world_size, which):
     try:
         ddp_config = meshddp.DdpConfig(use_distributed_optimizer=True, comm_hook="bogus" if bad and which == "ddp"
                                        else "none")
-        optimizer_config = meshddp.OptimizerConfig(lr=-1.0 if bad and which == "optimizer" else 1e-3)
+        optimizer_config = meshddp.DistributedOptimizerConfig(lr=-1.0 if bad and which == "optimizer" else 1e-3)
         ddp = meshddp.DistributedDataParallel(model(), mesh, config=ddp_config)
         meshddp.DistributedOptimizer(ddp, optimizer_config)
     except RuntimeError as e:

@@ -33,7 +33,7 @@ def build(world_size, seed, variant):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(Net().to(dtype), mesh, config=meshddp.DdpConfig(
         bucket_bytes=1024, use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind=kind, lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
     return ddp, opt
 
@@ -116,7 +116,7 @@ def build_tp(dp, seed):
     parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(bucket_bytes=512,
                                                                                use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=LR, weight_decay=0.01))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=LR, weight_decay=0.01))
     return ddp, opt, mesh.get_local_rank("dp")
 
 

@@ -129,7 +129,7 @@ def train(rank, world_size, inputs, style, ep, instances, comm_hook):
                                num_distributed_optimizer_instances=instances, comm_hook=comm_hook)
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
                                           expert_params=["experts.*"] if style == "hf" else ())
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY,
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY,
                                                                     clip_grad_norm=CLIP))
     params, losses, norms = [], [], []
     for step in range(STEPS):
@@ -154,7 +154,7 @@ def nan_on_rank_2(rank, world_size, inputs):
     config = meshddp.DdpConfig(use_distributed_optimizer=True, expert_parallel_size=2, bucket_bytes=BUCKET_BYTES,
                                num_distributed_optimizer_instances=2, check_for_nan_in_grad=True)
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config, expert_params=["experts.*"])
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=LR))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=LR))
     loss = ddp(*batch(init, 0, rank, 2))
     if rank == 2:
         loss = loss + model.experts[str(model.first)]["w1"].sum() * float("nan")

@@ -46,7 +46,7 @@ def train_vs_single(mesh, model, golden, optimizer, dim_in, dim_out):
     ddp = meshddp.DistributedDataParallel(model, mesh, ("dp", "cp"),
                                           meshddp.DdpConfig(bucket_bytes=512, use_distributed_optimizer=zero1))
     if zero1:
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
         opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
     else:
         opt = make_optimizer("sgd", ddp.parameters(), 0.0)

@@ -28,7 +28,7 @@ def uneven_tp_pieces(rank, world_size, rows, kind="muon", tp=2):
     ddp = meshddp.DistributedDataParallel(UnevenTp(mesh["tp"], rows), mesh, config=meshddp.DdpConfig(
         use_distributed_optimizer=True, shard_policy="whole_param"))
     try:
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=0.02))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind=kind, lr=0.02))
     except RuntimeError as e:
         return str(e)
     for _ in range(2):
@@ -64,7 +64,7 @@ def muon_params_and_warnings(rank, world_size, muon_adamw_params):
         use_distributed_optimizer=True, shard_policy="whole_param"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon", muon_adamw_params=muon_adamw_params))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="muon", muon_adamw_params=muon_adamw_params))
     numel = {n: p.numel() for n, p in model.named_parameters()}
     return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught if "Muon" in str(w.message)],
             "memory": opt.memory(), "numel": numel}
@@ -77,7 +77,7 @@ def ranks_with_other_muon_settings(rank, world_size, field, values):
     ddp = meshddp.DistributedDataParallel(Gpt2Names(), mesh, config=meshddp.DdpConfig(
         use_distributed_optimizer=True, shard_policy="whole_param"))
     try:
-        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon", **{field: values[rank]}))
+        meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="muon", **{field: values[rank]}))
     except RuntimeError as e:
         return str(e)
     return None
@@ -91,7 +91,7 @@ def instances_with_clipping(rank, world_size, kind):
     model = Gpt2Names()
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         use_distributed_optimizer=True, shard_policy="whole_param", num_distributed_optimizer_instances=2))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=0.02, clip_grad_norm=0.05))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind=kind, lr=0.02, clip_grad_norm=0.05))
     norms, clipped = [], []
     for step in range(3):
         g = torch.Generator().manual_seed(step)

@@ -24,7 +24,7 @@ def build(world_size, tp, kind="muon", shard_policy="whole_param", muon_adamw_pa
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         bucket_bytes=8192, use_distributed_optimizer=True, shard_policy=shard_policy))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind=kind, lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, muon_ns_dtype="fp32",
         muon_adamw_params=muon_adamw_params))
     return ddp, opt, mesh.get_local_rank("dp"), dp

@@ -52,7 +52,7 @@ def build(world_size, ep, stacked, ns_dtype="fp32"):
         model = Moe(init, mesh["ep"], hf_style=False)
         ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=meshddp.DdpConfig(
             bucket_bytes=512, use_distributed_optimizer=True, shard_policy="whole_param", expert_parallel_size=ep))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind="muon", lr=LR, weight_decay=WD, muon_ns_dtype=ns_dtype, muon_stacked_matrices=stacked))
     return init, model, ddp, opt
 
@@ -155,7 +155,7 @@ def tp_sharded_stack_refused(rank, world_size, dim):
     ddp = meshddp.DistributedDataParallel(TpStack(mesh["tp"], dim), mesh, config=meshddp.DdpConfig(
         use_distributed_optimizer=True, shard_policy="whole_param"))
     try:
-        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon", muon_stacked_matrices=True))
+        meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="muon", muon_stacked_matrices=True))
     except RuntimeError as e:
         return str(e)
     return None
@@ -190,7 +190,7 @@ def conv_kernel_warnings(rank, world_size, muon_adamw_params):
         use_distributed_optimizer=True, shard_policy="whole_param"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
             kind="muon", muon_stacked_matrices=True, muon_adamw_params=muon_adamw_params))
     return {"muon": opt.muon_params, "warnings": [str(w.message) for w in caught]}
 
@@ -216,7 +216,7 @@ def steps_beside_an_empty_stack(rank, world_size, kind, with_empty):
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         use_distributed_optimizer=True, shard_policy="whole_param"))
     extra = {"muon_stacked_matrices": True} if kind == "muon" else {}
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind=kind, lr=LR, **extra))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind=kind, lr=LR, **extra))
     for step in range(2):
         ddp(torch.full((3, 4), 0.1 * (rank + step + 1))).backward()
         opt.step()

@@ -92,7 +92,7 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
     me = mesh.get_local_rank("dp")
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         bucket_bytes=8192, use_distributed_optimizer=True, shard_policy="whole_param"))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, muon_ns_dtype=ns_dtype, clip_grad_norm=clip,
         muon_ns_coefficients=coefficients, muon_scale=scale, muon_nesterov=nesterov, muon_extra_scale=extra))
     matrices = [p for n, p in ref.named_parameters() if n in muon_names(ref)]
@@ -139,7 +139,7 @@ def train(world_size, rank, shard_policy, kind, overlap, steps=STEPS):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
         bucket_bytes=8192, use_distributed_optimizer=True, shard_policy=shard_policy))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind=kind, lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, overlap_param_gather=overlap))
     for step in range(steps):
         x, y = global_batch(step, world_size)
@@ -165,7 +165,7 @@ def muon_needs_whole_param(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(MuonNet(), mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
     try:
-        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="muon"))
+        meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="muon"))
     except RuntimeError as e:
         return str(e)
     return None
@@ -178,7 +178,7 @@ def muon_resumable(rank, world_size, first, last, save_dir=None, load_dir=None):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(MuonNet(), mesh, config=meshddp.DdpConfig(
         bucket_bytes=8192, use_distributed_optimizer=True, shard_policy="whole_param"))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, muon_ns_dtype="fp32"))
     if load_dir is not None:
         opt.load_checkpoint(load_dir)

@@ -28,12 +28,12 @@ def golden(dp_size):
 
 
 def _end(ending, stages, wrapped):
-    """Ends an accumulation's last schedule.step(): "stage" (meshddp.pipelining.finish_grad_sync(stages)),
+    """Ends an accumulation's last schedule.step(): "stage" (meshddp.pipelining.finalize_model_grads(stages)),
     "ddp" (each chunk's DDP finish_grad_sync(), plain DDP's habit), each of them "_twice", or "optimizer"
     (nothing: DistributedOptimizer.step() finishes the sync itself)."""
     for _ in range(2 if ending.endswith("_twice") else 1):
         if ending.startswith("stage"):
-            meshddp.pipelining.finish_grad_sync(stages)
+            meshddp.pipelining.finalize_model_grads(stages)
         elif ending.startswith("ddp"):
             for _, ddp in wrapped:
                 ddp.finish_grad_sync()
@@ -42,7 +42,7 @@ def _end(ending, stages, wrapped):
 def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_grads=True, zero1=False,
                 eval_between=False, ending="stage", grad_reduction="mean", discard_first=False, broken=None):
     """(max |grad - golden|, max |param - golden|) over this rank's params after OPT_STEPS optimizer steps,
-    each over ACCUMULATE schedule.step() calls; finish_between: meshddp.pipelining.finish_grad_sync(stages)
+    each over ACCUMULATE schedule.step() calls; finish_between: meshddp.pipelining.finalize_model_grads(stages)
     after every schedule.step(), not only the last; eval_between: a schedule.eval() on the step's batch after
     every schedule.step() but the last (forward only; it must not disturb the accumulation); ending: how the
     last schedule.step() of an optimizer step is finished (_end); grad_reduction="sum": the loss divided by
@@ -64,7 +64,7 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
         loss_fn = F.mse_loss if scale_grads else (lambda out, y: F.mse_loss(out, y) / MICRO)
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for _, ddp in wrapped for p in ddp.parameters()]
-    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
+    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
             if zero1 else [torch.optim.SGD(params, lr=LR)])
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     try:
@@ -84,7 +84,7 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
                 if eval_between and k < ACCUMULATE - 1:
                     sched.eval(*((x,) if has_first else ()), target=y if has_last else None)
                 if finish_between and k < ACCUMULATE - 1:
-                    meshddp.pipelining.finish_grad_sync(stages)
+                    meshddp.pipelining.finalize_model_grads(stages)
                 if k == ACCUMULATE - 1:
                     _end(ending, stages, wrapped)
             # With ending="optimizer" the gradients are final only inside step(): the params tell.
@@ -109,7 +109,7 @@ def step_without_zeroing(rank, world_size, zero1=False):
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     stages, wrapped = build(mesh, "1F1B", zero1=zero1)
     sched = SCHEDULES["1F1B"][0](stages[0], MICRO, loss_fn=F.mse_loss)
-    opt = (meshddp.DistributedOptimizer(wrapped[0][1], meshddp.OptimizerConfig(kind="sgd", lr=LR)) if zero1 else
+    opt = (meshddp.DistributedOptimizer(wrapped[0][1], meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) if zero1 else
            torch.optim.SGD([p for _, ddp in wrapped for p in ddp.parameters()], lr=LR))
     x, y = batch(0, dp_size)
     x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
@@ -117,7 +117,7 @@ def step_without_zeroing(rank, world_size, zero1=False):
     try:
         for _ in range(2):
             sched.step(*((x,) if stages[0].is_first else ()), **args)
-            meshddp.pipelining.finish_grad_sync(stages)
+            meshddp.pipelining.finalize_model_grads(stages)
             opt.step()
     except RuntimeError as e:
         return str(e)

@@ -71,7 +71,7 @@ def rotated_pipeline(rank, world_size, accumulate=1):
             x, y = batch(step * accumulate + k, dp_size)
             x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
             sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
-        meshddp.pipelining.finish_grad_sync(stage)
+        meshddp.pipelining.finalize_model_grads(stage)
         opt.step()
         if dp_rank == 1:
             with torch.no_grad():

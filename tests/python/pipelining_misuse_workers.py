@@ -62,13 +62,14 @@ def step_before_finish(rank, world_size, schedule="1F1B", finished=0, broken=Non
     for _, ddp in wrapped:
         ddp.zero_grad_buffer()
     sched.step(*((x,) if any(s.is_first for s in stages) else ()), target=y if any(s.is_last for s in stages) else None)
-    meshddp.pipelining.finish_grad_sync(stages[:finished])
+    if finished:
+        meshddp.pipelining.finalize_model_grads(stages[:finished])
     message = None
     try:
         opt.step()
     except RuntimeError as e:
         message = str(e)
-    meshddp.pipelining.finish_grad_sync(stages)  # the collectives every rank launched, finished
+    meshddp.pipelining.finalize_model_grads(stages)  # the collectives every rank launched, finished
     return message
 
 
@@ -94,7 +95,7 @@ def v_shaped_on_one_rank(rank, world_size, schedule, meshddp_stage):
     except RuntimeError as e:
         return str(e)
     if meshddp_stage:
-        meshddp.pipelining.finish_grad_sync(stages)
+        meshddp.pipelining.finalize_model_grads(stages)
     F.mse_loss(ref(x), y).backward()
     got = [p.grad for m in modules for p in m.parameters()]
     for g, r in zip(got, ref.parameters()):

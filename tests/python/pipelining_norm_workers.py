@@ -52,7 +52,7 @@ def clipped(rank, world_size, schedule="1F1B", zero1=False):
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=F.mse_loss)
     ddps = [ddp for _, ddp in wrapped]
     if zero1:
-        config = meshddp.OptimizerConfig(kind="sgd", lr=LR, clip_grad_norm=MAX_NORM)
+        config = meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR, clip_grad_norm=MAX_NORM)
         opts = [meshddp.DistributedOptimizer(ddp, config) for ddp in ddps]
     else:
         opt = torch.optim.SGD([p for ddp in ddps for p in ddp.parameters()], lr=LR)
@@ -62,7 +62,7 @@ def clipped(rank, world_size, schedule="1F1B", zero1=False):
             ddp.zero_grad_buffer()
         args, kwargs = _step_inputs(mesh, stages, step)
         sched.step(*args, **kwargs)
-        meshddp.pipelining.finish_grad_sync(stages)
+        meshddp.pipelining.finalize_model_grads(stages)
         if zero1:
             result = meshddp.DistributedOptimizer.step_together(opts)
             assert result.clipped and not result.skipped, result
@@ -89,7 +89,7 @@ def nan_on_one_stage(rank, world_size, schedule="Interleaved1F1B", nan_rank=3):
     cls, chunks = SCHEDULES[schedule]
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=F.mse_loss)
     ddps = [ddp for _, ddp in wrapped]
-    opts = [meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for ddp in ddps]
+    opts = [meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) for ddp in ddps]
     skipped, unchanged, report = [], None, ""
     for step in range(STEPS):
         for ddp in ddps:
@@ -101,7 +101,7 @@ def nan_on_one_stage(rank, world_size, schedule="Interleaved1F1B", nan_rank=3):
                                        .view(g.shape))
         args, kwargs = _step_inputs(mesh, stages, step)
         sched.step(*args, **kwargs)
-        meshddp.pipelining.finish_grad_sync(stages)
+        meshddp.pipelining.finalize_model_grads(stages)
         if hook is not None:
             hook.remove()
         before = [p.detach().clone() for ddp in ddps for p in ddp.parameters()]
@@ -123,13 +123,13 @@ def part_of_the_chunks(rank, world_size, zero1=False):
     stages, wrapped = build(mesh, "Interleaved1F1B", zero1=zero1)
     sched = SCHEDULES["Interleaved1F1B"][0](stages, MICRO, loss_fn=F.mse_loss)
     ddps = [ddp for _, ddp in wrapped]
-    opts = [meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for ddp in ddps] if zero1 \
+    opts = [meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) for ddp in ddps] if zero1 \
         else None
     for ddp in ddps:
         ddp.zero_grad_buffer()
     args, kwargs = _step_inputs(mesh, stages, 0)
     sched.step(*args, **kwargs)
-    meshddp.pipelining.finish_grad_sync(stages)
+    meshddp.pipelining.finalize_model_grads(stages)
     try:
         if zero1:
             opts[0].step()
@@ -148,11 +148,11 @@ def clip_differs(rank, world_size, zero1=False):
     ddps = [ddp for _, ddp in wrapped]
     bound = MAX_NORM * (1 + mesh["pp"].get_local_rank())
     if zero1:
-        opts = [meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR, clip_grad_norm=bound))
+        opts = [meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR, clip_grad_norm=bound))
                 for ddp in ddps]
     args, kwargs = _step_inputs(mesh, stages, 0)
     sched.step(*args, **kwargs)
-    meshddp.pipelining.finish_grad_sync(stages)
+    meshddp.pipelining.finalize_model_grads(stages)
     try:
         if zero1:
             meshddp.DistributedOptimizer.step_together(opts)
@@ -175,5 +175,5 @@ def a_second_model(rank, world_size):
         ddp.zero_grad_buffer()
     args, kwargs = _step_inputs(mesh, stages, 0)
     sched.step(*args, **kwargs)
-    meshddp.pipelining.finish_grad_sync(stages)
+    meshddp.pipelining.finalize_model_grads(stages)
     return meshddp.grad_norm(ddps), golden(mesh["dp"].size())[0][0]

@@ -59,7 +59,7 @@ def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="non
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
-    groups = [dist.new_group(ranks) for ranks in meshddp.embedding_groups([dp_size, pp_size], ["dp", "pp"])]
+    groups = [dist.new_group(ranks) for ranks in meshddp.groups.embedding_groups([dp_size, pp_size], ["dp", "pp"])]
     embedding = groups[dp_rank]  # [[0, 1], [2, 3]]: this rank's pipeline's first and last stage
     module = First() if pp_rank == 0 else Last()
     if broken != "no_tie":
@@ -82,7 +82,7 @@ def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="non
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
     sched = tpp.Schedule1F1B(stage, MICRO, loss_fn=loss_fn, scale_grads=not per_token)
-    opt = (meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) if zero1
+    opt = (meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) if zero1
            else torch.optim.SGD(list(ddp.parameters()), lr=LR))
     identical = True
     for step in range(STEPS):
@@ -95,7 +95,7 @@ def tied_pipeline(rank, world_size, zero1=False, per_token=False, comm_hook="non
             sched.step(tokens)
         else:
             sched.step(target=labels)
-        meshddp.pipelining.finish_grad_sync(stage)
+        meshddp.pipelining.finalize_model_grads(stage)
         opt.step()
         if broken != "no_tie":
             ddp.check_tied_params_identical()  # raises on both ends when the copies differ

@@ -93,7 +93,7 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
     loss_fn = (lambda out, y: F.mse_loss(out, y)) if scale_grads else (lambda out, y: F.mse_loss(out, y) / micro)
     sched = cls(stages if chunks > 1 else stages[0], micro, loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for _, ddp in wrapped for p in ddp.parameters()]
-    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
+    opts = ([meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=LR)) for _, ddp in wrapped]
             if zero1 else [torch.optim.SGD(params, lr=LR)])
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
@@ -108,7 +108,7 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
         args = (x,) if has_first else ()
         sched.step(*args, target=y if has_last else None)
         if meshddp_stages:
-            meshddp.pipelining.finish_grad_sync(stages)
+            meshddp.pipelining.finalize_model_grads(stages)
         grads = [p.grad.clone() for p in params]
         if zero1:  # one step over every chunk this rank holds: one norm, one skip decision
             meshddp.DistributedOptimizer.step_together(opts)

@@ -18,7 +18,7 @@ def grad_scaler_with_zero1(rank, world_size):
     golden.load_state_dict(model.state_dict())
     config = meshddp.DdpConfig(use_distributed_optimizer=True, comm_hook="bf16_compress")
     ddp = meshddp.DistributedDataParallel(model, mesh, config=config)
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=0.1))
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scales, params = [], []
     for step in range(2):

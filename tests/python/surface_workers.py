@@ -72,7 +72,7 @@ def schedules(rank, world_size, directory):
 
         def build():
             ddp = meshddp.DistributedDataParallel(Block(), mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-            opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS))
+            opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS))
             return ddp, opt, make_schedule(kind, opt)
 
         ddp, opt, sched = build()
@@ -224,7 +224,7 @@ def moe(rank, world_size, ep, zero1, hf_style=False, instances=1):
     ddp = meshddp.DistributedDataParallel(model, mesh, dp_dim=("edp", "ep"), config=config,
                                           expert_params=["experts.*"] if hf_style else ())
     if zero1:
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS[:1]))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS[:1]))
     else:
         named = dict(ddp.named_parameters())
         opt = torch.optim.AdamW([{"params": [p for n, p in named.items() if not n.endswith(".bias")]},
@@ -291,7 +291,7 @@ def instances(rank, world_size, k):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     config = meshddp.DdpConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=k, bucket_bytes=256)
     ddp = meshddp.DistributedDataParallel(Block(), mesh, config=config)
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2, weight_decay=0.1, groups=GROUPS))
     golden = Block()
     gopt = torch.optim.AdamW(golden_groups(golden, 1e-2, 0.1), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
@@ -324,7 +324,7 @@ def group_values_differ(rank, world_size, case):
     reject ("invalid_on_one_rank"). Returns each rank's error and whether any param changed."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(Block(), mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1, groups=GROUPS))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=0.1, groups=GROUPS))
     before = [p.detach().clone() for p in ddp.parameters()]
     if case == "scheduler":
         torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 if rank == 0 else 0.5)

@@ -8,6 +8,18 @@ size: the first SAVE_AT steps ran at 2 ranks instead of 1 or 4, whose reductions
 (ZeRO-1 vs one-process AdamW differs by <= 3.7e-8 after 10 steps: test_ddp_vs_torch.py). fp32 AdamW:
 params and losses within 1e-6 (measured <= 3e-8 and <= 1.2e-7); bf16 SGD: a bf16 param may land one
 ulp away (2^-9 at |p| < 0.5: 2e-3), and the losses follow (measured <= 4.9e-4 and <= 1.5e-4).
+
+What the cases check:
+- dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()}) at 2 ranks (AdamW on fp32 params; SGD with
+  momentum on bf16 params, fp32 masters; a bias param group; an LR changed mid-run), loaded at 1 and at 4 into
+  a model and optimizer built with other values, 4 more steps: bit-identical to resuming from meshddp's own
+  format, and within 1e-6 (fp32; measured <= 1.2e-7) / one bf16 ulp (2e-3; measured <= 4.9e-4) of the
+  uninterrupted run at that size in params and losses; a fresh optimizer's dict holds every tensor (zeros) and
+  round-trips through dcp.save / dcp.load in place; a missing param, a missing state kind and another model's
+  sizes are refused naming the param; so are a step that is not an int and a torch.optim optimizer's dict;
+  ranks whose dicts differ in step, LR or param groups all fail and none loads (2 ranks); a load after
+  backward before finish_grad_sync() is refused; meshddp-consolidate on a DCP directory names
+  dcp_to_torch_save
 """
 
 import tempfile
@@ -97,7 +109,7 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_parameter(mesh):
     other.hidden = torch.nn.Linear(16, 12)
     other.out = torch.nn.Linear(12, 8)
     other_ddp = meshddp.DistributedDataParallel(other, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    other_opt = meshddp.DistributedOptimizer(other_ddp, meshddp.OptimizerConfig(groups=[("*.bias", None, 0.0)]))
+    other_opt = meshddp.DistributedOptimizer(other_ddp, meshddp.DistributedOptimizerConfig(groups=[("*.bias", None, 0.0)]))
     with pytest.raises(RuntimeError, match=r"parameter 'out.weight' 'exp_avg' has 96 elements in the state dict "
                                            r"but 128 in this model"):
         opt.load_state_dict(other_opt.state_dict())
@@ -145,7 +157,7 @@ def test_a_bf16_checkpoint_read_into_an_fp32_model_is_refused_naming_each_param(
         other = meshddp.DistributedDataParallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
                                                 config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                          use_distributed_optimizer=True))
-        other_opt = meshddp.DistributedOptimizer(other, meshddp.OptimizerConfig(
+        other_opt = meshddp.DistributedOptimizer(other, meshddp.DistributedOptimizerConfig(
             kind="sgd", lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
         sd = {"model": other.state_dict(), "optim": other_opt.state_dict()}
         dcp.load(sd, checkpoint_id=path)

@@ -2,7 +2,18 @@
 destructors do not wait for the collectives of the failed step, which may never finish (Note
 [Abandoned collectives], mesh/collectives.h). 2 ranks under torchrun (failed_step_worker.py), with a
 collective timeout of TIMEOUT_S: a destructor that waited would hold each process at least that
-long after its failure."""
+long after its failure.
+
+What the cases check:
+- 2 ranks under torchrun, collective timeout 90 s: rank 0 saves a checkpoint that rank 1 skips: both fail with
+  the divergence error and exit within 30 s of it (the gradient buffer says which bucket reduction it
+  abandons); ranks passing different async_save fail at the save on every rank naming each rank's value, with
+  no step directory left and "no checkpoint was committed yet". Measured: both processes gone 2.4 s after the
+  first failure (1.4 s after the second). Broken on purpose: the groups of failed collectives not kept (exit
+  90.7 s after the failure, c10d's Gloo group joining its stuck threads until the 90 s timeout; before that,
+  the gradient buffer's destructor waited the same way); the async_save agreement removed (rank 0 fails with
+  JSON: progress has no member 'done', the ranks' agreements paired wrongly)
+"""
 
 import os
 import subprocess
@@ -10,7 +21,7 @@ import sys
 import time
 
 TIMEOUT_S = 90    # the process group's collective timeout
-EXIT_BOUND_S = 30  # from a rank's failure to the end of both processes (measured: see docs/checkpoints.md)
+EXIT_BOUND_S = 30  # from a rank's failure to the end of both processes (measured: see docs/reference/checkpoints.md)
 
 
 def launch(scenario, directory):

@@ -95,7 +95,7 @@ def test_zero1_with_fused_adamw_on_cuda_matches_torch_adamw(mesh):
     model = copy.deepcopy(golden)
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp",
                                           meshddp.DdpConfig(bucket_bytes=4096, use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
     opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01)
     for step in range(STEPS):
         x, y = batch(step)

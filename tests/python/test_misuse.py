@@ -1,5 +1,11 @@
 """Misuse from Python: each a RuntimeError (or TypeError for a wrong keyword) naming the problem,
-with the C++ engine's own text where the check is C++'s. One rank, in this process."""
+with the C++ engine's own text where the check is C++'s. One rank, in this process.
+
+What the cases check:
+- wrong dim name, a non-DeviceMesh argument, a forward before finish_grad_sync(), config errors with the C++
+  text, ZeRO-1 without use_distributed_optimizer, a DTensor .grad set to None, optimizer instances that do not
+  divide DP or without a mesh
+"""
 
 
 import pytest
@@ -48,9 +54,9 @@ def test_config_errors_carry_the_cpp_text():
     with pytest.raises(TypeError, match=r"DdpConfig: no field 'bucket_size'; the fields are .*bucket_bytes"):
         meshddp.DdpConfig(bucket_size=1)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: lr must be > 0, got -1"):
-        meshddp.OptimizerConfig(lr=-1.0).validate()
+        meshddp.DistributedOptimizerConfig(lr=-1.0).validate()
     with pytest.raises(RuntimeError, match=r"OptimizerConfig: kind must be one of 'adamw', 'sgd', 'muon', got 'adam'"):
-        meshddp.OptimizerConfig(kind="adam")
+        meshddp.DistributedOptimizerConfig(kind="adam")
     c = meshddp.DdpConfig(bucket_bytes=1 << 20, overlap_grad_reduce=False)
     assert c.bucket_bytes == 1 << 20 and not c.overlap_grad_reduce
     assert meshddp.DdpConfig().comm_hook == "none"
@@ -70,7 +76,7 @@ _FIELD_VALUES = {
         broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
         expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2, shard_policy="whole_param"),
-    meshddp.OptimizerConfig: dict(
+    meshddp.DistributedOptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,
         fused_step="never", muon_momentum=0.5, muon_nesterov=False, muon_ns_steps=3, muon_ns_coefficients="quintic",
@@ -79,7 +85,7 @@ _FIELD_VALUES = {
 }
 
 
-@pytest.mark.parametrize("cls", [meshddp.DdpConfig, meshddp.OptimizerConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [meshddp.DdpConfig, meshddp.DistributedOptimizerConfig], ids=lambda c: c.__name__)
 def test_every_config_field_is_settable_readable_and_in_repr(cls):
     values = _FIELD_VALUES[cls]
     assert sorted(cls.field_names()) == sorted(values), "give every C++ field a non-default value in _FIELD_VALUES"
@@ -111,11 +117,11 @@ def test_config_properties_are_typed_at_once_and_validated_by_validate():
         meshddp.DdpConfig(comm_hook=3)
     with pytest.raises(TypeError, match=r"OptimizerConfig: groups must be a list of \(pattern, lr or None, "
                                         r"weight_decay or None\), got \[\('\*.bias',\)\]"):
-        meshddp.OptimizerConfig(groups=[("*.bias",)])
+        meshddp.DistributedOptimizerConfig(groups=[("*.bias",)])
     with pytest.raises(RuntimeError, match=r"OptimizerConfig: fused_step must be one of 'auto', 'always', 'never', "
                                            r"got 'sometimes'"):
-        meshddp.OptimizerConfig(fused_step="sometimes")
-    c = meshddp.OptimizerConfig()
+        meshddp.DistributedOptimizerConfig(fused_step="sometimes")
+    c = meshddp.DistributedOptimizerConfig()
     c.beta1 = 1.5
     with pytest.raises(RuntimeError, match=r"DistributedOptimizerConfig: beta1 must be in \[0, 1\), got 1.5"):
         c.validate()
@@ -135,7 +141,7 @@ def test_distributed_optimizer_needs_use_distributed_optimizer(mesh):
     ddp = meshddp.DistributedDataParallel(model(), mesh)
     with pytest.raises(RuntimeError, match=r"DistributedOptimizer: the gradient buffer was built without "
                                            r"use_distributed_optimizer"):
-        meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig())
+        meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig())
 
 
 def test_optimizer_instances_that_do_not_fit_are_refused_with_the_cpp_text(mesh):

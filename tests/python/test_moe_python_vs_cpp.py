@@ -20,7 +20,34 @@ global batch (GOLDEN_TOL), which catches what both sides of the one engine would
 Also here, Python only: a NaN on one optimizer instance's rank named on every rank
 (check_for_nan_in_grad).
 
-ctest passes the C++ worker's path in MESHDDP_MOE_CPP_WORKER (tests/CMakeLists.txt)."""
+ctest passes the C++ worker's path in MESHDDP_MOE_CPP_WORKER (tests/CMakeLists.txt).
+
+What the cases check:
+- the same MoE trained by the Python package and by the C++ API (tests/python/moe_vs_cpp_worker.cpp:
+  DistributedDataParallel + DistributedOptimizer, experts declared with declare_expert_param, under torchrun),
+  from one torch.save file of initial values and batches read by both (torch::pickle_load): dp 4 with EP 2,
+  ZeRO-1 AdamW with clip_grad_norm, 2 optimizer instances, 4 steps; torchtitan-style experts (3-D DTensors
+  Shard(0) over mesh["ep"], in C++ one 3-D param per weight under the engine's name w1@ep<e>of2), HF-style
+  (one module per expert, expert_params=["experts.*"]), and torchtitan-style with comm_hook="bf16_compress"
+  (on Gloo the ZeRO-1 reduce-scatter is a whole-bucket all-reduce, so only a rounding hook makes the buckets'
+  sharding show in the numbers). Compared exactly, C++ against Python on every rank: the engine's param order,
+  each bucket's (expert, shard size, cross-instance size), the losses, the gradient norms and every param
+  after every step (measured: bit-identical, 0); and the Python run against the same model in one process with
+  torch AdamW and clip_grad_norm_ on the global batch: params within 5e-7 (measured 6e-8), gradient norms
+  within 5e-7 relative (4.7e-8); with bf16_compress 5e-4 (1.2e-4) and 2e-3 (3.5e-4). 20 s alone, 44 s under a
+  loaded ctest. Broken on purpose, each fails: the C++ side not declaring its experts (the C++ engine refuses:
+  expert_parallel_size = 2 but no parameter was declared an expert); C++ with 1 optimizer instance against
+  Python's 2 (sharding (0, 4, 0) vs (0, 2, 2); without that check, the loss at step 3 differs by 2.4e-7);
+  Python not passing the expert instance group (sharding (1, 2, 0) vs (1, 1, 2); the numbers then differ only
+  with bf16_compress, the loss at step 2 by 3e-6); the engine dividing expert gradients by the expert-DP size
+  (both sides alike, so C++ and Python still agree; the gradient norm is 1.741 vs 1.440 in one process, the
+  params only 6e-7 off: AdamW hides a gradient's scale). It found a bug, now fixed: with optimizer instances
+  and no TP dim, the Python engine reduced the gradient norm and the non-finite checks over this rank's
+  instance only, so instance 1's ranks saw norm 0.0 and only instance 0 clipped (the loss at step 3 off by
+  1.1e-5). Also there: with check_for_nan_in_grad, a NaN in an expert gradient on rank 2 (instance 1) is named
+  (rank 2 (DP rank 2): parameter 'experts.0.w1' has 96 NaN/Inf ...) on all 4 ranks; counted over the instance,
+  instance 0's ranks failed in the cross-instance report's collective instead
+"""
 
 import os
 import subprocess

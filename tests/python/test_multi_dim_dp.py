@@ -4,7 +4,15 @@ context parallel), against one process on the same global batch; and meshddp's g
 
 Tolerance 5e-7 on gradients and on params after 5 steps, as test_tensor_parallel.py (fp32 sums split
 four ways in another order; the DP x CP mean is a pre-divided Gloo sum; measured <= 3e-8 on
-gradients, <= 6e-8 on params). Averaging over DP only leaves differences of order 0.1."""
+gradients, <= 6e-8 on params). Averaging over DP only leaves differences of order 0.1.
+
+What the cases check:
+- dp_dim=("dp", "cp") on 4 ranks vs one process on the global batch (each rank its rows and sequence slice):
+  dp 2 x cp 2 with torch SGD and with ZeRO-1 AdamW, and cp 2 x tp 2 (a dp 1 x cp 2 x tp 2 mesh, torch TP
+  DTensor params): gradients and params after 5 steps within 5e-7 (measured <= 3e-8 / 6e-8; averaged over DP
+  only they differ by 0.04-0.19); the engine's DP ranks are the flattened group's; dims out of mesh order,
+  unknown, or not names are refused naming them; the group functions give the C++ results
+"""
 
 import pytest
 
@@ -54,22 +62,22 @@ def test_dp_dims_out_of_mesh_order_or_unknown_are_errors_naming_them():
 
 def test_flattened_groups_are_cxx_arithmetic():
     sizes, names = [2, 2, 2], ["dp", "cp", "tp"]
-    assert meshddp.flattened_groups(sizes, names, ["dp", "cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert meshddp.flattened_groups(sizes, names, ["cp", "tp"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert meshddp.flattened_group_ranks(5, sizes, names, ["dp", "cp"]) == [1, 3, 5, 7]
+    assert meshddp.groups.flattened_groups(sizes, names, ["dp", "cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert meshddp.groups.flattened_groups(sizes, names, ["cp", "tp"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert meshddp.groups.flattened_group_ranks(5, sizes, names, ["dp", "cp"]) == [1, 3, 5, 7]
     with pytest.raises(RuntimeError, match="not in mesh order"):
-        meshddp.flattened_groups(sizes, names, ["cp", "dp"])
+        meshddp.groups.flattened_groups(sizes, names, ["cp", "dp"])
 
 
 def test_expert_and_optimizer_instance_groups_are_cxx_arithmetic():
     # dp 4 x tp 2: EP 2 takes consecutive DP ranks, expert DP every 2nd (Megatron-core's layout).
     sizes, names = [4, 2], ["dp", "tp"]
-    assert meshddp.expert_parallel_groups(sizes, names, ["dp"], 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert meshddp.expert_data_parallel_groups(sizes, names, ["dp"], 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    dense = meshddp.flattened_groups(sizes, names, ["dp"])
-    assert meshddp.optimizer_instance_groups(dense, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert meshddp.cross_instance_groups(dense, 2, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert meshddp.groups.expert_parallel_groups(sizes, names, ["dp"], 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert meshddp.groups.expert_data_parallel_groups(sizes, names, ["dp"], 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    dense = meshddp.groups.flattened_groups(sizes, names, ["dp"])
+    assert meshddp.groups.optimizer_instance_groups(dense, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert meshddp.groups.cross_instance_groups(dense, 2, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(RuntimeError, match="EP size 3 does not divide the 4 ranks"):
-        meshddp.expert_parallel_groups(sizes, names, ["dp"], 3)
+        meshddp.groups.expert_parallel_groups(sizes, names, ["dp"], 3)
     with pytest.raises(RuntimeError, match="3 optimizer instances do not divide"):
-        meshddp.optimizer_instance_groups(dense, 3, "dp")
+        meshddp.groups.optimizer_instance_groups(dense, 3, "dp")

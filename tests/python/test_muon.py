@@ -49,7 +49,7 @@ def test_whole_param_adamw_equals_byte_range_and_overlapped_gather_is_bit_identi
 def test_muon_settings_are_keywords_and_in_repr():
     import meshddp
 
-    config = meshddp.OptimizerConfig(kind="muon", muon_ns_dtype="fp32", muon_scale="spectral", muon_extra_scale=0.5)
+    config = meshddp.DistributedOptimizerConfig(kind="muon", muon_ns_dtype="fp32", muon_scale="spectral", muon_extra_scale=0.5)
     text = repr(config)
     for field in ("kind='muon'", "muon_ns_dtype='fp32'", "muon_scale='spectral'", "muon_ns_coefficients='torch'",
                   "muon_adamw_params='*embed*,*lm_head*'"):

@@ -1,4 +1,4 @@
-"""The data-parallel side of a pipeline schedule from Python (docs/pipeline.md): the per-chunk
+"""The data-parallel side of a pipeline schedule from Python (docs/guide/pipelines.md): the per-chunk
 controls on one rank, and a 2-stage toy pipeline with an embedding tied to the LM head, per-token loss
 (pipeline_workers.py), against one process. Tolerance 2e-6 (fp32 SGD, 3 steps; ~1e-7 measured)."""
 
@@ -47,7 +47,7 @@ def test_controls_hold_start_finish_and_scale(mesh):
 
 
 def test_embedding_groups_pair_first_and_last_stage():
-    assert meshddp.embedding_groups([2, 3], ["dp", "pp"]) == [[0, 2], [1], [3, 5], [4]]
+    assert meshddp.groups.embedding_groups([2, 3], ["dp", "pp"]) == [[0, 2], [1], [3, 5], [4]]
 
 
 def test_tied_pipeline_matches_one_process():

@@ -4,7 +4,15 @@ pp 2 (4 ranks, Gloo, CPU), a 4-layer MLP, 4 micro-batches per DP rank, 3 SGD ste
 and 3 - r),
 against one process on the global batch: the last step's gradients and the
 params after it, with the schedule's scale_grads on (mean loss) and off (loss pre-divided by the
-micro-batch count). Tolerance 3e-7 (fp32; measured 3e-8 on every schedule)."""
+micro-batch count). Tolerance 3e-7 (fp32; measured 3e-8 on every schedule).
+
+What the cases check:
+- torch's GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV schedules with
+  meshddp.pipelining.PipelineStage on dp 2 x pp 2 vs one process on the global batch, scale_grads on and off,
+  ZeRO-1 with 1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV: last-step gradients and params after 3
+  SGD steps within 3e-7 (measured 3e-8); docs/pipeline.md's torchrun script on 4 ranks; a stage of a module
+  meshddp does not wrap refused
+"""
 
 import os
 import subprocess
@@ -26,7 +34,7 @@ def test_schedule_matches_one_process(schedule, scale_grads):
 
 
 def test_the_docs_torchrun_script_trains_on_4_ranks():
-    """docs/pipeline.md's script (tests/docs/snippets/torch_pipelining.py) under torchrun, dp 2 x pp 2."""
+    """docs/guide/pipelines.md's script (tests/docs/snippets/torch_pipelining.py) under torchrun, dp 2 x pp 2."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node=4",

@@ -4,7 +4,14 @@ processes, the MLP of pipelining_workers.py, 2 schedule.step() calls of 4 micro-
 step, 2 SGD steps. Golden: one process on the same global batches, the two steps' mean losses
 backpropagated one after the other (their gradients summed). Tolerance 3e-7 (fp32; measured 7e-9 to
 3e-8). torch's own DDP in torch's stage accumulates too (each step syncs and adds onto .grad), but its
-scale_grads divides the earlier steps' gradients again; meshddp's stage scales each step's own."""
+scale_grads divides the earlier steps' gradients again; meshddp's stage scales each step's own.
+
+What the cases check:
+- 2 schedule.step() calls per optimizer step (1F1B, Interleaved1F1B, ZBVZeroBubble, ZeRO-1; finish_grad_sync
+  between or not; scale_grads on and off) vs one process on the same batches: within 3e-7 (measured 3e-8); a
+  step after an optimizer step (torch's SGD, or meshddp's ZeRO-1 DistributedOptimizer) without
+  zero_grad_buffer() refused on every rank
+"""
 
 import pytest
 
@@ -38,7 +45,7 @@ def test_two_schedule_steps_per_optimizer_step_match_one_process(schedule, finis
     ("Interleaved1F1B", "ddp_twice", True, "sum"),
 ])
 def test_every_way_to_end_an_accumulation_gives_one_process_gradients(schedule, ending, zero1, grad_reduction):
-    """The last schedule.step() of each optimizer step finished by meshddp.pipelining.finish_grad_sync(stages),
+    """The last schedule.step() of each optimizer step finished by meshddp.pipelining.finalize_model_grads(stages),
     each chunk's ddp.finish_grad_sync(), either twice (a second call is a no-op), or nothing before
     DistributedOptimizer.step() (which finishes it): the same gradients. Broken on purpose, each fails: a
     second stage call scaled the buffers again (grad_reduction="sum": times the DP size each call); the DDP's

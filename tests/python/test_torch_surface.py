@@ -4,7 +4,38 @@ LR and weight decay); meshddp.clip_grad_norm_ on a torch-TP model; param.main_gr
 style MoE with DTensor experts over an EP sub-mesh; hierarchical ZeRO-1 (optimizer instances).
 
 The multi-rank cases run in one launch of 4 ranks (surface_workers.suite). Tolerance 5e-7 on params
-(the DP mean is a pre-divided Gloo sum: a few fp32 ulps per step, as test_ddp_vs_torch.py)."""
+(the DP mean is a pre-divided Gloo sum: a few fp32 ulps per step, as test_ddp_vs_torch.py).
+
+What the cases check:
+- what a ported Megatron / torch trainer expects, one launch of 4 ranks against one process on the global
+  batch: torch's LambdaLR and CosineAnnealingLR and meshddp.LrScheduler (cosine with warm-up, weight decay 0.1
+  -> 0.3) drive ZeRO-1's param_groups (default wd 0.1; *.bias wd 0; norm.* half the LR, wd 0) exactly as they
+  drive torch's AdamW with the same groups: the same LR and weight decay per group at every step, params after
+  6 steps within 5e-7 (measured <= 3e-8); LambdaLR resumed at step 3 from dcp.save({"model", "optim"}) plus
+  lr_scheduler.state_dict() into fresh objects; meshddp.clip_grad_norm_ on a torch-TP model (fc1 colwise, fc2
+  rowwise, a plain head) at dp 2 x tp 2 against torch's clip_grad_norm_ at 1x1 (norm within 1e-6 relative,
+  measured 4e-8; clipped gradients within 1e-7, measured 1.9e-9), and torch's own failing on the mix
+  (aten._foreach_norm.Scalar: got mixed torch.Tensor and DTensor); param.main_grad after finish_grad_sync() is
+  the global-batch gradient (measured 3e-8) and .grad's storage; a torchtitan-style MoE (experts as two 3-D
+  DTensor params Shard(0) over mesh["ep"] of an ("edp", "ep") 2 x 2 mesh, EP 2) with meshddp ZeRO-1 and with
+  torch AdamW on plain DDP, and the HF-style one (one module per expert, expert_params=["experts.*"]):
+  gradients after the first backward within 1e-7 (measured 3e-8), params after 6 AdamW steps within 2e-6
+  (measured 7.7e-7: the router's smallest gradient elements, 3.5e-7, through AdamW's normalized update; every
+  other param <= 1.5e-7); num_distributed_optimizer_instances=2 at dp 4 (5e-7; measured 9e-8), and with the
+  HF-style MoE at EP 2 and EP 1 (expert buckets sharded over the instance's expert-DP ranks, 1 and 2, and
+  all-reduced across the 2 instances, asserted per bucket; 2e-6, measured 7.7e-7 and 4.3e-7; K 4 refused at EP
+  2 naming the expert-DP size 2). One process: torch's clip_grad_norm_ after finish_grad_sync() under ZeRO-1
+  makes step() refuse and change nothing, and meshddp.clip_grad_norm_ refuses ZeRO-1; set_lr / set_group_lr
+  show in param_groups, a negative weight decay there is refused at step() naming it, add_param_group is
+  refused; LrScheduler on a torch AdamW gives lr_at times each group's ratio; main_grad is fp32 with
+  grad_reduce_in_fp32 on bf16 params; expert_params patterns declare the matching params. 9 s under ctest (27
+  s while the 2-core machine was loaded). Broken on purpose, each fails: step() not reading param_groups
+  (params off by 0.014); DTensor params recorded as replicated for the norm (0.489 vs 0.680); main_grad a copy
+  (zeros); DTensor experts not declared (w1 off by 0.072, its gradient by 0.050); the cross-instance group
+  made like the instance group (0.072); no expert instance group passed to the engine (expert buckets sharded
+  over the whole expert-DP group: (True, 2, 0) instead of (True, 1, 2)); the version check removed (no error);
+  set_lr / load_state_dict not writing back into the dicts (the resumed LR 0.01 instead of 0.0025)
+"""
 
 import math
 
@@ -123,7 +154,7 @@ def test_optimizer_instances_match_one_process(suite):
 def zero1(mesh, **optimizer):
     ddp = meshddp.DistributedDataParallel(surface_workers.Block(), mesh,
                                           config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2, groups=surface_workers.GROUPS,
+    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2, groups=surface_workers.GROUPS,
                                                                           **optimizer))
 
 

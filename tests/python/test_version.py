@@ -1,6 +1,17 @@
 """meshddp.__version__ (CMake's project version), the torch it was built against and the check at
 import (a copy of the built package whose recorded torch is faked, imported in a subprocess), and the
-`meshddp-consolidate` command, which reads through the engine's checkpoint reader."""
+`meshddp-consolidate` command, which reads through the engine's checkpoint reader.
+
+What the cases check:
+- meshddp.__version__ is CMakeLists.txt's project version read with pyproject.toml's own regex;
+  built_with_torch is the running torch; a copy of the package whose recorded torch is faked (2.10.0, 3.11.0)
+  refuses to import in a subprocess with the message above, a faked 2.11.9 of the running flavour imports, and
+  a CUDA build refuses a faked +cpu, +cu999 or flavourless torch of the same version (a CPU build accepts
+  them); meshddp-consolidate is meshddp.consolidate:main in pyproject.toml, there is no second reader in
+  scripts/, and main(argv) consolidates a checkpoint saved from Python into the model's state dict
+  (bit-exact); a step directory reads alike, with --optimizer the optimizer state too, and a flipped byte is
+  refused naming CRC32C.
+"""
 
 import os
 import re

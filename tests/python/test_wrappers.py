@@ -1,7 +1,16 @@
 """meshddp's wrapper next to the torch code around it: wrapped twice (meshddp in meshddp, two wrappers
 over one model, torch's DDP around meshddp's or inside it), a torch optimizer stepping before
 finish_grad_sync(), and a forward through the raw module while ZeRO-1's param all-gathers are in
-flight (meshddp/_guards.py). Each is right, or an error naming the way out."""
+flight (meshddp/_guards.py). Each is right, or an error naming the way out.
+
+What the cases check:
+- meshddp around meshddp and two live wrappers over one model refused naming the param, then fine once the
+  first is deleted; meshddp around torch's DDP refused; torch's DDP around meshddp's leaves its params alone
+  (around it alone: torch's "not needed" error; deeper: refused at forward, then fine with
+  _set_params_and_buffers_to_ignore_for_model); a torch SGD.step() before finish_grad_sync() refused with
+  params unchanged; on 2 ranks, ZeRO-1 with overlap_param_gather, the raw module's forward right after step()
+  (same thread, and another thread) equals the one after finish_param_sync() exactly
+"""
 
 import gc
 

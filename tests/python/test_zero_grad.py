@@ -1,4 +1,4 @@
-"""optimizer.zero_grad() with meshddp (docs/python.md, "Limits"): in addition to
+"""optimizer.zero_grad() with meshddp (docs/reference/python_api.md, "Limits"): in addition to
 ddp.zero_grad_buffer() it is harmless (the params train exactly as with zero_grad_buffer() alone, and
 as torch in one process); instead of it, the next step fails naming zero_grad_buffer(). One rank, in
 this process."""

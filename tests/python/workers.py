@@ -126,7 +126,7 @@ def zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cpu"):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                                  use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
     opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
     results = []
     for step in range(STEPS):
@@ -146,7 +146,7 @@ def zero1_vs_adamw(rank, world_size, checkpoint_dir, device="cpu"):
     torch.manual_seed(1)  # other initial values, which the load must overwrite
     fresh = meshddp.DistributedDataParallel(Net().to(device), mesh, config=meshddp.DdpConfig(bucket_bytes=1024,
                                                                                  use_distributed_optimizer=True))
-    fresh_opt = meshddp.DistributedOptimizer(fresh, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+    fresh_opt = meshddp.DistributedOptimizer(fresh, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
     fresh_opt.load_checkpoint(checkpoint_dir)
     return {
         "reloaded_diff": max_diff(list(ddp.parameters()), list(fresh.parameters())),
@@ -190,7 +190,7 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(bucket_bytes=512,
                                                                                use_distributed_optimizer=zero1))
     if zero1:
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
         opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
     else:
         opt = make_optimizer(optimizer, ddp.parameters(), 0.01)
@@ -433,7 +433,7 @@ def zero1_exit_without_finish_param_sync(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(Net(), mesh, config=meshddp.DdpConfig(bucket_bytes=512,
                                                                                use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=0.01, overlap_param_gather=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=0.01, overlap_param_gather=True))
     for step in range(3):
         ddp.zero_grad_buffer()
         x, y = batch(step, rank, 0)
@@ -481,7 +481,7 @@ def state_dict_right_after_step(rank, world_size):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(use_distributed_optimizer=True, bucket_bytes=0))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="sgd", lr=0.1, momentum=0.0, weight_decay=0.0,
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="sgd", lr=0.1, momentum=0.0, weight_decay=0.0,
                                                                     overlap_param_gather=True))
     ddp.zero_grad_buffer()
     ddp(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()

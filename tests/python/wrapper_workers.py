@@ -25,7 +25,7 @@ def raw_forward_after_overlapped_step(rank, world_size, on_thread):
     model = _wide_net()
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(bucket_bytes=1 << 20,
                                                                                 use_distributed_optimizer=True))
-    opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=0.05, overlap_param_gather=True))
+    opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=0.05, overlap_param_gather=True))
     gen = torch.Generator().manual_seed(1)
     probe = torch.randn(4, 256, generator=gen)
     out = []

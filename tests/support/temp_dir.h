@@ -1,5 +1,5 @@
 // Scratch directories for tests that write files. POSIX, not std::filesystem: the torch wheel
-// exports an older std::filesystem that crashes when it shadows libstdc++'s (docs/building.md).
+// exports an older std::filesystem that crashes when it shadows libstdc++'s (docs/reference/building.md).
 #pragma once
 
 #include <cstdlib>

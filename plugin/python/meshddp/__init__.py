@@ -1,6 +1,11 @@
 """meshddp for Python trainers: DistributedDataParallel and a ZeRO-1 DistributedOptimizer over a
 torch DeviceMesh, with meshddp's C++ engine (flat gradient buffers, bucketed overlapped collectives)
-doing the work. See docs/python.md."""
+doing the work. See docs/guide/python.md; the API: docs/reference/python_api.md.
+
+Modules: meshddp.pipelining (pipeline parallel: finalize_model_grads, PipelineStage), meshddp.groups
+(rank arithmetic: which ranks share a parameter's reduction)."""
+
+import importlib
 
 import torch  # loads libtorch and torch's pybind11 types before the extension
 
@@ -11,21 +16,34 @@ _torch_version.check(built_with_torch, torch.__version__, __version__, built_wit
 
 import torch.distributed  # noqa: E402,F401  (registers c10d's ProcessGroup type for the extension)
 
-from meshddp._C import DdpConfig, LrScheduleConfig, OptimizerConfig, StepResult, linear_with_grad_in_buffer  # noqa: E402
-from meshddp._C import lr_at, weight_decay_at  # noqa: E402
-from meshddp._C import (  # noqa: E402  (which ranks share a param: mesh/reduction_groups.h)
-    cross_instance_groups,
-    expert_data_parallel_groups,
-    expert_parallel_groups,
-    flattened_group_ranks,
-    flattened_groups,
-    optimizer_instance_groups,
-)
+from meshddp import _deprecated, groups  # noqa: E402,F401
+from meshddp._C import DdpConfig, DistributedOptimizerConfig, LrScheduleConfig, StepResult  # noqa: E402
+from meshddp._C import linear_with_grad_in_buffer, lr_at, weight_decay_at  # noqa: E402
 from meshddp._dcp_stager import DcpStager  # noqa: E402
 from meshddp.ddp import DistributedDataParallel  # noqa: E402
-from meshddp.pipeline import declare_tied_across_stages, embedding_groups, finalize_model_grads  # noqa: E402
 from meshddp.optimizer import DistributedOptimizer  # noqa: E402
 from meshddp.training import LrScheduler, clip_grad_norm_, grad_norm  # noqa: E402
+
+OptimizerConfig = DistributedOptimizerConfig  # the short name, an alias (C++: meshddp::OptimizerConfig)
+
+# Pipeline functions live in meshddp.pipelining, loaded on first use (it imports torch's pipelining).
+_PIPELINING = ("finalize_model_grads", "declare_tied_across_stages")
+
+# Old top-level names, kept for one release: each warns naming its new home.
+_RENAMED = {
+    name: (f"meshddp.groups.{name}", (lambda n: lambda: getattr(importlib.import_module("meshddp.groups"), n))(name))
+    for name in ("cross_instance_groups", "embedding_groups", "expert_data_parallel_groups", "expert_parallel_groups",
+                 "flattened_group_ranks", "flattened_groups", "optimizer_instance_groups")
+}
+
+
+def __getattr__(name):
+    if name == "pipelining":
+        return importlib.import_module("meshddp.pipelining")
+    if name in _PIPELINING:
+        return getattr(importlib.import_module("meshddp.pipelining"), name)
+    return _deprecated.module_getattr(__name__, _RENAMED, name)
+
 
 __all__ = [
     "__version__",
@@ -35,22 +53,16 @@ __all__ = [
     "DdpConfig",
     "DistributedDataParallel",
     "DistributedOptimizer",
+    "DistributedOptimizerConfig",
     "LrScheduleConfig",
     "LrScheduler",
     "OptimizerConfig",
     "StepResult",
     "clip_grad_norm_",
-    "cross_instance_groups",
     "declare_tied_across_stages",
-    "embedding_groups",
-    "expert_data_parallel_groups",
-    "expert_parallel_groups",
     "finalize_model_grads",
-    "flattened_group_ranks",
-    "flattened_groups",
     "grad_norm",
     "linear_with_grad_in_buffer",
     "lr_at",
-    "optimizer_instance_groups",
     "weight_decay_at",
 ]

@@ -1,6 +1,6 @@
 """The process groups a Python DistributedDataParallel needs beyond DP and TP, made from a torch
 DeviceMesh with the C++ engine's own arithmetic (mesh/reduction_groups.h, bound as
-meshddp.expert_data_parallel_groups, ...): the expert-data-parallel group of expert (MoE) params and
+meshddp.groups.expert_data_parallel_groups, ...): the expert-data-parallel group of expert (MoE) params and
 the hierarchical ZeRO-1 groups (num_distributed_optimizer_instances), and the embedding group of a
 pipeline mesh (weights tied across stages). The C++ DeviceMesh constructor
 of DistributedDataParallel makes the same groups (plugin/distributed_data_parallel.cpp).
@@ -53,7 +53,7 @@ def expert_parallel_ranks(mesh, dp_dims, ep):
 
 def is_expert_dtensor(param, mesh, dp_dims, ep):
     """Whether DTensor `param` lives on this rank's expert-parallel sub-mesh (1-D, the ranks of
-    meshddp.expert_parallel_groups(..., ep)) sharded over it: a torchtitan-style expert param."""
+    meshddp.groups.expert_parallel_groups(..., ep)) sharded over it: a torchtitan-style expert param."""
     pmesh = param.device_mesh
     if ep <= 1 or mesh is None or pmesh.ndim != 1 or pmesh.size() != ep:
         return False
@@ -133,7 +133,7 @@ def optimizer_instance_groups(mesh, dp_dims, config, agreement_group):
 
 def embedding_group(mesh):
     """On a mesh with a "pp" dim: this rank's embedding group, its pipeline's first and last stage
-    (meshddp.embedding_groups; a middle stage alone), over which a weight tied across stages is summed;
+    (meshddp.groups.embedding_groups; a middle stage alone), over which a weight tied across stages is summed;
     made by its members at the first DDP over the mesh (the C++ mesh makes it the same way). None
     without a "pp" dim or a mesh."""
     if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):

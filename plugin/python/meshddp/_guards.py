@@ -115,7 +115,7 @@ def _before_optimizer_step(optimizer, args, kwargs):
                             f"for the ZeRO-1 distributed optimizer (DdpConfig use_distributed_optimizer=True): each DP "
                             f"rank holds the reduced gradient of its own shard only, so a torch optimizer would step "
                             f"every rank on a different gradient and the ranks' params would diverge. Use "
-                            f"meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(...)), or build the wrapper with "
+                            f"meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(...)), or build the wrapper with "
                             f"use_distributed_optimizer=False for a torch optimizer")
         fp32_main_grads = ddp._fp32_main_grad_params
         for group in optimizer.param_groups if fp32_main_grads else ():
@@ -133,7 +133,7 @@ def _before_optimizer_step(optimizer, args, kwargs):
         if steps_on_it and engine.unsynced_grads_accumulated():
             raise _error(
                 f"{type(optimizer).__name__}.step() was called on gradients that were accumulated (backward under "
-                f"no_sync(), set_is_last_microbatch(False) or set_requires_gradient_sync(False)) but never synced "
+                f"no_sync() or set_requires_gradient_sync(False)) but never synced "
                 f"(the DistributedDataParallel of {_some_names(ddp)}): each rank would step on its own local "
                 f"gradients and the ranks' params would diverge. Call ddp.finish_grad_sync() after the last "
                 f"backward and before optimizer.step() (it averages what was accumulated), or run the last "
@@ -150,7 +150,7 @@ def _before_optimizer_step(optimizer, args, kwargs):
                 f"finish_grad_sync() was not called after the last backward, so the optimizer would step on "
                 f"gradients that are not averaged over the data-parallel ranks (each rank its own). Call "
                 f"ddp.finish_grad_sync() after the last backward and before optimizer.step() (under "
-                f"torch.distributed.pipelining: meshddp.pipelining.finish_grad_sync(stages), every stage of the rank)")
+                f"torch.distributed.pipelining: meshddp.pipelining.finalize_model_grads(stages), every stage of the rank)")
 
 
 def _some_names(ddp):

@@ -1,6 +1,6 @@
 """DistributedOptimizer.state_dict() / load_state_dict() in the form torch.distributed.checkpoint
 (DCP) saves and reshards. Not the meshddp checkpoint format (optimizer.save_checkpoint): see
-docs/checkpoints.md for which to use when.
+docs/reference/checkpoints.md for which to use when.
 
 Note [The optimizer state for DCP]
   ZeRO-1 gives DP rank r the contiguous range [begin + r*n/dp, begin + (r+1)*n/dp) of every bucket

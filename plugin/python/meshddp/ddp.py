@@ -6,7 +6,7 @@ tensors and c10d groups, once.
 A step (as with Megatron's DDP):
     ddp.zero_grad_buffer()                  # not optimizer.zero_grad(): grads are views of the buffer
     for m in range(k):
-        ddp.set_is_last_microbatch(m == k - 1)    # or wrap micro-batches 0..k-2 in `with ddp.no_sync():`
+        ddp.set_requires_gradient_sync(m == k - 1)  # or wrap micro-batches 0..k-2 in `with ddp.no_sync():`
         loss_fn(ddp(x[m]), y[m]).div(k).backward()  # buckets reduce over "dp" while backward runs
     ddp.finish_grad_sync()                  # param.grad now holds the DP mean
     optimizer.step()
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _groups, _guards
+from meshddp import _C, _deprecated, _groups, _guards
 
 
 def _error(what):
@@ -96,7 +96,7 @@ def _resolve_groups(mesh, dp_dims, process_group, tp_dim):
                 f"the mesh has no dim named '{dp_dim}' (dp_dim); its dims are {names} with shape "
                 f"{tuple(mesh.shape)}; pass dp_dim= one of them (or a tuple of them, in mesh order), or name the "
                 f"mesh's dims with init_device_mesh(..., mesh_dim_names=...)")
-    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/pipeline.md).
+    # A "pp" dim is neither DP nor TP: each pipeline stage syncs within itself (docs/guide/pipelines.md).
     stage = [(n, size) for n, size in zip(names, mesh.shape) if n != "pp"]
     others = [n for n, _ in stage if n not in dp_dims]
     if tp_dim is None:
@@ -198,10 +198,10 @@ class DistributedDataParallel(torch.nn.Module):
         MESHDDP_NCCL_BLOCKING_WAIT=1) fails naming the collective; a Gloo group fails after the timeout
         it was created with (init_process_group(timeout=)).
         embedding_group (a ProcessGroup; pipeline parallel): the first and last stage of this rank's
-        pipeline (meshddp.embedding_groups gives them), over which the two copies of a weight tied across
+        pipeline (meshddp.groups.embedding_groups gives them), over which the two copies of a weight tied across
         stages (meshddp.declare_tied_across_stages) are summed before the DP reduction. Default: made from
         `mesh` when it has a "pp" dim (by the group's members, at the first DDP over the mesh). A "pp" dim
-        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/pipeline.md).
+        of `mesh` is neither DP nor TP: each stage syncs within itself (docs/guide/pipelines.md).
         expert_params: module-path patterns ('*' any run of characters, e.g. "*.experts.*") of expert
         (MoE) params, reduced over the expert-data-parallel group (DdpConfig.expert_parallel_size);
         DTensor params on the expert-parallel sub-mesh are expert params without a pattern
@@ -377,10 +377,12 @@ class DistributedDataParallel(torch.nn.Module):
         return version is not None and sum(g._version for g in self._version_probes) != version
 
     def set_is_last_microbatch(self, is_last):
-        """False for micro-batches before the last: backward only accumulates. Default True."""
-        self._engine.set_is_last_microbatch(bool(is_last))
+        """Deprecated: set_requires_gradient_sync(is_last), the same switch."""
+        _deprecated.warn("DistributedDataParallel.set_is_last_microbatch",
+                         "DistributedDataParallel.set_requires_gradient_sync (or `with ddp.no_sync():`)")
+        self._engine.set_requires_gradient_sync(bool(is_last))
 
-    # -- the controls a pipeline schedule drives (docs/pipeline.md) ------------------------------------
+    # -- the controls a pipeline schedule drives (docs/guide/pipelines.md) ------------------------------------
     def start_grad_sync(self):
         """Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
         contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
@@ -388,8 +390,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.start_grad_sync()
 
     def set_requires_gradient_sync(self, requires_sync):
-        """FSDP2's name. False: hold every bucket (backward only accumulates) until set True again;
-        the same switch as set_is_last_microbatch() and no_sync()."""
+        """False: hold every bucket (backward only accumulates) until set True again, e.g. for every
+        micro-batch but the last (FSDP2's name; torch DDP's and Megatron's no_sync() context is the same
+        switch). Default True."""
         self._engine.set_requires_gradient_sync(bool(requires_sync))
 
     def scale_gradients(self, factor):

@@ -65,7 +65,7 @@ def _warn_of_muon_embeddings(module, by_name, muon_names, patterns):
 def _warn_of_muon_conv_stacks(module, by_name, muon_names, patterns):
     """muon_stacked_matrices takes every 3-D param muon_adamw_params does not name as a stack of matrices
     [E, m, n]; an nn.Conv1d kernel [out, in, k] is 3-D too, and would be stepped as `out` separate in x k
-    matrices: warn, naming the param and the fix (docs/optimizer.md "Muon on stacked matrices")."""
+    matrices: warn, naming the param and the fix (docs/reference/optimizer.md "Muon on stacked matrices")."""
     caught = _muon_weights_of(module, by_name, muon_names, torch.nn.modules.conv._ConvNd)
     if caught:
         shapes = ", ".join(f"'{n}' ({kind}, {list(by_name[n].shape)})" for n, kind in caught.items())
@@ -96,9 +96,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(ddp, DistributedDataParallel):
             raise RuntimeError(f"meshddp.DistributedOptimizer: ddp must be a meshddp.DistributedDataParallel, got "
                                f"{type(ddp).__name__}")
-        config = _C.OptimizerConfig() if config is None else config
-        if not isinstance(config, _C.OptimizerConfig):
-            raise RuntimeError(f"meshddp.DistributedOptimizer: config must be a meshddp.OptimizerConfig, got "
+        config = _C.DistributedOptimizerConfig() if config is None else config
+        if not isinstance(config, _C.DistributedOptimizerConfig):
+            raise RuntimeError(f"meshddp.DistributedOptimizer: config must be a meshddp.DistributedOptimizerConfig, got "
                                f"{type(config).__name__}")
         self.ddp = ddp
         self._impl = _C._DistributedOptimizer(ddp._engine, config)
@@ -284,7 +284,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(e.g. by torch.nn.utils.clip_grad_norm_). The buffer is sharded for the ZeRO-1 distributed "
                 "optimizer (use_distributed_optimizer), so each DP rank holds the reduced gradient of its shard "
                 "only: torch's clip_grad_norm_ takes the norm of unreduced gradients, and would clip a second time "
-                "after the optimizer's own clipping. Set meshddp.OptimizerConfig(clip_grad_norm=max_norm) instead "
+                "after the optimizer's own clipping. Set meshddp.DistributedOptimizerConfig(clip_grad_norm=max_norm) instead "
                 "(step() clips and reports StepResult.grad_norm); nothing was updated")
         self.ddp.finish_grad_sync()  # through the DDP: its checks (a DTensor param frozen after wrapping)
         self._agree_groups()
@@ -357,15 +357,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._pull_groups()
 
     def save_checkpoint(self, directory, keep_last=0, async_save=False, if_busy="wait"):
-        """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/optimizer.md).
+        """Sharded checkpoint: every DP rank writes its shard, DP rank 0 the manifest (docs/reference/optimizer.md).
 
         keep_last=K (> 0) then keeps the K newest checkpoints of this run (the one it loaded and those
-        it saved since; docs/checkpoints.md, "The live run") and deletes the other step directories.
+        it saved since; docs/reference/checkpoints.md, "The live run") and deletes the other step directories.
 
         async_save=True returns after a copy of this rank's shards to host memory: a background thread
         writes them, and the checkpoint is committed (`latest` moved) at a later checkpoint_step_boundary()
         or wait_checkpoint(), which every rank calls at every step boundary / at the end of training
-        (docs/checkpoints.md, "Asynchronous saves"). Returns {"path", "stall_ms", "waited_ms",
+        (docs/reference/checkpoints.md, "Asynchronous saves"). Returns {"path", "stall_ms", "waited_ms",
         "snapshot_ms"}. A save while the previous async one is still being written waits for it
         (if_busy="wait") or raises (if_busy="refuse"), on every rank."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
@@ -423,7 +423,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         every tensor, so dcp.load(sd) fills the optimizer in place; then call load_state_dict(sd). Save and
         load it with the model's: {"model": ddp.state_dict(), "optim": opt.state_dict()} (an fp32 param is its
         own master). With TP > 1 the keys name the TP rank: reshards over DP, at the same TP size.
-        Note [The optimizer state for DCP] in meshddp/_state_dict.py; docs/checkpoints.md."""
+        Note [The optimizer state for DCP] in meshddp/_state_dict.py; docs/reference/checkpoints.md."""
         if self.ddp.config.expert_parallel_size > 1 and any(
                 _C._is_expert_param(getattr(p, "_local_tensor", p)) for p in self.ddp.parameters()):
             raise RuntimeError(

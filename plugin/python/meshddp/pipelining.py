@@ -1,5 +1,6 @@
-"""torch.distributed.pipelining with meshddp as the data-parallel wrapper (docs/pipeline.md, "From
-Python: torch.distributed.pipelining"): PipelineStage, a drop-in for torch's, whose submodule is a
+"""Pipeline parallel with meshddp as the data-parallel wrapper (docs/guide/pipelines.md): the functions
+over all of a rank's chunks (finalize_model_grads, declare_tied_across_stages), for any schedule, and
+PipelineStage, a drop-in for torch's, whose submodule is a
 meshddp.DistributedDataParallel. torch's stage drives only torch's DDP (through its Reducer) and FSDP2;
 any other wrapper gets a plain backward with no sync control, and its scale_grads divides p.grad, which
 a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
@@ -28,7 +29,7 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
 - scale_grads under schedule.eval() (forward only, yet torch's schedules still call perform_reduce_grad
   or scale_grads): nothing. Scaling then would divide the buffers (a finished step's gradients, kept
   for the optimizer step or for accumulation) and start a sync of them.
-- finish_grad_sync(stages) waits for every chunk's sync: call it after schedule.step() and before the
+- finalize_model_grads(stages) waits for every chunk's sync: call it after schedule.step() and before the
   optimizer step. It is each chunk's DDP finish_grad_sync(), which first starts the sync (scaled) if the
   schedule did not: the DDP's method, DistributedOptimizer.step() and finalize_model_grads give the same
   gradients, and a second call in the same step is a no-op.
@@ -38,7 +39,7 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
 - clear_runtime_states (the start of every schedule.step()): gradient accumulation across
   schedule.step() calls (several steps, then one optimizer step, no zero_grad_buffer() between), as with
   torch's DDP in torch's stage, whose every step syncs and adds onto .grad. A sync the previous step
-  started is finished first (finish_grad_sync between the steps is optional); the synced gradients are
+  started is finished first (finalize_model_grads between the steps is optional); the synced gradients are
   set aside (one copy of the chunk's trainable grads) and the buffers zeroed, so that this step scales
   (by its own micro-batch count: torch's stage divides the earlier steps' gradients again) and reduces
   its own gradients only; whatever finishes the sync adds the set-aside gradients back (the DDP keeps
@@ -62,7 +63,7 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
-from meshddp import _C
+from meshddp import _C, _deprecated
 from meshddp.ddp import DistributedDataParallel
 
 # Note [torch's stage methods this stage overrides]
@@ -119,7 +120,7 @@ def _error(what):
 class PipelineStage(_TorchPipelineStage):
     """torch.distributed.pipelining.PipelineStage (same arguments) whose `submodule` is a
     meshddp.DistributedDataParallel. Per step: zero each chunk's buffer (submod.zero_grad_buffer()),
-    schedule.step(...), meshddp.pipelining.finish_grad_sync(stages), optimizer.step().
+    schedule.step(...), meshddp.pipelining.finalize_model_grads(stages), optimizer.step().
     grad_reduction: "mean" (default: the buffers averaged over the chunk's DP group, as every meshddp
     DDP) or "sum" (a loss already divided by the global token count; see the module's docstring)."""
 
@@ -132,7 +133,7 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
         # The stages this rank holds (interleaved and V-shaped schedules: num_stages / pp): a gradient
-        # norm or an optimizer step over fewer of them is refused (docs/pipeline.md, "One run across stages").
+        # norm or an optimizer step over fewer of them is refused (docs/guide/pipelines.md, "One run across stages").
         pp_size = dist.get_world_size(self.group)
         _C._declare_pipeline_chunks(submodule._engine, max(1, self.num_stages // pp_size))
         if pp_size > 1 and submodule._pipeline_group is None:
@@ -215,7 +216,7 @@ class PipelineStage(_TorchPipelineStage):
         if self._sync_started:
             raise _error(f"PipelineStage {self.stage_index}: a backward after its chunk's gradient sync was started "
                          f"(REDUCE_GRAD ran before this step's last backward); call "
-                         f"meshddp.pipelining.finish_grad_sync(stages) and zero_grad_buffer() between steps")
+                         f"meshddp.pipelining.finalize_model_grads(stages) and zero_grad_buffer() between steps")
         ddp.set_requires_gradient_sync(False)
         self._backward_ran = True
         try:
@@ -274,9 +275,59 @@ class PipelineStage(_TorchPipelineStage):
         self.submod.finish_grad_sync()
 
 
+def finalize_model_grads(chunks, num_tokens=None, pp_group=None):
+    """Finishes the gradient sync of every chunk this rank holds, after the step's last backward (or
+    schedule.step()) and before the optimizer step. `chunks`: this rank's PipelineStages (one or a
+    list; each stage's sync, as its finish_grad_sync()), or its meshddp.DistributedDataParallel chunks
+    in chunk order 0..V-1 (DdpConfig.virtual_pipeline_chunk), the sum of weights tied across stages
+    included. num_tokens (DDP chunks only; int or one-element tensor): this rank's count of valid
+    tokens, the loss being a sum over them: the buffers are then divided by the global count (summed
+    over the DP group; with pp_group, the count of its last rank, the stage that computes the loss).
+    Returns that count (-1 without num_tokens)."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    if chunks and all(isinstance(c, PipelineStage) for c in chunks):
+        if num_tokens is not None:
+            raise _error("finalize_model_grads: num_tokens is for DistributedDataParallel chunks; with "
+                         "PipelineStages normalise the loss by the global token count yourself and build the "
+                         "stages with grad_reduction=\"sum\"")
+        for stage in chunks:
+            stage.finish_grad_sync()
+        return -1
+    for c in chunks:
+        if not isinstance(c, DistributedDataParallel):
+            raise _error(f"finalize_model_grads: expected this rank's meshddp.DistributedDataParallel chunks or "
+                         f"its meshddp.pipelining.PipelineStages (not a mix), got {type(c).__name__}")
+    for c in chunks:  # a PipelineStage's sync, scaled, if its schedule did not start it
+        before = c._before_finish() if c._before_finish is not None else None
+        if before is not None:
+            before()
+    count = _C.finalize_model_grads([c._engine for c in chunks], _token_count(num_tokens), pp_group)
+    for c in chunks:
+        c._after_grad_sync()  # synced (and scaled) by meshddp: what DistributedOptimizer.step() may read
+    return count
+
+
+def _token_count(num_tokens):
+    """num_tokens as an int (a Python number or a one-element tensor, as torchtitan counts it); a count
+    that is not a whole number is refused rather than truncated."""
+    if num_tokens is None:
+        return None
+    value = num_tokens.item() if hasattr(num_tokens, "item") else num_tokens
+    if isinstance(value, bool) or float(value) != int(value):
+        raise ValueError(f"finalize_model_grads: num_tokens = {num_tokens!r} is not a whole number of tokens; pass "
+                         "this rank's count of valid (loss-bearing) tokens, e.g. (labels != ignore_index).sum()")
+    return int(value)
+
+
+def declare_tied_across_stages(param):
+    """Declares `param` one copy of a weight tied across pipeline stages (the embedding on the first
+    stage, the LM head on the last; declare each on its own stage before wrapping its chunk)."""
+    _C.declare_tied_across_stages(param)
+
+
 def finish_grad_sync(stages):
-    """Finishes every stage's gradient sync on this rank (the .grad of each param then holds the DP
-    mean): after schedule.step(), before the optimizer step. `stages`: a PipelineStage or a list."""
+    """Deprecated: finalize_model_grads(stages), the same call (an empty list here finishes nothing)."""
+    _deprecated.warn("meshddp.pipelining.finish_grad_sync", "meshddp.pipelining.finalize_model_grads")
     for stage in stages if isinstance(stages, (list, tuple)) else [stages]:
         if not isinstance(stage, PipelineStage):
             raise _error(f"finish_grad_sync: expected meshddp.pipelining.PipelineStage, got {type(stage).__name__}")

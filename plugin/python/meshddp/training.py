@@ -107,7 +107,7 @@ def _plain_ddp(ddp, who):
         raise RuntimeError(
             f"meshddp.{who}: the grad buffer is sharded for the ZeRO-1 distributed optimizer "
             f"(use_distributed_optimizer), so each DP rank holds the reduced gradient of its shard only; set "
-            f"meshddp.OptimizerConfig(clip_grad_norm=max_norm) instead (its step() clips and reports "
+            f"meshddp.DistributedOptimizerConfig(clip_grad_norm=max_norm) instead (its step() clips and reports "
             f"StepResult.grad_norm)")
     ddp.finish_grad_sync()  # a no-op once done; through the DDP, for its checks
 

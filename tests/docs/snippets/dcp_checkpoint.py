@@ -1,4 +1,4 @@
-"""docs/checkpoints.md's torch.distributed.checkpoint block, run under torchrun
+"""docs/reference/checkpoints.md's torch.distributed.checkpoint block, run under torchrun
 (tests/docs/test_doc_snippets.py) in a scratch directory given as argv[1]: meshddp's ZeRO-1 trains,
 saves with DCP, trains on, then a freshly built ddp and opt load the save as the block does and must
 hold the saved params exactly."""
@@ -16,7 +16,7 @@ def build():
     torch.manual_seed(int(os.environ["RANK"]) + 10)  # different on each rank: DDP broadcasts rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(use_distributed_optimizer=True))
-    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(lr=1e-2))
+    return ddp, meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(lr=1e-2))
 
 
 def train(ddp, opt, steps):
@@ -51,4 +51,4 @@ for a, b in zip(saved, ddp.parameters()):
 print(f"dcp snippet: rank {dist.get_rank()} ok")
 dist.destroy_process_group()
 sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/python.md, "Exiting")
+os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/guide/python.md, "Exiting")

@@ -1,4 +1,4 @@
-"""docs/python.md's quickstart block, run under torchrun (tests/docs/test_doc_snippets.py): the
+"""docs/guide/python.md's quickstart block, run under torchrun (tests/docs/test_doc_snippets.py): the
 names it leaves to the reader (dp, tp, MyModel, plan, steps, k, x, y, loss_fn) are given here, the
 block's own lines follow in order. It checks that the loss falls and that every DP rank ends with
 the same params."""
@@ -44,7 +44,7 @@ opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 for step in range(steps):
     ddp.zero_grad_buffer()                  # not opt.zero_grad(): grads are views of the buffer
     for m in range(k):
-        ddp.set_is_last_microbatch(m == k - 1)     # or: `with ddp.no_sync():` for micro-batches 0..k-2
+        ddp.set_requires_gradient_sync(m == k - 1)     # or: `with ddp.no_sync():` for micro-batches 0..k-2
         loss_fn(ddp(x[m]), y[m]).div(k).backward() # buckets reduce over "dp" while backward runs
     ddp.finish_grad_sync()                  # every .grad now holds the DP mean
     opt.step()
@@ -60,4 +60,4 @@ for p in model.parameters():
 print(f"quickstart: rank {dist.get_rank()} ok, dp {dp} x tp {tp}, losses {losses[0]:.4f} -> {losses[-1]:.4f}")
 dist.destroy_process_group()
 sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/python.md, "Exiting")
+os._exit(0)  # not a finalizing interpreter under live Gloo threads (docs/guide/python.md, "Exiting")

@@ -1,4 +1,4 @@
-# docs/pipeline.md, "From Python: torch.distributed.pipelining": a torch model split into 2 pipeline
+# docs/guide/pipelines.md, "From Python: torch.distributed.pipelining": a torch model split into 2 pipeline
 # stages, each a meshddp DistributedDataParallel over "dp", driven by torch's Schedule1F1B.
 # torchrun --standalone --nproc-per-node=4 tests/docs/snippets/torch_pipelining.py   (dp 2 x pp 2, CPU)
 import torch
@@ -32,7 +32,7 @@ for step in range(3):
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    meshddp.pipelining.finish_grad_sync(stage)  # every chunk's sync done before the step
+    meshddp.pipelining.finalize_model_grads(stage)  # every chunk's sync done before the step
     optimizer.step()
     if losses:
         print(f"step {step} dp {dp_rank}: loss {torch.stack(losses).mean().item():.4f}")
