@@ -105,3 +105,20 @@ def test_the_guides_snippet_runs():
     guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "compile.md"
     snippet = re.search(r"```python\n(.*?)```", guide.read_text(), re.S).group(1)
     multiprocess.run(2, "compile_workers.run_snippet", source=snippet)
+
+
+def test_a_torch_internal_the_split_uses_that_changed_is_named_at_import():
+    from torch._dynamo import convert_frame
+
+    import meshddp.compile as compile_module
+
+    compile_module._check_torch_internals()  # the running torch
+    changed = {"torch._dynamo.convert_frame.catch_errors_wrapper": (convert_frame, "catch_errors_wrapper",
+                                                                    "(callback, hooks, frame_state)")}
+    with pytest.raises(ImportError, match=r"torch\._dynamo\.convert_frame\.catch_errors_wrapper in torch .* has the "
+                                          r"signature \(callback, hooks\), but meshddp was written for "
+                                          r"\(callback, hooks, frame_state\)"):
+        compile_module._check_torch_internals(changed)
+    gone = {"torch._dynamo.utils.get_optimize_ddp_mode": (object(), "get_optimize_ddp_mode", "()")}
+    with pytest.raises(ImportError, match=r"has no torch\._dynamo\.utils\.get_optimize_ddp_mode"):
+        compile_module._check_torch_internals(gone)

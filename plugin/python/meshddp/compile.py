@@ -21,6 +21,7 @@ Private torch internals used here are checked at import against what this file w
 """
 
 import inspect
+import warnings
 import weakref
 
 import torch
@@ -40,6 +41,10 @@ _WRITTEN_FOR = {
     "torch._C._dynamo.eval_frame.set_eval_frame": (_eval_frame, "set_eval_frame", None),
     "torch._dynamo.convert_frame.CatchErrorsWrapper": (_convert_frame, "CatchErrorsWrapper", "(self, callback, hooks)"),
     "torch._dynamo.convert_frame.catch_errors_wrapper": (_convert_frame, "catch_errors_wrapper", "(callback, hooks)"),
+    "torch._dynamo.convert_frame.ConvertFrame._clone_with_backend": (_convert_frame.ConvertFrame, "_clone_with_backend",
+                                                                    None),
+    "torch._dynamo.convert_frame.ConvertFrameAssert._clone_with_backend": (_convert_frame.ConvertFrameAssert,
+                                                                          "_clone_with_backend", None),
     "torch._dynamo.utils.get_optimize_ddp_mode": (_dynamo_utils, "get_optimize_ddp_mode", "()"),
     "torch._dynamo.backends.distributed.SubmodCompiler": (_ddp_optimizer, "SubmodCompiler",
                                                           "(self, module, compiler, fake_mode)"),
@@ -50,8 +55,10 @@ _WRITTEN_FOR = {
 }
 
 
-def _check_torch_internals():
-    for where, (owner, name, signature) in _WRITTEN_FOR.items():
+def _check_torch_internals(written_for=None):
+    """Raises ImportError naming the first entry of `written_for` (default _WRITTEN_FOR) that the running
+    torch lacks or has with another signature."""
+    for where, (owner, name, signature) in (written_for or _WRITTEN_FOR).items():
         thing = getattr(owner, name, None)
         if thing is None:
             raise ImportError(f"meshddp.compile: torch {torch.__version__} has no {where}, which meshddp's split of a "
@@ -191,6 +198,10 @@ def split_callback(wrapper, callback):
     convert = callback._torchdynamo_orig_backend
     backend = getattr(convert, "_torchdynamo_orig_backend", None)
     if backend is None or not hasattr(convert, "_clone_with_backend"):
+        warnings.warn(f"meshddp: torch.compile's frame converter ({type(convert).__name__}) has no "
+                      f"_torchdynamo_orig_backend or _clone_with_backend, so the compiled graph is not split at "
+                      f"meshddp's buckets and their reductions start after the whole backward (Note [torch internals "
+                      f"the compiled split uses], meshddp/compile.py)", stacklevel=3)
         return callback
     clones = _split_callbacks.setdefault(callback, {})
     entry = clones.get(id(wrapper))
@@ -217,14 +228,18 @@ def has_compiled_submodules(module):
                for m in module.modules())
 
 
-def refuse_compiled_autograd(what):
-    """Compiled autograd traces the backward's hooks; meshddp's are C++ autograd hooks it cannot trace."""
+def refuse_compiled_autograd(compiling):
+    """Compiled autograd captures the whole backward as one graph: meshddp's buckets, launched by C++ hooks
+    as gradients arrive, could only launch after it (torch's DDP needs its Python reducer there). Refused
+    when its context is on, or its config while torch.compile runs the forward."""
     from torch._dynamo import compiled_autograd
 
-    if torch._dynamo.config.compiled_autograd or compiled_autograd.compiled_autograd_enabled:
+    if (compiling and torch._dynamo.config.compiled_autograd) or compiled_autograd.compiled_autograd_enabled:
+        what = "torch.compile of the wrapper" if compiling else "a forward"
         raise RuntimeError(
             f"meshddp.DistributedDataParallel: {what} under compiled autograd (torch._dynamo.config.compiled_autograd "
-            f"or torch._dynamo.compiled_autograd.enable): meshddp's gradient hooks are C++ autograd hooks, which "
-            f"compiled autograd cannot trace. Turn compiled autograd off: torch.compile(ddp) then splits the graph "
+            f"or torch._dynamo.compiled_autograd.enable) is not supported: it captures the whole backward as one "
+            f"graph, which leaves no point inside it for meshddp's bucket reductions (launched by C++ hooks as "
+            f"gradients arrive) to start. Turn compiled autograd off: torch.compile(ddp) then splits the graph "
             f"at meshddp's buckets, or compile per block (block.compile() for each transformer block), which keeps "
             f"the bucket reductions overlapped with backward (docs/guide/compile.md)")

@@ -337,8 +337,7 @@ class DistributedDataParallel(torch.nn.Module):
         _guards.check_outer_torch_ddp(self)
         self._engine.check_before_forward()
         compiling = _compile.is_compiling_callback(callback)
-        if compiling:
-            _compile.refuse_compiled_autograd("torch.compile of the wrapper")
+        _compile.refuse_compiled_autograd(compiling)
         if self._engine.pending_param_gathers() > 0 and (compiling or _compile.has_compiled_submodules(self.module)):
             self._engine.finish_param_gathers()
         scope = self._engine.open_forward_scope()
