@@ -264,11 +264,3 @@ def compiled_autograd(rank, world_size):
     finally:
         torch._dynamo.config.compiled_autograd = False
 
-
-def run_snippet(rank, world_size, source):
-    """The guide's snippet (docs/guide/compile.md) on this rank, as written but for the backend: aot_eager
-    instead of the default inductor (whose C++ compiles take minutes on CI's cores; the split is the same)."""
-    torch._dynamo.reset()
-    fast = source.replace("torch.compile(ddp)", 'torch.compile(ddp, backend="aot_eager")')
-    assert fast != source, "the guide's snippet no longer compiles the wrapper with torch.compile(ddp)"
-    exec(compile(fast, "docs/guide/compile.md", "exec"), {"__name__": "__snippet__"})

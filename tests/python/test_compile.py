@@ -101,10 +101,19 @@ def test_compiled_autograd_is_refused_naming_per_block_compile():
         assert text is not None and "compiled autograd" in text and "block.compile()" in text, text
 
 
-def test_the_guides_snippet_runs():
-    guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "compile.md"
-    snippet = re.search(r"```python\n(.*?)```", guide.read_text(), re.S).group(1)
-    multiprocess.run(2, "compile_workers.run_snippet", source=snippet)
+def _code_lines(text):
+    return [" ".join(line.split()) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_guides_recipe_runs():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    block = re.search(r"```python\n(.*?)```", (root / "docs" / "guide" / "compile.md").read_text(), re.S).group(1)
+    have = _code_lines((root / "tests" / "python" / "compile_guide_snippet.py").read_text())
+    at = 0
+    for line in _code_lines(block):  # the guide's lines, in order, in the file run here
+        assert line in have[at:], f"docs/guide/compile.md's line '{line}' is not in compile_guide_snippet.py"
+        at = have.index(line, at) + 1
+    multiprocess.run(2, "compile_guide_snippet.main")
 
 
 def test_a_torch_internal_the_split_uses_that_changed_is_named_at_import():
