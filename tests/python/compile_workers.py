@@ -2,7 +2,7 @@
 DDP compiled the same way. Tiny models and backend="aot_eager" (the graph split and the autograd
 structure are the backend's input, so they prove the point without inductor's compile time)."""
 
-import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -264,3 +264,36 @@ def compiled_autograd(rank, world_size):
     finally:
         torch._dynamo.config.compiled_autograd = False
 
+
+
+def dp_x_tp(rank, world_size):
+    """Blocks parallelized with torch TP (up: Colwise, down: Rowwise) over "tp" of a 2 x 2 mesh, wrapped
+    over "dp": each rank's local shards after 3 SGD steps, compiled (aot_eager) and eager, and the graph
+    count of the compiled run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = Blocks()
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        ddp = meshddp.DistributedDataParallel(model, mesh, "dp", config())
+        run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                ddp.zero_grad_buffer()
+                x, y = batch(step, mesh.get_local_rank("dp"))
+                F.mse_loss(run(x), y).backward()
+                ddp.finish_grad_sync()
+                opt.step()
+        out[f"warned{compiled}"] = any("DTensor inputs" in str(w.message) for w in caught)
+        out[compiled] = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+        out[f"graphs{compiled}"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return {"compiled": out[True], "eager": out[False], "graphs": out["graphsTrue"], "warned": out["warnedTrue"]}

@@ -79,6 +79,14 @@ def test_compiled_zero1_with_overlapped_param_gather_is_eager_zero1(trained):
         assert len(r["pending"]) >= 4 and not any(r["pending"]), (rank, r["pending"])
 
 
+def test_dp_x_tp_with_dtensor_params_compiles_as_one_exact_graph_with_a_warning():
+    # torch's section compiler cannot pass DTensors between sections: one graph, bit-identical to eager.
+    results = multiprocess.run(4, "compile_workers.dp_x_tp")
+    for rank, r in enumerate(results):
+        assert _identical(r["compiled"], r["eager"]), (rank, _max_diff(r["compiled"], r["eager"]))
+        assert r["graphs"] == 1 and r["warned"], (rank, r["graphs"], r["warned"])
+
+
 @pytest.fixture(scope="module")
 def explained():
     return multiprocess.run(2, "compile_workers.explains")[0]

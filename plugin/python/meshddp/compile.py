@@ -31,6 +31,7 @@ from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo import utils as _dynamo_utils
 from torch._dynamo.backends import distributed as _ddp_optimizer
 from torch._dynamo.output_graph import GraphCompileReason
+from torch.distributed.tensor import DTensor
 
 # Note [torch internals the compiled split uses]
 #   None of these is torch's public API. Each is checked at import: a callable against the signature it
@@ -89,7 +90,8 @@ class BucketSplitter:
     def __init__(self, backend, param_bucket):
         self.backend = backend
         self.param_bucket = param_bucket
-        self.sections = []  # per compiled graph: its sections' param counts (for tests and logs)
+        self.sections = []  # per compiled graph: how many sections it was cut into
+        self.warned_dtensor = False
 
     def sections_of(self, gm, example_inputs):
         """Each non-placeholder, non-output node's section (0 = first in forward)."""
@@ -142,6 +144,17 @@ class BucketSplitter:
         return {node: i for i, section in enumerate(sections) for node in section}, len(sections)
 
     def __call__(self, gm, example_inputs):
+        if any(isinstance(t, DTensor) for t in example_inputs):
+            # torch's section compiler fails on DTensors passed between sections ("got mixed torch.Tensor and
+            # DTensor" while fakifying them); one graph is exact, without the overlap.
+            if not self.warned_dtensor:
+                self.warned_dtensor = True
+                warnings.warn("meshddp: the compiled graph has DTensor inputs (torch tensor parallelism), so it is "
+                              "not split at meshddp's buckets and their reductions start after the whole compiled "
+                              "backward; compile each block instead (block.compile()) to keep them overlapped "
+                              "(docs/guide/compile.md)", stacklevel=2)
+            self.sections.append(1)
+            return self.backend(gm, example_inputs)
         section_of, count = self.sections_of(gm, example_inputs)
         self.sections.append(count)
         if count == 1:
