@@ -255,6 +255,18 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
+      // Per trainable param (its name, the global index of its bucket = the bucket's place in launch
+      // order): where a compiled graph is split so each section's backward ends by filling whole buckets
+      // (meshddp/compile.py).
+      .def("_param_buckets",
+           [](const PythonDdp& d) {
+             std::vector<std::pair<std::string, int64_t>> out;
+             const meshddp::GradBuffer& buffer = d.grad_buffer();
+             for (size_t i = 0; i < buffer.params().size(); ++i) {
+               out.emplace_back(buffer.params()[i].name, buffer.layout().slots[i].bucket);
+             }
+             return out;
+           })
       .def("buckets_launched_by_hooks", [](const PythonDdp& d) { return d.grad_buffer()->stats().buckets_launched_by_hooks; })
       .def("grads_written_in_place", [](const PythonDdp& d) { return d.grad_buffer()->stats().grads_written_in_place; })
       // Around writing new values into the params (load_state_dict): no sync pending, pending param

@@ -19,7 +19,9 @@ silent wrong result into a result that is right or an error that names the way o
   ranks' params would diverge.
 - ZeRO-1 with overlap_param_gather: a forward through the raw module (evaluation code holding the
   model, not the wrapper) waits, module by module, for the all-gathers of that module's own params
-  (forward pre-hooks, as Megatron-core's DDP does), on any thread.
+  (forward pre-hooks, as Megatron-core's DDP does), on any thread. Under torch.compile the hooks trace
+  to nothing: the wrapper's forward waits for every pending gather before compiled code runs, and a raw
+  module compiled on its own must be run after them (docs/guide/compile.md).
 """
 
 import weakref
@@ -186,6 +188,11 @@ def guard_raw_forward(wrapper, module):
             continue
 
         def wait_for_own_params(_module, _args, own=own):
+            # Traced by torch.compile (a compiled block, or the wrapped module compiled through the
+            # wrapper): nothing, no graph break; the wrapper's forward has waited for every pending gather
+            # before compiled code runs (meshddp/compile.py).
+            if torch.compiler.is_compiling():
+                return
             w = ref()
             if w is not None and w._engine.pending_param_gathers() > 0:
                 w._engine.wait_param_gathers_of(own)

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
 from meshddp import _C, _deprecated, _groups, _guards
+from meshddp import compile as _compile
 
 
 def _error(what):
@@ -319,20 +320,45 @@ class DistributedDataParallel(torch.nn.Module):
             _guards.guard_raw_forward(self, module)
 
     # -- a step -----------------------------------------------------------------------------------
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args, **kwargs):
         """The module's forward, after checking the previous step's sync has finished (a RuntimeError
         naming the params otherwise). With the distributed optimizer's overlapped param gather, each
-        op waits for the all-gather of its own params' bucket."""
+        op waits for the all-gather of its own params' bucket; when the module may run compiled code,
+        every pending gather is waited for first (compiled kernels read params without those waits).
+        Under torch.compile this method runs eagerly and the module's forward is compiled, split at the
+        bucket boundaries (Note [Compiling through the wrapper], meshddp/compile.py)."""
+        # Skipped by Dynamo, but not the Python functions it calls: the one call below is to a function
+        # Dynamo skips as a whole, handed torch.compile's callback (a builtin's result, no frame).
+        return self._forward_eagerly(_compile.current_callback(), args, kwargs)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, callback, args, kwargs):
         _guards.check_outer_torch_ddp(self)
         self._engine.check_before_forward()
+        compiling = _compile.is_compiling_callback(callback)
+        _compile.refuse_compiled_autograd(compiling)
+        if self._engine.pending_param_gathers() > 0 and (compiling or _compile.has_compiled_submodules(self.module)):
+            self._engine.finish_param_gathers()
         scope = self._engine.open_forward_scope()
         try:
-            output = self.module(*args, **kwargs)
+            output = _compile.call_with_callback(self.module, args, kwargs, _compile.split_callback(self, callback))
         finally:
             del scope
         if self._find_unused:
             self._engine.mark_unused([t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
         return output
+
+    def _param_buckets(self):
+        """id(param) -> the global index (launch order) of its bucket, for every trainable param of
+        the wrapped module (a DTensor param by the DTensor itself): where a compiled graph is split."""
+        by_engine_name = dict(self._engine._param_buckets())
+        out = {}
+        for name, p in self.module.named_parameters():
+            bucket = by_engine_name.get(self._engine_names.get(name, name))
+            if bucket is not None:
+                out[id(p)] = bucket
+        return out
 
     def finish_grad_sync(self):
         """Launches every bucket not launched yet, in order, and waits for all (GIL released).

@@ -1,0 +1,162 @@
+"""Step time and bucket overlap under torch.compile, meshddp's wrapper beside torch's DDP, 2 ranks
+(Gloo, CPU, one thread each), side by side in one run: eager, the whole wrapper compiled (split at the
+buckets; and with torch._dynamo.config.optimize_ddp=False, one graph), and each block compiled before
+wrapping, with inductor. The model: a pre-LN MLP transformer (blocks of LayerNorm, Linear(d, 4d),
+GELU, Linear(4d, d), residual), 1 MiB buckets.
+
+    .venv/bin/python bench/compile_bench.py [--blocks 6] [--dim 256] [--tokens 512] [--steps 10] [--backend inductor]
+
+Prints per setting: the median step time over the timed steps (the slower rank's), its ratio to
+meshddp eager and to torch's DDP in the same setting, and the overlap: the Gloo all-reduces started
+before the backward's last compute op ended (torch.profiler, one step after the timed ones), of all
+bucket launches. Not a test: CI does not run it."""
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+SETTINGS = [  # (name, wrapper, how it is compiled)
+    ("eager", "meshddp", None), ("eager", "torch", None),
+    ("compiled", "meshddp", "whole"), ("compiled", "torch", "whole"),
+    ("compiled, one graph", "meshddp", "whole_unsplit"), ("compiled, one graph", "torch", "whole_unsplit"),
+    ("per-block compiled", "meshddp", "per_block"), ("per-block compiled", "torch", "per_block"),
+]
+BUCKET_BYTES = 1 << 20
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, blocks, dim):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _overlap(prof):
+    end, starts = 0.0, []
+    for e in prof.events():
+        if e.name.startswith("autograd::engine::evaluate_function:") and "AccumulateGrad" not in e.name:
+            end = max(end, e.time_range.end)
+        elif e.name == "c10d::allreduce_":  # the launch (gloo:all_reduce: when a Gloo thread starts it)
+            starts.append(e.time_range.start)
+    return sum(s < end for s in starts), len(starts)
+
+
+def _run_setting(args, rank, wrapper, how):
+    import meshddp
+
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = how != "whole_unsplit"
+    model = Model(args.blocks, args.dim)
+    if how == "per_block":
+        for block in model.blocks:
+            block.compile(backend=args.backend)
+    if wrapper == "torch":
+        ddp = TorchDDP(model, bucket_cap_mb=BUCKET_BYTES / 2**20)
+    else:
+        config = meshddp.DdpConfig()
+        config.bucket_bytes = BUCKET_BYTES
+        ddp = meshddp.DistributedDataParallel(model, process_group=dist.group.WORLD, config=config)
+    run = torch.compile(ddp, backend=args.backend) if how in ("whole", "whole_unsplit") else ddp
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.tokens, args.dim, generator=g), torch.randn(args.tokens, args.dim, generator=g)
+
+    def step():
+        if wrapper == "torch":
+            opt.zero_grad()
+        else:
+            ddp.zero_grad_buffer()
+        F.mse_loss(run(x), y).backward()
+        if wrapper != "torch":
+            ddp.finish_grad_sync()
+        opt.step()
+
+    compile_start = time.perf_counter()
+    for _ in range(3):  # warm-up: compiles, and torch's DDP rebuilds its buckets after the first step
+        step()
+    warmup = time.perf_counter() - compile_start
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    before, launches = _overlap(prof)
+    return statistics.median(times), before, launches, warmup
+
+
+def _entry(rank, args, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
+    results = [_run_setting(args, rank, wrapper, how) for _, wrapper, how in SETTINGS]
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--backend", default="inductor")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"torch {torch.__version__}; {args}; load average before: {os.getloadavg()} (cores: {os.cpu_count()})")
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_entry, args=(args, port, out_dir), nprocs=2, start_method="spawn", join=True)
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
+    print(f"load average after: {os.getloadavg()}")
+    rows = {}
+    for i, (name, wrapper, _) in enumerate(SETTINGS):
+        step_s = max(per_rank[r][i][0] for r in range(2))
+        before = min(per_rank[r][i][1] for r in range(2))
+        launches = per_rank[0][i][2]
+        warmup = max(per_rank[r][i][3] for r in range(2))
+        rows[(name, wrapper)] = (step_s, before, launches, warmup)
+    eager = rows[("eager", "meshddp")][0]
+    print("| setting | wrapper | step (ms) | vs meshddp eager | meshddp / torch | all-reduces started before the "
+          "backward ended | warm-up (3 steps, s) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, wrapper, _ in SETTINGS:
+        step_s, before, launches, warmup = rows[(name, wrapper)]
+        torch_step = rows[(name, "torch")][0]
+        versus = f"{step_s / torch_step:.3f}" if wrapper == "meshddp" else ""
+        print(f"| {name} | {wrapper} | {1e3 * step_s:.1f} | {step_s / eager:.3f} | {versus} | {before} of {launches} | "
+              f"{warmup:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
