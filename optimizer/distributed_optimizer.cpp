@@ -520,7 +520,7 @@ std::string DistributedOptimizer::nonfinite_report() {
       if (produced[p] == 0) continue;
       mine << "  DP rank " << buffer_->groups().data_parallel_rank() << " produced " << produced[p]
            << " non-finite value(s) in its local "
-           << "gradient of parameter '" << params[p].name << "' (" << buffer_->main_grad(p).numel()
+           << "gradient of parameter '" << params[p].name << "' (" << params[p].param.numel()
            << " elements, bucket " << b << ")\n";
     }
   }

@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
+    config.data_parallel_sharding_strategy = f.sharding_strategy;  // "" = from use_distributed_optimizer
     if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
     config.num_distributed_optimizer_instances = f.optimizer_instances;           // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;                      // ZeRO-1 skips such steps instead
@@ -192,6 +193,11 @@ int main(int argc, char** argv) {
     }
     if (zero1) zero1->finish_param_sync();
     logger.summary();
+    if (mesh.rank() == 0) {  // the shards and the pool under optim_grads; the whole flat buffer otherwise
+      std::fprintf(stderr, "# gradient storage on rank 0: %lld bytes (%s)\n",
+                   static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
+                   ddp.config().sharding_strategy().c_str());
+    }
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {
     examples::report_error("gpt_example", e.what_without_backtrace());
