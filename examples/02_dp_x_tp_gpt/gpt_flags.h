@@ -21,6 +21,7 @@ struct Flags {
   // --data-parallel-sharding-strategy no_shard|optim|optim_grads (DdpConfig's; docs/guide/sharding.md):
   // "optim" is --distributed-optimizer, "optim_grads" also shards the gradients. "" = not given
   std::string sharding_strategy;
+  int64_t bucket_bytes = -1;  // --bucket-bytes N: DdpConfig::bucket_bytes; -1 = its default
   int64_t global_batch = 16;
   // Per DP rank and step. Without a pipeline: backward accumulates, the last one syncs. With one: the
   // schedule's micro-batches (each chunk's sync held until its last backward micro-batch).
@@ -55,7 +56,7 @@ struct Flags {
 inline std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--data-parallel-sharding-strategy no_shard|optim|optim_grads] "
+             "[--data-parallel-sharding-strategy no_shard|optim|optim_grads] [--bucket-bytes N] "
              "[--optimizer adamw|sgd|muon] [--clip-grad X] "
              "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
@@ -175,6 +176,8 @@ inline Flags parse(int argc, char** argv) {
         f.clip_grad = examples::parse_float_flag(arg, v, 0.0, true);
       else if (arg == "--data-parallel-sharding-strategy")
         f.sharding_strategy = examples::parse_choice_flag(arg, v, {"no_shard", "optim", "optim_grads"});
+      else if (arg == "--bucket-bytes")
+        f.bucket_bytes = parse_int_flag(arg, v, 0);
       else if (arg == "--micro-batches")
         f.micro_batches = parse_int_flag(arg, v, 1);
       else if (arg == "--loss")

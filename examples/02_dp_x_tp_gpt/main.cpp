@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
     config.data_parallel_sharding_strategy = f.sharding_strategy;  // "" = from use_distributed_optimizer
+    if (f.bucket_bytes >= 0) config.bucket_bytes = static_cast<size_t>(f.bucket_bytes);
     if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
     config.num_distributed_optimizer_instances = f.optimizer_instances;           // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;                      // ZeRO-1 skips such steps instead
