@@ -67,8 +67,8 @@ void GradBufferConfig::check_combination() const {
               " needs use_distributed_optimizer = true (the instances shard the ZeRO-1 optimizer state; plain DDP ",
               "all-reduces whole buckets and has no state to shard); set use_distributed_optimizer or leave the ",
               "instances at 1");
-  TORCH_CHECK(shard_policy == kByteRangeShards || distributed, "GradBufferConfig: shard_policy = '",
-              shard_policy, "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
+  TORCH_CHECK(shard_policy == kByteRangeShards || distributed, "GradBufferConfig: shard_policy = '", shard_policy,
+              "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
 }
 
 namespace {
@@ -154,9 +154,9 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   if (config_.shard_policy == kWholeParamShards) place_whole_params(layout_, specs, layout_config);
 
   for (const auto& spec : layout_.buffers) {  // none whole under optim_grads: Note [Sharded gradients]
-    buffers_.push_back(shards_grads_ ? at::Tensor()
-                                     : lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(
-                                                                  spec.key.device)));
+    buffers_.push_back(
+        shards_grads_ ? at::Tensor()
+                      : lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
   }
   for (size_t i = 0; i < params_.size() && !shards_grads_; ++i) {
     const ParamSlot& slot = layout_.slots[i];
@@ -374,14 +374,16 @@ SyncStats GradBuffer::stats() const {
 int64_t GradBuffer::grad_buffer_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t bytes = shards_grads_ ? storage_pool_.bytes() : 0;
-  for (const at::Tensor& buffer : shards_grads_ ? shard_buffers_ : buffers_) bytes += static_cast<int64_t>(buffer.nbytes());
+  for (const at::Tensor& buffer : shards_grads_ ? shard_buffers_ : buffers_)
+    bytes += static_cast<int64_t>(buffer.nbytes());
   return bytes;
 }
 
 const at::Tensor& GradBuffer::main_grad(int64_t index) const {
   TORCH_CHECK(!shards_grads_ || slots_[index].main_grad.defined(), "GradBuffer: parameter ",
-              describe_param_name(params_[index]), " has no whole main gradient under data_parallel_sharding_strategy '",
-              kShardOptimGrads, "': after its bucket's reduce-scatter this rank keeps only its shard of the bucket ",
+              describe_param_name(params_[index]),
+              " has no whole main gradient under data_parallel_sharding_strategy '", kShardOptimGrads,
+              "': after its bucket's reduce-scatter this rank keeps only its shard of the bucket ",
               "(bucket_shard(b), what DistributedOptimizer steps; gradient norms and clipping come from its step). ",
               "Read the shards, or use '", kShardOptim, "' to keep whole gradients resident");
   return slots_[index].main_grad;

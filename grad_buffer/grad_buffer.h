@@ -327,12 +327,12 @@ class GradBuffer {
   at::Tensor bucket_data(int64_t b) const;     // bucket b's range of its flat grad buffer, padding included
   at::Tensor reduced_shard(int64_t b) const;   // this rank's part of bucket_data(b): the reduce-scatter's output
   // grad_shards.cpp, "optim_grads" (Note [Sharded gradients]); mutex held unless said otherwise.
-  void build_grad_shards();                  // constructor: the shard buffers and the pool
-  void acquire_bucket_storage(int64_t b);    // a pooled block for bucket b, zeroed; slots pointed at it
-  void complete_bucket(int64_t b);           // wait, add the reduced shard into the shard buffer, release
-  void complete_launched_buckets();          // complete_bucket() of every launched bucket, in order
-  void queue_microbatch_flush();             // at the end of this backward: flush_microbatch()
-  void flush_microbatch();                   // mutex NOT held: launch the rest, complete all, reset for the next
+  void build_grad_shards();                // constructor: the shard buffers and the pool
+  void acquire_bucket_storage(int64_t b);  // a pooled block for bucket b, zeroed; slots pointed at it
+  void complete_bucket(int64_t b);         // wait, add the reduced shard into the shard buffer, release
+  void complete_launched_buckets();        // complete_bucket() of every launched bucket, in order
+  void queue_microbatch_flush();           // at the end of this backward: flush_microbatch()
+  void flush_microbatch();                 // mutex NOT held: launch the rest, complete all, reset for the next
   void reset_microbatch_state();
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode

@@ -100,8 +100,8 @@ void GradBuffer::build_grad_shards() {
 
 void GradBuffer::acquire_bucket_storage(int64_t b) {
   const BucketSpan& span = layout_.buckets[b];
-  while (storage_pool_.free_blocks(span.buffer) == 0 && storage_pool_.allocated_blocks(span.buffer) >= kBucketsInFlight &&
-         next_to_complete_ < next_bucket_) {
+  while (storage_pool_.free_blocks(span.buffer) == 0 &&
+         storage_pool_.allocated_blocks(span.buffer) >= kBucketsInFlight && next_to_complete_ < next_bucket_) {
     complete_bucket(next_to_complete_++);
   }
   Bucket& bucket = buckets_[b];

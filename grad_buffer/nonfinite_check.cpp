@@ -46,7 +46,8 @@ void GradBuffer::count_nonfinite(int64_t b, const at::Tensor& values) {
   BucketNonfinite& nonfinite = buckets_[b].nonfinite;
   nonfinite.piece_counts = count_nonfinite_pieces(values, nonfinite.offsets);
   // optim_grads: this step's earlier micro-batches, each reduced on its own (Note [Sharded gradients]).
-  if (buckets_[b].carried_counts.defined()) nonfinite.piece_counts = nonfinite.piece_counts + buckets_[b].carried_counts;
+  if (buckets_[b].carried_counts.defined())
+    nonfinite.piece_counts = nonfinite.piece_counts + buckets_[b].carried_counts;
   nonfinite.total = nonfinite.piece_counts.sum();
 }
 
@@ -123,8 +124,7 @@ void GradBuffer::raise_if_nonfinite() {
     for (int64_t p : layout_.buckets[b].params) {
       if (by_param[p] == 0) continue;
       mine << "  " << describe_rank(groups_) << "): parameter '" << params_[p].name << "' has " << by_param[p]
-           << " NaN/Inf gradient value(s) of " << params_[p].param.numel() << ", in " << bucket_description(b)
-           << "\n";
+           << " NaN/Inf gradient value(s) of " << params_[p].param.numel() << ", in " << bucket_description(b) << "\n";
     }
   }
   std::ostringstream report;

@@ -72,8 +72,9 @@ inline std::string usage_line() {
 inline void validate(Flags& f) {
   using examples::FlagError;
   if (f.sharding_strategy == "no_shard" && f.distributed_optimizer) {
-    throw FlagError("--data-parallel-sharding-strategy no_shard contradicts --distributed-optimizer (the 'optim' "
-                    "strategy); give one of them");
+    throw FlagError(
+        "--data-parallel-sharding-strategy no_shard contradicts --distributed-optimizer (the 'optim' "
+        "strategy); give one of them");
   }
   // Megatron's rule: "optim" is the distributed optimizer; "optim_grads" needs it too.
   if (f.sharding_strategy == "optim" || f.sharding_strategy == "optim_grads") f.distributed_optimizer = true;

@@ -36,6 +36,7 @@
 #include <memory>
 #include <meshddp/meshddp.h>
 #include <string>
+#include <sys/resource.h>
 #include <thread>
 
 int main(int argc, char** argv) {
@@ -194,10 +195,12 @@ int main(int argc, char** argv) {
     }
     if (zero1) zero1->finish_param_sync();
     logger.summary();
-    if (mesh.rank() == 0) {  // the shards and the pool under optim_grads; the whole flat buffer otherwise
-      std::fprintf(stderr, "# gradient storage on rank 0: %lld bytes (%s)\n",
-                   static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
-                   ddp.config().sharding_strategy().c_str());
+    {  // every rank: the shards and the pool under optim_grads, the whole flat buffer otherwise; peak RSS
+      rusage usage{};
+      getrusage(RUSAGE_SELF, &usage);
+      std::fprintf(stderr, "# gradient storage on rank %lld: %lld bytes (%s), peak RSS %ld KiB\n",
+                   static_cast<long long>(mesh.rank()), static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
+                   ddp.config().sharding_strategy().c_str(), usage.ru_maxrss);
     }
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {

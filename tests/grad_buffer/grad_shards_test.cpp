@@ -3,7 +3,6 @@
 // shards plus the buckets in flight, the shards equal "optim"'s exactly (with accumulation too), and the
 // strategy's settings and refusals are named.
 #include "grad_buffer/grad_buffer.h"
-
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 
@@ -13,8 +12,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 using namespace meshddp;
-using ::testing::HasSubstr;
 using meshddp::test::error_of;
+using ::testing::HasSubstr;
 
 namespace {
 
@@ -88,8 +87,8 @@ TEST(GradBufferShardedGrads, ShardsEqualTheOptimStrategysWithAndWithoutAccumulat
       const auto got = shards_after(mesh, kShardOptimGrads, micro_batches);
       ASSERT_EQ(got.size(), want.size());
       for (size_t b = 0; b < want.size(); ++b) {
-        EXPECT_TRUE(at::equal(got[b], want[b])) << micro_batches << " micro-batch(es), bucket " << b << ": "
-                                                << got[b] << " vs " << want[b];
+        EXPECT_TRUE(at::equal(got[b], want[b]))
+            << micro_batches << " micro-batch(es), bucket " << b << ": " << got[b] << " vs " << want[b];
       }
     }
   });
@@ -121,7 +120,8 @@ TEST(GradBufferConfig, ShardingStrategyFollowsOrContradictsUseDistributedOptimiz
   config.apply_sharding_strategy();
   EXPECT_TRUE(config.use_distributed_optimizer);
   config.data_parallel_sharding_strategy = kShardOptimGradsParams;
-  EXPECT_THAT(error_of([&] { config.validate(); }), HasSubstr("'optim_grads_params' (ZeRO-3: params sharded too) is not built yet"));
+  EXPECT_THAT(error_of([&] { config.validate(); }),
+              HasSubstr("'optim_grads_params' (ZeRO-3: params sharded too) is not built yet"));
   config.data_parallel_sharding_strategy = "zero2";
   EXPECT_THAT(error_of([&] { config.validate(); }), HasSubstr("'zero2' is not one of"));
 }
