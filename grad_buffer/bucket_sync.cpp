@@ -21,6 +21,7 @@ void GradBuffer::launch_ready_buckets_in_order() {
 void GradBuffer::launch_bucket(int64_t b) {
   Bucket& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(!bucket.launched, "bucket ", b, " launched twice");
+  if (shards_grads_ && !bucket.storage.defined()) acquire_bucket_storage(b);  // got no gradient: zeros
   zero_stale_slots_of_bucket(b);  // params that got no gradient this step contribute zeros
   at::Tensor data = bucket_data(b);
   // The local values (the collective replaces them), or what the hook sends instead (its cast:
@@ -54,7 +55,7 @@ void GradBuffer::launch_reduction(int64_t b) {
       check_collective_sequence(b, *r.group, config_.use_distributed_optimizer ? "reduce-scatter" : "all-reduce");
     }
     hooked.group = r.group.get();
-    if (config_.use_distributed_optimizer) hooked.output = bucket_shard(b), hooked.reduce_scatter = true;
+    if (config_.use_distributed_optimizer) hooked.output = reduced_shard(b), hooked.reduce_scatter = true;
   }
   if (hooked.group != nullptr) {
     CommHookWork launched = comm_hook_->launch(hooked);
@@ -96,7 +97,7 @@ void GradBuffer::wait_launched_buckets() {
         check_collective_sequence(static_cast<int64_t>(b), *bucket.reduction.cross_group,
                                   "all-reduce (across instances)");
       }
-      bucket.cross_work = all_reduce_sum(*bucket.reduction.cross_group, bucket_shard(static_cast<int64_t>(b)),
+      bucket.cross_work = all_reduce_sum(*bucket.reduction.cross_group, reduced_shard(static_cast<int64_t>(b)),
                                          bucket_description(static_cast<int64_t>(b)) + " across optimizer instances");
     }
   }
@@ -115,7 +116,12 @@ void GradBuffer::finish_grad_sync() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ == StepState::kSynced) return;
   while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
-  wait_launched_buckets();
+  if (shards_grads_) {
+    complete_launched_buckets();  // Note [Sharded gradients]: into the shards, blocks back to the pool
+    flush_queued_ = false;
+  } else {
+    wait_launched_buckets();
+  }
   for (Slot& slot : slots_) slot.ready = true;
   state_ = StepState::kSynced;
   ++syncs_completed_;

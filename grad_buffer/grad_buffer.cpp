@@ -33,23 +33,47 @@ void GradBufferConfig::validate() const {
               "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
               " must be >= 1 (1 = flat ZeRO-1)");
   check_shard_policy(shard_policy);  // "byte_range" | "whole_param"
+  const std::string& strategy = data_parallel_sharding_strategy;
+  TORCH_CHECK(strategy != kShardOptimGradsParams, "GradBufferConfig: data_parallel_sharding_strategy = '",
+              kShardOptimGradsParams, "' (ZeRO-3: params sharded too) is not built yet; use '", kShardOptimGrads,
+              "' (optimizer state and gradients sharded) or '", kShardOptim, "'");
+  TORCH_CHECK(strategy.empty() || strategy == kNoShard || strategy == kShardOptim || strategy == kShardOptimGrads,
+              "GradBufferConfig: data_parallel_sharding_strategy = '", strategy, "' is not one of '", kNoShard, "', '",
+              kShardOptim, "', '", kShardOptimGrads, "' (or '' to follow use_distributed_optimizer)");
+}
+
+std::string GradBufferConfig::sharding_strategy() const {
+  if (!data_parallel_sharding_strategy.empty()) return data_parallel_sharding_strategy;
+  return use_distributed_optimizer ? kShardOptim : kNoShard;
+}
+
+void GradBufferConfig::apply_sharding_strategy() {
+  const std::string strategy = sharding_strategy();
+  if (strategy == kShardOptim || strategy == kShardOptimGrads) use_distributed_optimizer = true;
 }
 
 void GradBufferConfig::check_combination() const {
+  // Megatron: "optim" is use_distributed_optimizer; a "no_shard" asked for beside it contradicts it.
+  TORCH_CHECK(!(data_parallel_sharding_strategy == kNoShard && use_distributed_optimizer),
+              "GradBufferConfig: data_parallel_sharding_strategy = '", kNoShard,
+              "' but use_distributed_optimizer = true (which is the '", kShardOptim, "' strategy); set one of them: '",
+              kShardOptim, "' or '", kShardOptimGrads, "' to shard, or use_distributed_optimizer = false for '",
+              kNoShard, "'");
+  const bool distributed = use_distributed_optimizer || sharding_strategy() != kNoShard;
   // Megatron-core requires the distributed optimizer too: the instances shard optimizer state, which
   // plain DDP does not have (it all-reduces whole buckets over DP, where instances change nothing).
-  TORCH_CHECK(num_distributed_optimizer_instances == 1 || use_distributed_optimizer,
+  TORCH_CHECK(num_distributed_optimizer_instances == 1 || distributed,
               "GradBufferConfig: num_distributed_optimizer_instances = ", num_distributed_optimizer_instances,
               " needs use_distributed_optimizer = true (the instances shard the ZeRO-1 optimizer state; plain DDP ",
               "all-reduces whole buckets and has no state to shard); set use_distributed_optimizer or leave the ",
               "instances at 1");
-  TORCH_CHECK(shard_policy == kByteRangeShards || use_distributed_optimizer, "GradBufferConfig: shard_policy = '",
-              shard_policy, "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
+  TORCH_CHECK(shard_policy == kByteRangeShards || distributed, "GradBufferConfig: shard_policy = '", shard_policy,
+              "' needs use_distributed_optimizer = true; set it, or leave shard_policy at 'byte_range'");
 }
 
 namespace {
 
-c10::ScalarType main_grad_dtype(const at::Tensor& p, bool grad_reduce_in_fp32) {
+c10::ScalarType main_grad_dtype_of(const at::Tensor& p, bool grad_reduce_in_fp32) {
   const auto dtype = p.scalar_type();
   if (grad_reduce_in_fp32 && (dtype == at::kBFloat16 || dtype == at::kHalf)) return at::kFloat;
   return dtype;
@@ -82,6 +106,8 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   params_ = split_trainable_params(std::move(params), frozen_params_);
   config_.validate();
   config_.check_combination();
+  config_.apply_sharding_strategy();
+  shards_grads_ = config_.shards_grads();
   TORCH_CHECK(groups_.dp, "GradBuffer: the data-parallel process group is null");
   dp_size_ = groups_.dp_size();
   const int64_t instances = config_.num_distributed_optimizer_instances;
@@ -114,8 +140,11 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     const bool expert = is_expert_param(p.param), tied = is_tied_across_stages(p.param);
     if (expert) check_expert_param(p, placement, groups_);
     if (tied) check_tied_param(p, placement, groups_);
+    TORCH_CHECK(!tied || !shards_grads_, "GradBuffer: parameter ", describe_param_name(p),
+                " is tied across pipeline stages, which data_parallel_sharding_strategy '", kShardOptimGrads,
+                "' does not support yet (its embedding-group sum needs the whole bucket); use '", kShardOptim, "'");
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
-                              main_grad_dtype(p.param, config_.grad_reduce_in_fp32), p.param.device(),
+                              main_grad_dtype_of(p.param, config_.grad_reduce_in_fp32), p.param.device(),
                               placement.is_partial_grad(), expert, tied, p.param.sizes().vec()});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
@@ -124,10 +153,12 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   layout_ = assign_buckets(specs, layout_config);  // then, with whole_param, params re-placed within their buckets:
   if (config_.shard_policy == kWholeParamShards) place_whole_params(layout_, specs, layout_config);
 
-  for (const auto& spec : layout_.buffers) {
-    buffers_.push_back(lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
+  for (const auto& spec : layout_.buffers) {  // none whole under optim_grads: Note [Sharded gradients]
+    buffers_.push_back(
+        shards_grads_ ? at::Tensor()
+                      : lazy_zeros(spec.numel, at::TensorOptions().dtype(spec.key.grad_dtype).device(spec.key.device)));
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params_.size() && !shards_grads_; ++i) {
     const ParamSlot& slot = layout_.slots[i];
     slots_[i].main_grad = buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(params_[i].param.sizes());
   }
@@ -136,6 +167,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     // Chosen once, here: launch, wait, ZeRO-1 shards and the param all-gather use what the bucket holds.
     buckets_[b].reduction = bucket_reduction_of(layout_.buffers[layout_.buckets[b].buffer].key, groups_);
   }
+  if (shards_grads_) build_grad_shards();
   if (config_.use_distributed_optimizer) {
     std::vector<ParamGather::Bucket> gather_buckets;
     for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
@@ -147,7 +179,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;
     // Every slot, fp32 main grads of bf16/fp16 params too (for writers that take them: SlotDtypes).
-    if (!config_.gradient_accumulation_fusion) continue;
+    if (!config_.gradient_accumulation_fusion || shards_grads_) continue;
     // Expanded from one element: a zero of the param's shape that costs nothing to hand out each step.
     slots_[i].grad_placeholder = at::zeros({}, param.options().requires_grad(false)).expand(param.sizes());
     register_grad_slot(param, this, static_cast<int64_t>(i));
@@ -213,7 +245,7 @@ void GradBuffer::remove_hooks() {
 void GradBuffer::point_grads_at_buffer() {
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].param.mutable_grad();
-    if (slots_[i].main_grad.scalar_type() == params_[i].param.scalar_type()) {
+    if (!shards_grads_ && slots_[i].main_grad.scalar_type() == params_[i].param.scalar_type()) {
       grad = slots_[i].main_grad;  // autograd accumulates in place into the slot: no copy, ever
     } else {
       grad.reset();  // fp32 main grads: the hook adds the low-precision grad in and releases it
@@ -240,7 +272,7 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
               " got a gradient after finish_grad_sync() of this step; call zero_grad_buffer() before the next ",
               "backward (or finish_grad_sync() only after the last micro-batch)");
   Slot& s = slots_[index];
-  if (is_last_microbatch_) {
+  if (is_last_microbatch_ || shards_grads_) {
     TORCH_CHECK(!s.ready, "GradBuffer: parameter ", describe_param_name(params_[index]),
                 " reported ready twice in one step (a second backward before finish_grad_sync(), or, with ",
                 "find_unused_parameters, a gradient for a param the forward's outputs did not reach); call ",
@@ -254,6 +286,8 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
   // Move the accumulated gradient into its slot unless it is there already (Note [Slots written in
   // place]: written in place, or added into .grad, the slot, by AccumulateGrad; a stale slot's
   // gradient always arrives as a tensor of its own, since the pre-hook released .grad).
+  Bucket& bucket = buckets_[layout_.slots[index].bucket];
+  if (shards_grads_ && !bucket.storage.defined()) acquire_bucket_storage(layout_.slots[index].bucket);
   at::Tensor& grad = params_[index].param.mutable_grad();
   const at::Tensor& slot = s.main_grad;
   bool arrived = s.written_in_place || (grad.is_same(slot) && !s.stale);
@@ -265,22 +299,23 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
     }
     arrived = true;
   }
-  if (slot.scalar_type() == params_[index].param.scalar_type()) {
+  if (!shards_grads_ && slot.scalar_type() == params_[index].param.scalar_type()) {
     grad = slot;  // .grad was released or replaced (e.g. set to None): point it back at the slot
   } else {
-    grad.reset();  // fp32 main grads of a low-precision param: .grad only carries each new gradient
+    grad.reset();  // fp32 main grads of a low-precision param, or optim_grads: .grad only carries each new gradient
   }
   if (arrived) {
     s.stale = false;
     s.got_grad = true;
   }
-  if (!is_last_microbatch_) return;
+  // optim_grads: every micro-batch is reduce-scattered (Note [Sharded gradients]).
+  if (!is_last_microbatch_ && !shards_grads_) return;
 
   s.ready = true;
   state_ = StepState::kReducing;
-  Bucket& bucket = buckets_[layout_.slots[index].bucket];
   TORCH_INTERNAL_ASSERT(bucket.pending > 0);
   if (--bucket.pending == 0 && config_.overlap_grad_reduce) launch_ready_buckets_in_order();
+  if (shards_grads_ && !is_last_microbatch_) queue_microbatch_flush();
 }
 
 int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>& outputs) {
@@ -302,7 +337,7 @@ int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>&
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!is_last_microbatch_) return 0;
+  if (!is_last_microbatch_ && !shards_grads_) return 0;
   int64_t marked = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (slots_[i].ready || seen.count(slots_[i].accumulator.get())) continue;
@@ -337,9 +372,25 @@ SyncStats GradBuffer::stats() const {
 }
 
 int64_t GradBuffer::grad_buffer_bytes() const {
-  int64_t bytes = 0;
-  for (const at::Tensor& buffer : buffers_) bytes += static_cast<int64_t>(buffer.nbytes());
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t bytes = shards_grads_ ? storage_pool_.bytes() : 0;
+  for (const at::Tensor& buffer : shards_grads_ ? shard_buffers_ : buffers_)
+    bytes += static_cast<int64_t>(buffer.nbytes());
   return bytes;
+}
+
+const at::Tensor& GradBuffer::main_grad(int64_t index) const {
+  TORCH_CHECK(!shards_grads_ || slots_[index].main_grad.defined(), "GradBuffer: parameter ",
+              describe_param_name(params_[index]),
+              " has no whole main gradient under data_parallel_sharding_strategy '", kShardOptimGrads,
+              "': after its bucket's reduce-scatter this rank keeps only its shard of the bucket ",
+              "(bucket_shard(b), what DistributedOptimizer steps; gradient norms and clipping come from its step). ",
+              "Read the shards, or use '", kShardOptim, "' to keep whole gradients resident");
+  return slots_[index].main_grad;
+}
+
+c10::ScalarType GradBuffer::main_grad_dtype(int64_t index) const {
+  return layout_.buffers[layout_.slots[index].buffer].key.grad_dtype;
 }
 
 void GradBuffer::zero_grad_buffer() {
@@ -367,9 +418,16 @@ void GradBuffer::reset_step_state() {
     bucket.cross_work = {};
     bucket.tied_work = {};
     bucket.finish = {};
-    bucket.nonfinite.piece_counts = bucket.nonfinite.total = at::Tensor();
+    bucket.nonfinite.piece_counts = bucket.nonfinite.total = bucket.carried_counts = at::Tensor();
+    if (bucket.storage_block.defined()) {  // optim_grads: a step abandoned before its sync
+      for (int64_t i : layout_.buckets[b].params) slots_[i].main_grad = at::Tensor();
+      storage_pool_.release(layout_.buckets[b].buffer, std::move(bucket.storage_block));
+      bucket.storage_block = bucket.storage = at::Tensor();
+    }
   }
   next_bucket_ = 0;
+  next_to_complete_ = 0;
+  flush_queued_ = false;
   launched_by_hooks_ = 0;
   state_ = StepState::kIdle;
 }
@@ -383,11 +441,20 @@ void GradBuffer::check_no_sync_pending(const char* who) const {
 }
 
 at::Tensor GradBuffer::bucket_data(int64_t b) const {
+  if (shards_grads_) {
+    TORCH_INTERNAL_ASSERT(buckets_[b].storage.defined(), "bucket ", b, " has no storage (optim_grads)");
+    return buckets_[b].storage;
+  }
   const BucketSpan& span = layout_.buckets[b];
   return buffers_[span.buffer].narrow(0, span.begin, span.numel());
 }
 
 at::Tensor GradBuffer::bucket_shard(int64_t b) const {
+  if (shards_grads_) return grad_shards_[b];
+  return reduced_shard(b);
+}
+
+at::Tensor GradBuffer::reduced_shard(int64_t b) const {
   const int64_t n = layout_.buckets[b].numel();
   const BucketReduction& r = buckets_[b].reduction;
   TORCH_INTERNAL_ASSERT(n % r.shard_size == 0, "bucket ", b, " is not padded to a multiple of its group's size");

@@ -30,6 +30,7 @@
 #include "../mesh/placement.h"
 #include "bucket_layout.h"
 #include "bucket_reduction.h"
+#include "bucket_storage_pool.h"
 #include "comm_hook.h"
 #include "grad_in_place.h"
 #include "named_param.h"
@@ -55,6 +56,11 @@ namespace meshddp {
 
 inline constexpr const char* kByteRangeShards = "byte_range";
 inline constexpr const char* kWholeParamShards = "whole_param";
+// DdpConfig::data_parallel_sharding_strategy's values (Megatron-FSDP's names; docs/guide/sharding.md).
+inline constexpr const char* kNoShard = "no_shard";
+inline constexpr const char* kShardOptim = "optim";
+inline constexpr const char* kShardOptimGrads = "optim_grads";
+inline constexpr const char* kShardOptimGradsParams = "optim_grads_params";
 
 struct GradBufferConfig {
   size_t bucket_bytes = kDefaultBucketBytes;  // a bucket closes once it reaches this; 0 = one bucket per parameter
@@ -98,13 +104,28 @@ struct GradBufferConfig {
   // rank, bin-packed by Newton-Schulz cost (grad_buffer/whole_param_layout.h; needed by Muon). Both
   // reduce-scatter and all-gather the same way; whole_param pads buckets more
   std::string shard_policy = kByteRangeShards;
+  // (Megatron-FSDP's name) what a DP rank keeps resident: "no_shard" = all-reduce, whole grads;
+  // "optim" = ZeRO-1, the same as use_distributed_optimizer; "optim_grads" = ZeRO-2: also the
+  // gradients, a rank keeping only its shard of each bucket after the bucket's reduce-scatter (full-size
+  // gradient storage is a small pool of bucket-sized buffers in flight; every micro-batch is
+  // reduce-scattered: Note [Sharded gradients] in grad_buffer/grad_shards.cpp). "" = from
+  // use_distributed_optimizer ("optim" if set, else "no_shard"). "optim" and "optim_grads" turn
+  // use_distributed_optimizer on; "no_shard" with use_distributed_optimizer is an error.
+  // "optim_grads_params" (ZeRO-3) is not built yet and is refused
+  std::string data_parallel_sharding_strategy;
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
   // Throws on fields that do not go together (validate() checks each field alone, so that Python may
-  // set them in any order): num_distributed_optimizer_instances > 1 without use_distributed_optimizer.
+  // set them in any order): num_distributed_optimizer_instances > 1 without use_distributed_optimizer,
+  // data_parallel_sharding_strategy "no_shard" with use_distributed_optimizer.
   // Called by GradBuffer and DistributedDataParallel before they build anything.
   void check_combination() const;
+  // The strategy in effect: data_parallel_sharding_strategy, or "" resolved from use_distributed_optimizer.
+  std::string sharding_strategy() const;
+  bool shards_grads() const { return sharding_strategy() == kShardOptimGrads; }
+  // Sets use_distributed_optimizer for "optim" and "optim_grads" (after check_combination()).
+  void apply_sharding_strategy();
 };
 
 // Counters of a GradBuffer, for tests, benchmarks and reports.
@@ -174,15 +195,22 @@ class GradBuffer {
   void check_no_sync_pending(const char* who) const;
 
   // The main gradient of param `index` (registration order among trainable params): a view into its
-  // flat buffer, shaped like the param (fp32 with grad_reduce_in_fp32).
-  const at::Tensor& main_grad(int64_t index) const { return slots_[index].main_grad; }
+  // flat buffer, shaped like the param (fp32 with grad_reduce_in_fp32). Under "optim_grads" there is no
+  // whole gradient after the sync (a rank keeps its shard of each bucket: bucket_shard()): throws
+  // naming the param.
+  const at::Tensor& main_grad(int64_t index) const;
+  // The dtype of param `index`'s main gradient (under every strategy).
+  c10::ScalarType main_grad_dtype(int64_t index) const;
   const Placement& placement(int64_t index) const { return slots_[index].placement; }
-  // Flat grad buffer `i` (one per BucketLayout::buffers entry), and the bytes of all of them.
+  // Flat grad buffer `i` (one per BucketLayout::buffers entry; undefined under "optim_grads", which
+  // holds no whole buffer), and the bytes of the gradient storage this rank holds: the flat buffers,
+  // or under "optim_grads" its shards plus the pooled bucket-sized buffers allocated so far.
   const at::Tensor& buffer(int64_t i) const { return buffers_[i]; }
   int64_t grad_buffer_bytes() const;
   // This rank's shard of bucket `b` (valid after finish_grad_sync() with the distributed optimizer):
   // 1/DP, 1/expert-DP for expert buckets, 1/(D/K) within its instance with K optimizer instances
-  // (bucket_reduction(b)).
+  // (bucket_reduction(b)). Under "optim_grads" a view of the persistent shard buffer (the same tensor
+  // every step), which accumulates the step's micro-batches.
   at::Tensor bucket_shard(int64_t b) const;
   const BucketReduction& bucket_reduction(int64_t b) const { return buckets_[b].reduction; }
   // Whether param `index` is an expert param (reduced over groups().expert_dp).
@@ -260,6 +288,12 @@ class GradBuffer {
     std::function<void()> finish;               // the comm hook's write-back, run after `work`
     c10::intrusive_ptr<c10d::Work> cross_work;  // hierarchical ZeRO-1: the all-reduce over reduction.cross_group
     c10::intrusive_ptr<c10d::Work> tied_work;   // tied across stages: the sum over reduction.tied_group
+    // "optim_grads": the pooled block holding the whole bucket while it is filled and reduced (undefined
+    // otherwise), its first numel() elements (bucket_data()), and the non-finite counts of this step's
+    // earlier micro-batches.
+    at::Tensor storage_block;
+    at::Tensor storage;
+    at::Tensor carried_counts;
   };
 
   // Called before autograd accumulates into param `index` during a backward with create_graph=true
@@ -291,6 +325,15 @@ class GradBuffer {
   void zero_stale_slots_of_bucket(int64_t b);  // mutex held
   void zero_slots_for_next_step();             // mutex held; zero_grad_buffer()'s fill
   at::Tensor bucket_data(int64_t b) const;     // bucket b's range of its flat grad buffer, padding included
+  at::Tensor reduced_shard(int64_t b) const;   // this rank's part of bucket_data(b): the reduce-scatter's output
+  // grad_shards.cpp, "optim_grads" (Note [Sharded gradients]); mutex held unless said otherwise.
+  void build_grad_shards();                // constructor: the shard buffers and the pool
+  void acquire_bucket_storage(int64_t b);  // a pooled block for bucket b, zeroed; slots pointed at it
+  void complete_bucket(int64_t b);         // wait, add the reduced shard into the shard buffer, release
+  void complete_launched_buckets();        // complete_bucket() of every launched bucket, in order
+  void queue_microbatch_flush();           // at the end of this backward: flush_microbatch()
+  void flush_microbatch();                 // mutex NOT held: launch the rest, complete all, reset for the next
+  void reset_microbatch_state();
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   std::string unready_param_names(size_t limit) const;
@@ -315,6 +358,12 @@ class GradBuffer {
   std::vector<at::Tensor> buffers_;
   std::vector<Slot> slots_;  // per param
   std::unique_ptr<ParamBuffer> param_buffer_;
+  // "optim_grads" (config_.shards_grads()): per flat buffer, this rank's shards of its buckets, one after
+  // the other; per bucket, its view of them (bucket_shard()); the pool of whole-bucket blocks.
+  bool shards_grads_ = false;
+  std::vector<at::Tensor> shard_buffers_;
+  std::vector<at::Tensor> grad_shards_;
+  BucketStoragePool storage_pool_;
   std::shared_ptr<CommHook> comm_hook_;
   const bool debug_sequence_;  // MESHDDP_DEBUG_SYNC=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL
 
@@ -323,6 +372,8 @@ class GradBuffer {
   bool is_last_microbatch_ = true;
   std::vector<Bucket> buckets_;
   int64_t next_bucket_ = 0;
+  int64_t next_to_complete_ = 0;  // "optim_grads": buckets before it are reduced into their shards
+  bool flush_queued_ = false;     // "optim_grads": this backward's flush_microbatch() is queued
   int64_t launched_by_hooks_ = 0;
   int64_t syncs_completed_ = 0;
   // Autograd has no way to remove a pre-hook: the ones this buffer adds hold this flag, cleared by

@@ -179,6 +179,11 @@ void GradBuffer::zero_stale_slots_of_bucket(int64_t b) {
 }
 
 void GradBuffer::zero_slots_for_next_step() {
+  if (shards_grads_) {  // no slot is written in place (Note [Sharded gradients]); only the shards persist
+    for (at::Tensor& shards : shard_buffers_) shards.zero_();
+    for (Slot& s : slots_) s.got_grad = s.written_in_place = false;
+    return;
+  }
   // Slots of params that got a gradient this step become stale; every other element (slots of params
   // that got none, padding) is zeroed, in as few contiguous fills as the layout allows.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(buffers_.size());  // [offset, end) per buffer

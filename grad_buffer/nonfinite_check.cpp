@@ -45,6 +45,9 @@ std::vector<int64_t> counts_by_param(const at::Tensor& piece_counts, const std::
 void GradBuffer::count_nonfinite(int64_t b, const at::Tensor& values) {
   BucketNonfinite& nonfinite = buckets_[b].nonfinite;
   nonfinite.piece_counts = count_nonfinite_pieces(values, nonfinite.offsets);
+  // optim_grads: this step's earlier micro-batches, each reduced on its own (Note [Sharded gradients]).
+  if (buckets_[b].carried_counts.defined())
+    nonfinite.piece_counts = nonfinite.piece_counts + buckets_[b].carried_counts;
   nonfinite.total = nonfinite.piece_counts.sum();
 }
 
@@ -71,13 +74,13 @@ void GradBuffer::raise_if_nonfinite() {
   for (const Bucket& bucket : buckets_) {
     if (bucket.nonfinite.total.defined()) totals.push_back(bucket.nonfinite.total);
   }
-  const c10::Device device = buffers_.empty() ? c10::Device(c10::kCPU) : buffers_.front().device();
+  const c10::Device device = layout_.buffers.empty() ? c10::Device(c10::kCPU) : layout_.buffers.front().key.device;
   const auto zero = [&] { return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device)); };
   at::Tensor sent = totals.empty() ? zero() : at::stack(totals).sum().to(at::kDouble).reshape({1});
   // Note [Overflow in the reduction]: with a comm hook, the reduced values too.
   at::Tensor reduced = zero(), reduced_pieces;
   std::vector<const NonfinitePieces*> pieces;
-  if (comm_hook_->name() != kNoCommHook && !buckets_.empty()) {
+  if (comm_hook_->name() != kNoCommHook && !buckets_.empty() && !shards_grads_) {  // optim_grads: blocks released
     std::vector<at::Tensor> counted;
     for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
       counted.push_back(count_nonfinite_pieces(bucket_data(b), buckets_[b].nonfinite.offsets));
@@ -98,7 +101,7 @@ void GradBuffer::raise_if_nonfinite() {
       for (int64_t p : layout_.buckets[b].params) {
         if (reduced_by_param[p] == 0) continue;
         mine << "  " << describe_rank(groups_) << "): parameter '" << params_[p].name << "' has " << reduced_by_param[p]
-             << " NaN/Inf value(s) of " << slots_[p].main_grad.numel() << " in its reduced gradient, in "
+             << " NaN/Inf value(s) of " << params_[p].param.numel() << " in its reduced gradient, in "
              << bucket_description(b) << "\n";
       }
     }
@@ -121,8 +124,7 @@ void GradBuffer::raise_if_nonfinite() {
     for (int64_t p : layout_.buckets[b].params) {
       if (by_param[p] == 0) continue;
       mine << "  " << describe_rank(groups_) << "): parameter '" << params_[p].name << "' has " << by_param[p]
-           << " NaN/Inf gradient value(s) of " << slots_[p].main_grad.numel() << ", in " << bucket_description(b)
-           << "\n";
+           << " NaN/Inf gradient value(s) of " << params_[p].param.numel() << ", in " << bucket_description(b) << "\n";
     }
   }
   std::ostringstream report;

@@ -26,6 +26,13 @@ void GradBuffer::scale_gradients(double factor) {
               "are in flight (launched, not yet waited for); scale between micro-batches (before the last one's ",
               "sync starts) or after finish_grad_sync(), not while the buckets are being reduced");
   c10::NoGradGuard no_grad;
+  if (shards_grads_) {  // the micro-batches reduced so far, and the current one's buckets not yet launched
+    for (at::Tensor& shards : shard_buffers_) shards.mul_(factor);
+    for (Bucket& bucket : buckets_) {
+      if (bucket.storage.defined()) bucket.storage.mul_(factor);
+    }
+    return;
+  }
   for (at::Tensor& buffer : buffers_) buffer.mul_(factor);
 }
 

@@ -520,8 +520,8 @@ std::string DistributedOptimizer::nonfinite_report() {
       if (produced[p] == 0) continue;
       mine << "  DP rank " << buffer_->groups().data_parallel_rank() << " produced " << produced[p]
            << " non-finite value(s) in its local "
-           << "gradient of parameter '" << params[p].name << "' (" << buffer_->main_grad(p).numel()
-           << " elements, bucket " << b << ")\n";
+           << "gradient of parameter '" << params[p].name << "' (" << params[p].param.numel() << " elements, bucket "
+           << b << ")\n";
     }
   }
   for (size_t b = 0; b < shards_.size(); ++b) {

@@ -312,6 +312,8 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
   config_.validate();
+  config_.check_combination();
+  config_.apply_sharding_strategy();  // "optim" / "optim_grads": use_distributed_optimizer, as Megatron
   // After the agreement (it compares expert_parallel_size and the DP size): every rank reaches the same
   // verdict, rather than one failing alone while the others wait in the settings check.
   const int64_t ep = config_.expert_parallel_size;

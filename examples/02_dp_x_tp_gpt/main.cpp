@@ -36,6 +36,7 @@
 #include <memory>
 #include <meshddp/meshddp.h>
 #include <string>
+#include <sys/resource.h>
 #include <thread>
 
 int main(int argc, char** argv) {
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
     if (f.cp > 1) model->set_context_parallel(mesh["cp"].get());
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
+    config.data_parallel_sharding_strategy = f.sharding_strategy;  // "" = from use_distributed_optimizer
+    if (f.bucket_bytes >= 0) config.bucket_bytes = static_cast<size_t>(f.bucket_bytes);
     if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices
     config.num_distributed_optimizer_instances = f.optimizer_instances;           // checked by DdpConfig and DDP
     config.check_for_nan_in_grad = !f.distributed_optimizer;                      // ZeRO-1 skips such steps instead
@@ -193,6 +196,13 @@ int main(int argc, char** argv) {
     }
     if (zero1) zero1->finish_param_sync();
     logger.summary();
+    {  // every rank: the shards and the pool under optim_grads, the whole flat buffer otherwise; peak RSS
+      rusage usage{};
+      getrusage(RUSAGE_SELF, &usage);
+      std::fprintf(stderr, "# gradient storage on rank %lld: %lld bytes (%s), peak RSS %ld KiB\n",
+                   static_cast<long long>(mesh.rank()), static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
+                   ddp.config().sharding_strategy().c_str(), usage.ru_maxrss);
+    }
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {
     examples::report_error("gpt_example", e.what_without_backtrace());

@@ -96,6 +96,8 @@ int train_pipeline(const Flags& f, int argc, char** argv) {
     }
     meshddp::DdpConfig config;
     config.use_distributed_optimizer = f.distributed_optimizer;
+    config.data_parallel_sharding_strategy = f.sharding_strategy;  // "" = from use_distributed_optimizer
+    if (f.bucket_bytes >= 0) config.bucket_bytes = static_cast<size_t>(f.bucket_bytes);
     config.check_for_nan_in_grad = !f.distributed_optimizer;
     config.grad_reduce_in_fp32 = f.precision.grad_reduce_in_fp32();
     if (f.optimizer == "muon") config.shard_policy = meshddp::kWholeParamShards;  // Muon needs whole matrices

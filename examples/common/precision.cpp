@@ -43,7 +43,8 @@ std::string precision_header(const meshddp::DdpEngine& ddp, const meshddp::Distr
   }
   if (first == nullptr) return "# dtypes: no trainable params";
   const std::string param = dtype_name(first->param.scalar_type());
-  const std::string grad = dtype_name(ddp.main_grad(first->name).scalar_type());
+  // The first trainable param's main-grad dtype (its slot's: no whole main grad under optim_grads).
+  const std::string grad = dtype_name(ddp.grad_buffer()->main_grad_dtype(0));
   // A compression hook reduces the buffer in its own dtype.
   const std::string& hook = ddp.config().comm_hook;
   const std::string reduced = hook == meshddp::kBf16CompressHook   ? std::string("bf16")

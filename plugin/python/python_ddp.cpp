@@ -45,6 +45,12 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     : DdpEngine(with_placements(std::move(params), dtensors, groups), std::move(buffers), groups, dp_global_ranks,
                 config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
+  // After the settings agreed (DdpEngine's construction): every rank refuses alike.
+  TORCH_CHECK(!this->config().shards_grads(),
+              "meshddp.DistributedDataParallel (Python): data_parallel_sharding_strategy '", kShardOptimGrads,
+              "' is not supported from Python yet: param.main_grad, DTensor grads and the optimizer's ",
+              "write checks are views of the whole gradient buffer, which this strategy does not keep. Use '",
+              kShardOptim, "' from Python, or the C++ meshddp::DistributedDataParallel");
   TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
               "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",
               dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",

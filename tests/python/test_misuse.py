@@ -75,7 +75,8 @@ _FIELD_VALUES = {
         check_for_nan_in_grad=True, comm_hook="bf16_compress", num_distributed_optimizer_instances=2,
         broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
-        expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2, shard_policy="whole_param"),
+        expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2, shard_policy="whole_param",
+        data_parallel_sharding_strategy="optim_grads"),
     meshddp.DistributedOptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,

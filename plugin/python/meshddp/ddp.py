@@ -176,6 +176,25 @@ def _register_progress(groups, stuck_report_after, timeout):
                                          float(timeout))
 
 
+def _sharding_applied(config):
+    """The config with data_parallel_sharding_strategy applied (docs/guide/sharding.md): 'optim' is
+    use_distributed_optimizer (a copy with it set; the caller's config is left alone); 'no_shard' with
+    use_distributed_optimizer and 'optim_grads' (not from Python yet) are refused. Called after the ranks
+    agreed on the config, so every rank decides alike."""
+    strategy = config.data_parallel_sharding_strategy
+    if strategy == "no_shard" and config.use_distributed_optimizer:
+        raise _error("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True (the "
+                     "'optim' strategy); set one of them")
+    if strategy == "optim_grads":
+        raise _error("data_parallel_sharding_strategy='optim_grads' is not supported from Python yet: param.main_grad, "
+                     "DTensor grads and the optimizer's write checks are views of the whole gradient buffer, which "
+                     "this strategy does not keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
+    if strategy == "optim" and not config.use_distributed_optimizer:
+        config = _C.DdpConfig(**{name: getattr(config, name) for name in config.field_names()})
+        config.use_distributed_optimizer = True
+    return config
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Data parallelism for `module` over the `dp_dim` dim of `mesh` (a torch DeviceMesh), or over
     `process_group`. `dp_dim` may name several dims, in mesh order (e.g. ("dp", "cp") for context
@@ -221,6 +240,7 @@ class DistributedDataParallel(torch.nn.Module):
         _C._verify_same_settings(world or dp_group, config._settings(), "DistributedDataParallel",
                                  "the DdpConfig settings")
         config.validate()
+        config = _sharding_applied(config)
         ep = config.expert_parallel_size
         instance_group, cross_group = _groups.optimizer_instance_groups(mesh, dp_dims, config, world or dp_group)
         if instance_group is not None and world is None:
