@@ -39,32 +39,6 @@
 
 namespace meshddp {
 
-struct AsyncSaveReport {
-  enum class Kind {
-    kNone,       // no save was pending
-    kPending,    // still being written (or committed) in the background
-    kCommitted,  // `latest` names it
-    kFailed,     // nothing committed; `latest` still names the previous checkpoint; `message` says why
-  };
-  Kind kind = Kind::kNone;
-  int64_t step = -1;
-  std::string path;        // <dir>/step-<N>
-  std::string message;     // kFailed: the same text on every rank, naming each failing rank and its file
-  double write_ms = 0;     // this rank's background write of its file (write, fsync, read back, CRC)
-  int64_t file_bytes = 0;  // this rank's file
-  bool failed() const { return kind == Kind::kFailed; }
-};
-
-struct AsyncSaveStart {
-  std::string path;          // <dir>/step-<N>
-  AsyncSaveReport previous;  // the save start() waited for (kind kNone when none was pending)
-  double wait_ms = 0;        // waiting for it (IfBusy::kWait)
-  double snapshot_ms = 0;    // copying the pieces to host memory
-  double prepare_ms = 0;     // phase 1: the step directory and the save id (one agreement)
-  double sync_ms = 0;        // a synchronous save (CheckpointSaver without async_save): all of it
-  double stall_ms() const { return wait_ms + snapshot_ms + prepare_ms + sync_ms; }
-};
-
 class AsyncCheckpointSave {
  public:
   explicit AsyncCheckpointSave(CheckpointMesh mesh);

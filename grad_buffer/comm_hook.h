@@ -48,6 +48,7 @@
 #pragma once
 
 #include "../mesh/collectives.h"
+#include "grad_buffer_config.h"  // kNoCommHook, kBf16CompressHook, kFp16CompressHook
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -108,11 +109,6 @@ class CompressCommHook : public CommHook {
  private:
   c10::ScalarType dtype_;
 };
-
-// The names GradBufferConfig::comm_hook takes.
-constexpr const char* kNoCommHook = "none";
-constexpr const char* kBf16CompressHook = "bf16_compress";
-constexpr const char* kFp16CompressHook = "fp16_compress";
 
 // The built-in hook named `name` ("none", "bf16_compress", "fp16_compress"); throws naming the
 // choices for any other name.

@@ -22,8 +22,9 @@
 //   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
-#include "../checkpoint/store.h"
-#include "../grad_buffer/grad_buffer.h"
+#include "../checkpoint/checkpoint_values.h"
+#include "../checkpoint/save_options.h"
+#include "../grad_buffer/grad_buffer_handle.h"
 #include "muon.h"
 #include "shard_layout.h"
 
@@ -34,6 +35,12 @@
 #include <vector>
 
 namespace meshddp {
+
+// Declared only: the checkpoint store's pieces (checkpoint/store.h) and a GradBuffer's params
+// (grad_buffer/named_param.h), which the parts below pass along.
+struct CheckpointTensor;
+struct CheckpointMesh;
+struct NamedParam;
 
 // kMuon: Muon on the 2-D params (whole matrices, the whole_param shard policy), and on each matrix of
 // a 3-D param with muon_stacked_matrices; AdamW on the rest.
@@ -89,6 +96,9 @@ struct DistributedOptimizerConfig {
   // Python): a new field goes there too, or the build stops.
   void validate() const;  // throws naming the field
 };
+
+// The Python package's name for it; one name in both languages.
+using OptimizerConfig = DistributedOptimizerConfig;
 
 struct StepResult {
   bool skipped = false;  // true: a non-finite gradient was found; nothing was updated
@@ -174,8 +184,12 @@ class DistributedOptimizer {
   // optimizer's params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree); returns that
   // directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP; checks everything on every rank
   // before changing anything; then all-gathers the params; returns the step loaded. Module buffers, frozen params and
-  // user values: plugin/training_checkpoint.h.
+  // user values: plugin/training_checkpoint.h. Deprecated for one release: the checkpoint entry point is
+  // meshddp::save_checkpoint / load_checkpoint / resume_checkpoint over a TrainingState (its async form:
+  // CheckpointSaver), which saves this optimizer with the module; the files are the same format.
+  [[deprecated("use meshddp::save_checkpoint(TrainingState{...}, dir, step) (plugin/training_checkpoint.h)")]]
   std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
+  [[deprecated("use meshddp::load_checkpoint(TrainingState{...}, dir) (plugin/training_checkpoint.h)")]]
   int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
   // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this
   // rank's pieces of the params ("model/<name>") and of the state ("optim/master|exp_avg|
