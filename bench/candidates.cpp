@@ -3,6 +3,7 @@
 // phases, and whose memory reports what it holds. Also PyTorch's bf16 compression hook for the C++
 // Reducer and the fp32 masters of meshddp_fp32_grads.
 #include "bench/bench.h"
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/collectives.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"

@@ -10,6 +10,7 @@
 //   torchrun --standalone --nproc-per-node 2 --no-python build/bench/checkpoint_bench --dir /tmp/ckpt-bench
 //     [--layers 4 --hidden 256 --heads 4 --seq 128 --vocab 4096 --batch 2 --steps 40 --save-every 5]
 #include "bench/bench_models.h"
+#include "grad_buffer/grad_buffer.h"
 
 #include <algorithm>
 #include <chrono>

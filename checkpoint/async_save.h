@@ -2,7 +2,7 @@
 // save_checkpoint_files (checkpoint/store.h), but the caller pays only a copy of its pieces to host
 // memory at the step boundary; a writer thread writes, fsyncs and verifies this rank's file while
 // training goes on, and the commit follows at a later step boundary. No collectives on the writer
-// thread. Whole training states go through plugin/checkpoint_saver.h; docs/checkpoints.md has the guide.
+// thread. Whole training states go through plugin/checkpoint_saver.h; docs/reference/checkpoints.md has the guide.
 //
 // Note [Async save protocol]
 // Collectives from two threads on one Gloo or NCCL group are unsafe (their order would differ
@@ -38,32 +38,6 @@
 #include <vector>
 
 namespace meshddp {
-
-struct AsyncSaveReport {
-  enum class Kind {
-    kNone,       // no save was pending
-    kPending,    // still being written (or committed) in the background
-    kCommitted,  // `latest` names it
-    kFailed,     // nothing committed; `latest` still names the previous checkpoint; `message` says why
-  };
-  Kind kind = Kind::kNone;
-  int64_t step = -1;
-  std::string path;        // <dir>/step-<N>
-  std::string message;     // kFailed: the same text on every rank, naming each failing rank and its file
-  double write_ms = 0;     // this rank's background write of its file (write, fsync, read back, CRC)
-  int64_t file_bytes = 0;  // this rank's file
-  bool failed() const { return kind == Kind::kFailed; }
-};
-
-struct AsyncSaveStart {
-  std::string path;          // <dir>/step-<N>
-  AsyncSaveReport previous;  // the save start() waited for (kind kNone when none was pending)
-  double wait_ms = 0;        // waiting for it (IfBusy::kWait)
-  double snapshot_ms = 0;    // copying the pieces to host memory
-  double prepare_ms = 0;     // phase 1: the step directory and the save id (one agreement)
-  double sync_ms = 0;        // a synchronous save (CheckpointSaver without async_save): all of it
-  double stall_ms() const { return wait_ms + snapshot_ms + prepare_ms + sync_ms; }
-};
 
 class AsyncCheckpointSave {
  public:

@@ -1,5 +1,5 @@
 // JSON for checkpoint manifests, safetensors headers and the ranks' status messages: nlohmann-json
-// (pinned, installed by scripts/setup.sh; docs/building.md) read strictly, with typed access that
+// (pinned, installed by scripts/setup.sh; docs/reference/building.md) read strictly, with typed access that
 // names the field on a mismatch. Objects keep their keys sorted (std::map), so output is deterministic;
 // integers stay exact as int64 (shapes and offsets must round-trip), other numbers are doubles.
 //

@@ -1,7 +1,7 @@
 // Which checkpoint of a directory a load takes and which ones a save may prune: the step directory
 // names, `latest`, and the record of the live run (each manifest's "parent"). Local file reads only,
 // no communication; the collective agreement on the result is in checkpoint/store.h. Used by the
-// save and the load in checkpoint/store.cpp; the rule is documented in docs/checkpoints.md.
+// save and the load in checkpoint/store.cpp; the rule is documented in docs/reference/checkpoints.md.
 //
 // Note [The live run]
 //   A run is a chain of checkpoints: each manifest records "parent", the step directory the run that

@@ -2,7 +2,7 @@
 // every field (type, range, names, exact coverage of every tensor by its pieces) and the manifest's
 // own checksum, and returns typed data the reader can use without further checks. Also the two
 // checksums the format adds to the files' CRC32Cs: the manifest's, and each piece's. Pure host
-// logic over text: no files, no tensors, no communication. The format: docs/checkpoints.md.
+// logic over text: no files, no tensors, no communication. The format: docs/reference/checkpoints.md.
 //
 // Note [Manifest and piece checksums]
 // manifest_crc32c: CRC32C of the manifest's bytes with the 8 hex digits of its own value written as

@@ -1,5 +1,7 @@
 #include "checkpoint/reshard.h"
 
+#include "checkpoint/store.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // starts 8-aligned), then the raw little-endian tensor bytes. The header maps each tensor name to
 // {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative to the data start) and may hold
 // "__metadata__" (string -> string). Also CRC32C (the Castagnoli CRC of iSCSI, ext4 and GCS) and the
-// few POSIX file calls checkpoints need (no std::filesystem: docs/building.md). Host code only.
+// few POSIX file calls checkpoints need (no std::filesystem: docs/reference/building.md). Host code only.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // Checkpoint directories: the crash-safe layout, the manifest, and the collective save and load of
 // a list of tensor pieces over the whole mesh. What goes into a checkpoint is the callers' business
 // (DistributedOptimizer::checkpoint_tensors, plugin/training_checkpoint.h); this file only stores pieces and
-// finds them again, at any DP x TP. The format is described in docs/checkpoints.md.
+// finds them again, at any DP x TP. The format is described in docs/reference/checkpoints.md.
 //
 // Note [Checkpoint layout and commit protocol]
 //   <dir>/step-<N>/rank<R>.safetensors   one per rank R of the world group: the pieces it owns
@@ -29,6 +29,7 @@
 #include "checkpoint_values.h"
 #include "lineage.h"
 #include "reshard.h"
+#include "save_options.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -64,25 +65,6 @@ struct CheckpointMesh {
   c10::intrusive_ptr<c10d::ProcessGroup> world;                // every rank of the mesh: saves and loads agree over it
   int64_t dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;  // recorded in the manifest, for people
   int64_t pp_size = 1;  // pipeline stages (each holds other params): world = dp x tp x pp
-};
-
-struct CheckpointSaveOptions {
-  int64_t keep_last = 0;  // > 0: after a save, keep the newest K checkpoints of the live run (this one,
-                          // the one it continues, ...: Note [The live run]) and delete every other
-                          // step directory; 0 = keep everything
-  // true: the save returns after a snapshot of the tensors to host memory, a background thread writes
-  // them, and the commit follows at a later step boundary (checkpoint/async_save.h; only through
-  // AsyncCheckpointSave or plugin/checkpoint_saver.h's CheckpointSaver). false: the call returns committed.
-  bool async_save = false;
-  // An async save started while the previous one is still being written: kWait waits for the previous
-  // one (and commits it) first, kRefuse throws on every rank naming the step still being written.
-  enum class IfBusy { kWait, kRefuse };
-  IfBusy if_busy = IfBusy::kWait;
-  // Tests: called on each rank before its file is written (on the writer thread of an async save).
-  std::function<void(const std::string& path)> before_file_written;
-  // Tests: called on each rank after its file is written and verified; throwing from it is a crash
-  // between files (the save fails everywhere and nothing is committed).
-  std::function<void(const std::string& path)> after_file_written;
 };
 
 struct CheckpointMeta {

@@ -1,5 +1,6 @@
-# The C++ package: `cmake --install build --prefix P` installs the headers under P/include/meshddp/
-# (the source folders kept: <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>; only
+# The C++ package: `cmake --install build --prefix P` installs the public headers under
+# P/include/meshddp/ (the front end that <meshddp/meshddp.h> reaches, source folders kept:
+# <meshddp/mesh/device_mesh.h>, ...; the umbrella <meshddp/meshddp.h>; only
 # P/include is on a consumer's include path, and the headers include each other by relative path
 # ("../checkpoint/store.h"), so a consumer's own folders named mesh/, checkpoint/, ... cannot
 # shadow them), the
@@ -9,7 +10,7 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-set(_meshddp_libs meshddp_mesh meshddp_checkpoint meshddp_grad_buffer meshddp_tp meshddp_optimizer meshddp_plugin)
+set(_meshddp_libs meshddp_mesh meshddp_checkpoint meshddp_grad_buffer meshddp_common meshddp_tp meshddp_optimizer meshddp_plugin)
 set_target_properties(${_meshddp_libs} PROPERTIES POSITION_INDEPENDENT_CODE ON)
 foreach(_lib IN LISTS _meshddp_libs)
   string(REPLACE "meshddp_" "" _short "${_lib}")
@@ -34,9 +35,31 @@ configure_file("${PROJECT_SOURCE_DIR}/cmake/version.h.in" "${PROJECT_BINARY_DIR}
 install(TARGETS meshddp_torch meshddp_json ${_meshddp_libs} meshddp_meshddp EXPORT meshddpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(_dir mesh checkpoint grad_buffer tp optimizer plugin)
-  install(DIRECTORY "${PROJECT_SOURCE_DIR}/${_dir}/" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/${_dir}
-          FILES_MATCHING PATTERN "*.h" PATTERN "python" EXCLUDE)
+# The public headers: exactly those <meshddp/meshddp.h> reaches (tests/build/check_public_headers.py
+# compares this list with the compiler's and builds a consumer against the installed ones). Every
+# other header is internal and is not installed.
+set(MESHDDP_PUBLIC_HEADERS
+  checkpoint/checkpoint_values.h
+  checkpoint/save_options.h
+  common/grad_norm.h
+  grad_buffer/grad_buffer_config.h
+  grad_buffer/grad_buffer_handle.h
+  grad_buffer/named_param.h
+  grad_buffer/sync_groups.h
+  mesh/device_mesh.h
+  optimizer/distributed_optimizer.h
+  optimizer/lr_scheduler.h
+  optimizer/muon.h
+  optimizer/shard_layout.h
+  plugin/checkpoint_saver.h
+  plugin/distributed_data_parallel.h
+  plugin/pipeline.h
+  plugin/training_checkpoint.h
+  tp/parallelize.h
+  tp/tp_layers.h)
+foreach(_header IN LISTS MESHDDP_PUBLIC_HEADERS)
+  get_filename_component(_dir "${_header}" DIRECTORY)
+  install(FILES "${PROJECT_SOURCE_DIR}/${_header}" DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp/${_dir})
 endforeach()
 install(FILES "${PROJECT_SOURCE_DIR}/include/meshddp/meshddp.h" "${PROJECT_BINARY_DIR}/include/meshddp/version.h"
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/meshddp)

@@ -25,6 +25,8 @@
 //   (its ZeRO-1 shards are 1/expert_dp_size of it).
 #pragma once
 
+#include "grad_buffer_config.h"  // kDefaultBucketBytes
+
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -36,11 +38,6 @@
 namespace meshddp {
 
 constexpr int64_t kAlignmentElems = 64;
-// 40 MiB: ~10M fp32 or ~20M bf16 gradients. Large enough that an NCCL/Gloo collective runs near its
-// bandwidth peak (latency terms are small next to the transfer), small enough that a 1B-param model
-// has dozens of buckets to overlap with backward. PyTorch DDP uses 25 MiB, Megatron 40M elements.
-// docs/design.md has the sweep.
-constexpr size_t kDefaultBucketBytes = size_t{40} << 20;
 
 struct ParamSpec {
   std::string name;  // module path, for messages

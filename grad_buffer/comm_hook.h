@@ -23,7 +23,7 @@
 //   their unit roundoff) plus that of every partial sum the collective forms in the low dtype.
 //   fp16's range (max 65504, subnormals below 6e-5) can overflow or flush small gradients; a
 //   non-finite reduced gradient makes the distributed optimizer skip the step. Halves the bytes
-//   moved; costs a cast pass and a copy-back. Measured: docs/api.md, "Communication hooks".
+//   moved; costs a cast pass and a copy-back. Measured: docs/reference/cpp_api.md, "Communication hooks".
 //
 // Note [Stream lifetimes of collective temporaries]
 //   On NCCL a collective runs on c10d's own stream; at launch that stream waits for the current
@@ -48,6 +48,7 @@
 #pragma once
 
 #include "../mesh/collectives.h"
+#include "grad_buffer_config.h"  // kNoCommHook, kBf16CompressHook, kFp16CompressHook
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -108,11 +109,6 @@ class CompressCommHook : public CommHook {
  private:
   c10::ScalarType dtype_;
 };
-
-// The names GradBufferConfig::comm_hook takes.
-constexpr const char* kNoCommHook = "none";
-constexpr const char* kBf16CompressHook = "bf16_compress";
-constexpr const char* kFp16CompressHook = "fp16_compress";
 
 // The built-in hook named `name` ("none", "bf16_compress", "fp16_compress"); throws naming the
 // choices for any other name.

@@ -1,4 +1,5 @@
-// NamedParam: a parameter and the names it is registered under, and the pure functions that turn a
+// NamedParam: a parameter and the names it is registered under (NamedTensor: any tensor and its
+// module path), and the pure functions that turn a
 // module's parameter list into GradBuffer's (one entry per tensor, trainable ones apart from frozen
 // ones) and name a param in messages. Pure host logic: no communication.
 #pragma once
@@ -9,6 +10,11 @@
 #include <vector>
 
 namespace meshddp {
+
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
 
 struct NamedParam {
   std::string name;                       // module path, e.g. "blocks.3.mlp.fc1.weight"

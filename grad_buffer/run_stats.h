@@ -1,6 +1,6 @@
 // What a training run agrees on beyond one pipeline stage: the sums and reports behind gradient
 // norms, clipping and non-finite checks run over the stage (SyncGroups::stats_group) and then over
-// the pipeline (SyncGroups::pipeline), so that a pipeline is one run (docs/pipeline.md). And the
+// the pipeline (SyncGroups::pipeline), so that a pipeline is one run (docs/guide/pipelines.md). And the
 // count of GradBuffers this process holds on each pipeline, so that a norm or a step over fewer
 // chunks than this rank holds is refused instead of giving a per-chunk number.
 #pragma once

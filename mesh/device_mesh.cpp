@@ -5,6 +5,7 @@
 #include "mesh/launch_round.h"
 #include "mesh/mesh_layout.h"
 #include "mesh/process_group_factory.h"
+#include "mesh/reduction_groups.h"
 #include "mesh/switches.h"
 
 #include <ATen/ops/ones.h>

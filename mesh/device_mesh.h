@@ -5,8 +5,6 @@
 // collectives go through mesh/collectives.h.
 #pragma once
 
-#include "reduction_groups.h"
-
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -18,6 +16,9 @@
 #include <vector>
 
 namespace meshddp {
+
+// A partition of ranks into groups (mesh/reduction_groups.h makes and checks them; the same alias).
+using RankGroups = std::vector<std::vector<int64_t>>;
 
 struct MeshOptions {
   // kCPU: Gloo groups, tensors on the CPU. kCUDA: NCCL groups, device cuda:LOCAL_RANK (needs a

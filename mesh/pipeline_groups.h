@@ -1,7 +1,7 @@
 // Pipeline parallelism on a DeviceMesh with a "pp" dim: the groups a data-parallel wrapper of one
 // pipeline stage needs (the stage's own world, the embedding groups of the first and last stage),
 // and the declaration of a weight tied across stages (the token embedding on the first stage and
-// the LM head on the last hold two copies of one weight). docs/pipeline.md.
+// the LM head on the last hold two copies of one weight). docs/guide/pipelines.md.
 #pragma once
 
 #include "device_mesh.h"
@@ -16,7 +16,7 @@
 namespace meshddp {
 
 // The name of the pipeline dim DistributedDataParallel looks for on a mesh: it is neither DP nor TP,
-// and each stage's gradients are synced within its own stage (docs/pipeline.md).
+// and each stage's gradients are synced within its own stage (docs/guide/pipelines.md).
 inline constexpr const char* kPipelineDim = "pp";
 
 // The embedding groups: for each pipeline (the ranks that differ only along `pp_dim`), its first and

@@ -1,5 +1,5 @@
 // meshddp's environment switches, declared once: each MESHDDP_* variable's name, default and meaning
-// (docs/api.md's "Environment switches" table is checked against this list by
+// (docs/reference/cpp_api.md's "Environment switches" table is checked against this list by
 // tests/mesh/switches_test.cpp), read through one helper that caches the value and that tests can
 // override. No other file reads a MESHDDP_* variable. All are for debugging or tests; none is needed
 // in production.
@@ -17,7 +17,7 @@ struct SwitchSpec {
   Switch id;
   std::string_view name;     // the environment variable: "1" turns it on, "0" off
   bool default_on;           // when the variable is unset or empty
-  std::string_view meaning;  // one line (docs/api.md has the long form)
+  std::string_view meaning;  // one line (docs/reference/cpp_api.md has the long form)
 };
 
 inline constexpr std::array<SwitchSpec, 4> kSwitches{{

@@ -1,11 +1,12 @@
 #include "optimizer/distributed_optimizer.h"
 
+#include "common/glob_match.h"
+#include "common/grad_norm.h"
+#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"
 #include "optimizer/fused_step.h"
 #include "optimizer/optimizer_config_fields.h"
-#include "tp/glob_match.h"
-#include "tp/grad_norm.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -22,8 +22,9 @@
 //   [Fused step arithmetic] in fused_step_math.h).
 #pragma once
 
-#include "../checkpoint/store.h"
-#include "../grad_buffer/grad_buffer.h"
+#include "../checkpoint/checkpoint_values.h"
+#include "../checkpoint/save_options.h"
+#include "../grad_buffer/grad_buffer_handle.h"
 #include "muon.h"
 #include "shard_layout.h"
 
@@ -35,11 +36,17 @@
 
 namespace meshddp {
 
+// Declared only: the checkpoint store's pieces (checkpoint/store.h) and a GradBuffer's params
+// (grad_buffer/named_param.h), which the parts below pass along.
+struct CheckpointTensor;
+struct CheckpointMesh;
+struct NamedParam;
+
 // kMuon: Muon on the 2-D params (whole matrices, the whole_param shard policy), and on each matrix of
 // a 3-D param with muon_stacked_matrices; AdamW on the rest.
 enum class OptimizerKind { kAdamW, kSgd, kMuon };
 
-// Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/gpu.md).
+// Which arithmetic step() runs (optimizer/fused_step.h; measurements and the reason: docs/reference/gpu.md).
 enum class FusedStep {
   kAuto,    // the fused kernels for CUDA shards, ATen's foreach ops on CPU (faster there today)
   kAlways,  // the fused kernels on CPU too (tests; an error for fp16 params, which they do not write)
@@ -67,7 +74,7 @@ struct DistributedOptimizerConfig {
   double clip_grad_norm = 0.0;              // > 0: clip the global gradient L2 norm to this; 0 = off
   bool overlap_param_gather = false;        // all-gathers complete during the next forward (DDP::forward)
   FusedStep fused_step = FusedStep::kAuto;  // kAuto: fused on CUDA (one pass per shard), foreach on CPU
-  // Muon (kind = kMuon; optimizer/muon.h, docs/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
+  // Muon (kind = kMuon; optimizer/muon.h, docs/reference/optimizer.md). Needs DdpConfig.shard_policy = "whole_param".
   // A param takes Muon when it is 2-D (or 3-D with muon_stacked_matrices) and matches none of
   // muon_adamw_params; the others take AdamW (beta1, beta2, eps above) in the same step. lr /
   // weight_decay / group rules apply to both.
@@ -89,6 +96,9 @@ struct DistributedOptimizerConfig {
   // Python): a new field goes there too, or the build stops.
   void validate() const;  // throws naming the field
 };
+
+// The Python package's name for it; one name in both languages.
+using OptimizerConfig = DistributedOptimizerConfig;
 
 struct StepResult {
   bool skipped = false;  // true: a non-finite gradient was found; nothing was updated
@@ -170,12 +180,16 @@ class DistributedOptimizer {
   double group_weight_decay(int64_t group) const;
   double lr() const { return lr_; }  // the base LR last set (config.lr until set_lr)
 
-  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/checkpoints.md). save: this
+  // Checkpoints (optimizer/distributed_optimizer_checkpoint.cpp; the format: docs/reference/checkpoints.md). save: this
   // optimizer's params and state alone, into <dir>/step-<steps_taken()>/ (crash-safe, all ranks agree); returns that
   // directory. load: `dir`'s latest complete checkpoint (or `step`), at any DP x TP; checks everything on every rank
   // before changing anything; then all-gathers the params; returns the step loaded. Module buffers, frozen params and
-  // user values: plugin/training_checkpoint.h.
+  // user values: plugin/training_checkpoint.h. Deprecated for one release: the checkpoint entry point is
+  // meshddp::save_checkpoint / load_checkpoint / resume_checkpoint over a TrainingState (its async form:
+  // CheckpointSaver), which saves this optimizer with the module; the files are the same format.
+  [[deprecated("use meshddp::save_checkpoint(TrainingState{...}, dir, step) (plugin/training_checkpoint.h)")]]
   std::string save_checkpoint(const std::string& dir, const CheckpointSaveOptions& options = {});
+  [[deprecated("use meshddp::load_checkpoint(TrainingState{...}, dir) (plugin/training_checkpoint.h)")]]
   int64_t load_checkpoint(const std::string& dir, std::optional<int64_t> step = std::nullopt);
   // The parts, for callers that save more state in the same checkpoint. checkpoint_tensors: this
   // rank's pieces of the params ("model/<name>") and of the state ("optim/master|exp_avg|

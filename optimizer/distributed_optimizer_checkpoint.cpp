@@ -15,6 +15,9 @@
 // written once, by the ranks of its group; expert
 // names are global (DDP checks it), so one key is one expert. A load asks for its own segments at its
 // own DP x TP (x EP, and K); the arithmetic in checkpoint/reshard.h finds them in the saved pieces.
+#include "checkpoint/store.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/optimizer_config_fields.h"
 

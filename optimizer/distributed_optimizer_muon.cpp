@@ -22,8 +22,10 @@
 // matrix's momentum update), runs the matrices that need no gather while they are in flight, then
 // waits for each gather in launch order and finishes its matrix. Every TP rank launches the same
 // gathers in the same order (the same owned matrices, in shard order).
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/collectives.h"
 #include "mesh/config_fields.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 
 #include <ATen/ATen.h>

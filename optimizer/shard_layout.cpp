@@ -1,5 +1,7 @@
 #include "optimizer/shard_layout.h"
 
+#include "grad_buffer/bucket_layout.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -9,12 +9,12 @@
 // one param with one rank's range.
 #pragma once
 
-#include "../grad_buffer/bucket_layout.h"
-
 #include <cstdint>
 #include <vector>
 
 namespace meshddp {
+
+struct BucketLayout;  // grad_buffer/bucket_layout.h
 
 struct ShardSegment {
   int64_t param = -1;        // param index (registration order among trainable params)

@@ -1,5 +1,8 @@
 #include "plugin/checkpoint_saver.h"
 
+#include "checkpoint/async_save.h"
+#include "plugin/training_state_pieces.h"
+
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -8,24 +11,28 @@
 namespace meshddp {
 
 CheckpointSaver::CheckpointSaver(TrainingState state, OnFailure on_failure)
-    : state_(state), on_failure_(on_failure), async_(checkpoint_mesh_of(state)) {}
+    : state_(state),
+      on_failure_(on_failure),
+      async_(std::make_unique<AsyncCheckpointSave>(checkpoint_mesh_of(state))) {}
 CheckpointSaver::CheckpointSaver(PipelineTrainingState state, OnFailure on_failure)
-    : state_(state), on_failure_(on_failure), async_(checkpoint_mesh_of(state)) {}
+    : state_(state),
+      on_failure_(on_failure),
+      async_(std::make_unique<AsyncCheckpointSave>(checkpoint_mesh_of(state))) {}
 
 AsyncSaveStart CheckpointSaver::save(const std::string& dir, int64_t step, const CheckpointValues& values,
                                      const CheckpointSaveOptions& options) {
   TrainingStatePieces pieces =
       std::visit([&](const auto& state) { return training_state_pieces(state, step, values); }, state_);
   if (options.async_save) {
-    AsyncSaveStart started = async_.start(dir, pieces.meta, pieces.tensors, options);
+    AsyncSaveStart started = async_->start(dir, pieces.meta, pieces.tensors, options);
     handle(started.previous);
     return started;
   }
   AsyncSaveStart started;
   auto t0 = std::chrono::steady_clock::now();
-  if (async_.pending()) {
+  if (async_->pending()) {
     // The ranks' if_busy agreed, then the pending async save waited for, or this save refused.
-    started.previous = async_.settle_pending(step, dir, options);
+    started.previous = async_->settle_pending(step, dir, options);
     if (options.if_busy == CheckpointSaveOptions::IfBusy::kWait) {
       started.wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     }
@@ -37,9 +44,15 @@ AsyncSaveStart CheckpointSaver::save(const std::string& dir, int64_t step, const
   return started;
 }
 
-AsyncSaveReport CheckpointSaver::step_boundary() { return handle(async_.poll()); }
+CheckpointSaver::~CheckpointSaver() = default;
 
-AsyncSaveReport CheckpointSaver::wait() { return handle(async_.wait()); }
+bool CheckpointSaver::pending() const { return async_->pending(); }
+
+int64_t CheckpointSaver::snapshot_bytes() const { return async_->snapshot_bytes(); }
+
+AsyncSaveReport CheckpointSaver::step_boundary() { return handle(async_->poll()); }
+
+AsyncSaveReport CheckpointSaver::wait() { return handle(async_->wait()); }
 
 const AsyncSaveReport& CheckpointSaver::handle(const AsyncSaveReport& report) const {
   if (!report.failed()) return report;

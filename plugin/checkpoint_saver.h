@@ -2,7 +2,7 @@
 // save_checkpoint saves (plugin/training_checkpoint.h), synchronously or asynchronously
 // (options.async_save: a host snapshot at the step boundary, a background write, the commit at a later
 // step boundary; Note [Async save protocol] in checkpoint/async_save.h). It owns the snapshot buffers
-// and the writer thread, so keep one per training loop. Guide and costs: docs/checkpoints.md.
+// and the writer thread, so keep one per training loop. Guide and costs: docs/reference/checkpoints.md.
 //
 //   meshddp::CheckpointSaver saver(state);
 //   for (step ...) {
@@ -13,12 +13,15 @@
 //   saver.wait();                                 // end of training: the last save committed
 #pragma once
 
-#include "../checkpoint/async_save.h"
+#include "../checkpoint/save_options.h"
 #include "training_checkpoint.h"
 
+#include <memory>
 #include <variant>
 
 namespace meshddp {
+
+class AsyncCheckpointSave;  // checkpoint/async_save.h: the snapshot buffers and the writer thread
 
 class CheckpointSaver {
  public:
@@ -44,14 +47,15 @@ class CheckpointSaver {
   // Collective: the end of training (or before a load): waits for the pending save and commits it.
   AsyncSaveReport wait();
 
-  bool pending() const { return async_.pending(); }
-  int64_t snapshot_bytes() const { return async_.snapshot_bytes(); }  // host memory kept for snapshots
+  ~CheckpointSaver();  // joins the writer thread (AsyncCheckpointSave's destructor)
+  bool pending() const;
+  int64_t snapshot_bytes() const;  // host memory kept for snapshots
 
  private:
   const AsyncSaveReport& handle(const AsyncSaveReport& report) const;
   std::variant<TrainingState, PipelineTrainingState> state_;
   OnFailure on_failure_;
-  AsyncCheckpointSave async_;
+  std::unique_ptr<AsyncCheckpointSave> async_;
 };
 
 }  // namespace meshddp

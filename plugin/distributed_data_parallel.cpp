@@ -1,5 +1,8 @@
 #include "plugin/distributed_data_parallel.h"
 
+#include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_buffer.h"
+#include "grad_buffer/param_gather.h"
 #include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
@@ -7,6 +10,8 @@
 #include "mesh/process_group_factory.h"
 #include "mesh/reduction_groups.h"
 #include "plugin/ddp_config_fields.h"
+#include "plugin/model_sync.h"
+#include "plugin/module_ownership.h"
 #include "plugin/tp_dim.h"
 
 #include <ATen/ops/full.h>
@@ -15,6 +20,7 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 namespace meshddp {
@@ -296,20 +302,44 @@ void DdpEngine::init(const std::shared_ptr<torch::nn::Module>& module, const std
   init(std::move(params), std::move(buffers), dp_global_ranks, agreement_group, expert_group);
 }
 
+// What init()'s phases hand one another.
+struct DdpEngine::InitState {
+  std::vector<NamedTensor> params;   // every param by module path, frozen ones too
+  std::vector<NamedTensor> buffers;  // the module's buffers
+  const std::vector<int64_t>& dp_global_ranks;
+  c10d::ProcessGroup& agreement_group;
+  bool has_experts = false;
+  std::vector<int64_t> expert_global_ranks = {};  // expert-DP rank -> global rank, for messages
+  std::vector<NamedTensor> dense_params = {}, expert_params = {};
+  std::vector<NamedTensor> expert_tensors = {};  // expert params and expert buffers
+  std::vector<NamedParam> named = {};            // the params as the GradBuffer takes them, registration order
+};
+
 void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
                      const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
                      const ExpertGroupMaker& expert_group) {
+  InitState s{std::move(params), std::move(buffers), dp_global_ranks, agreement_group};
+  agree_on_settings(s);
+  make_reduction_groups(s, expert_group);
+  verify_same_model(s);
+  broadcast_initial_state(s);
+  lay_out_gradient_buffer(s);
+  check_layouts_agree(s);
+  sync_tied_params_at_construction();
+}
+
+void DdpEngine::agree_on_settings(InitState& s) {
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
   for (const auto* group : {&groups_.dp, &groups_.world, &groups_.tp}) {
     if (*group) ensure_cpu_backend(**group, "DistributedDataParallel");
   }
   // Before any collective: a param another live engine reduces is refused (Python ranks all wrap alike).
-  claim_ = ParamClaim(params);
+  claim_ = std::make_unique<ParamClaim>(s.params);
   // First, before any collective whose kind depends on them: the settings agree on every rank, then
   // they are validated (Note [Agree first, then validate], mesh/config_fields.h).
-  const bool has_experts = has_expert_params(params) || has_expert_params(buffers);
-  verify_same_settings_across_ranks(agreement_group, config_settings(config_, groups_, has_experts),
+  s.has_experts = has_expert_params(s.params) || has_expert_params(s.buffers);
+  verify_same_settings_across_ranks(s.agreement_group, config_settings(config_, groups_, s.has_experts),
                                     "DistributedDataParallel", "the DdpConfig settings");
   config_.validate();
   config_.check_combination();
@@ -322,60 +352,69 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
               " (the DP (x CP) ranks, out of which expert parallel is carved: each block of ", ep,
               " consecutive DP ranks holds different experts); choose an expert_parallel_size that divides ",
               dp_group_->getSize(), ", or change the mesh");
+}
+
+void DdpEngine::make_reduction_groups(InitState& s, const ExpertGroupMaker& expert_group) {
   // Expert params are held by their expert-data-parallel group only: they are checked, broadcast and
   // reduced within it; dense params within DP.
-  std::vector<int64_t> expert_global_ranks;
-  if (has_experts) {
+  if (s.has_experts) {
     ExpertGroup made = expert_group();
     groups_.expert_dp = made.group;
-    expert_global_ranks = made.global_ranks;
+    s.expert_global_ranks = made.global_ranks;
     ensure_cpu_backend(*groups_.expert_dp, "DistributedDataParallel");
   }
-  const auto [dense_params, expert_params] = split_experts(params);
-  std::vector<NamedParam> named;
-  for (const auto& p : params) named.push_back({p.name, p.tensor});
-  unique_params_ = deduplicate_params(named);
-  std::vector<NamedTensor> expert_named = expert_params;
-  if (has_experts) {
-    const std::vector<bool> expert_buffer = expert_buffer_flags(params, buffers);
+  std::tie(s.dense_params, s.expert_params) = split_experts(s.params);
+  for (const auto& p : s.params) s.named.push_back({p.name, p.tensor});
+  unique_params_ = deduplicate_params(s.named);
+  s.expert_tensors = s.expert_params;
+  std::vector<NamedTensor> buffers = std::move(s.buffers);
+  if (s.has_experts) {
+    const std::vector<bool> expert_buffer = expert_buffer_flags(s.params, buffers);
     for (size_t i = 0; i < buffers.size(); ++i) {
       if (!expert_buffer[i]) continue;
       declare_expert_param(buffers[i].tensor);  // so that checkpoints save it as an expert tensor
       expert_buffers_.push_back(buffers[i]);
-      expert_named.push_back(buffers[i]);
+      s.expert_tensors.push_back(buffers[i]);
     }
     buffers.erase(
         std::remove_if(buffers.begin(), buffers.end(), [](const NamedTensor& b) { return is_expert_param(b.tensor); }),
         buffers.end());
   }
   module_buffers_ = std::move(buffers);
-  if (has_experts) verify_expert_names_are_global(*dp_group_, expert_named, groups_.expert_dp->getSize(), ep);
-  if (config_.verify_model_across_ranks) {
-    // Compared within each DP group (expert params within each expert-DP group); the verdict is then
-    // agreed over the whole mesh, so that a mismatch in one DP group stops every rank here rather than
-    // leaving the others to hang in the next mesh-wide collective.
-    std::string mismatch;
-    try {
-      verify_same_tensors_across_ranks(*dp_group_, dense_params, "parameter", dp_global_ranks);
-      if (has_experts) {
-        verify_same_tensors_across_ranks(*groups_.expert_dp, expert_params, "expert parameter", expert_global_ranks);
-      }
-    } catch (const c10::Error& e) {
-      mismatch = no_expert_hint(ep, has_experts) + e.what_without_backtrace();
+}
+
+void DdpEngine::verify_same_model(InitState& s) {
+  const int64_t ep = config_.expert_parallel_size;
+  if (s.has_experts) verify_expert_names_are_global(*dp_group_, s.expert_tensors, groups_.expert_dp->getSize(), ep);
+  if (!config_.verify_model_across_ranks) return;
+  // Compared within each DP group (expert params within each expert-DP group); the verdict is then
+  // agreed over the whole mesh, so that a mismatch in one DP group stops every rank here rather than
+  // leaving the others to hang in the next mesh-wide collective.
+  std::string mismatch;
+  try {
+    verify_same_tensors_across_ranks(*dp_group_, s.dense_params, "parameter", s.dp_global_ranks);
+    if (s.has_experts) {
+      verify_same_tensors_across_ranks(*groups_.expert_dp, s.expert_params, "expert parameter", s.expert_global_ranks);
     }
-    int64_t failed_ranks = mismatch.empty() ? 0 : 1;
-    if (&agreement_group != dp_group_.get()) {
-      at::Tensor verdict = at::full({1}, failed_ranks, at::kLong);
-      all_reduce_sum_now(agreement_group, verdict, "the verdict of the model check");
-      failed_ranks = verdict.item<int64_t>();
-    }
-    TORCH_CHECK(mismatch.empty(), mismatch);
-    TORCH_CHECK(
-        failed_ranks == 0, no_expert_hint(ep, has_experts),
-        "DistributedDataParallel: the model differs across the data-parallel ranks of ",
-        "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
-        "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every rank");
+  } catch (const c10::Error& e) {
+    mismatch = no_expert_hint(ep, s.has_experts) + e.what_without_backtrace();
   }
+  int64_t failed_ranks = mismatch.empty() ? 0 : 1;
+  if (&s.agreement_group != dp_group_.get()) {
+    at::Tensor verdict = at::full({1}, failed_ranks, at::kLong);
+    all_reduce_sum_now(s.agreement_group, verdict, "the verdict of the model check");
+    failed_ranks = verdict.item<int64_t>();
+  }
+  TORCH_CHECK(mismatch.empty(), mismatch);
+  TORCH_CHECK(failed_ranks == 0, no_expert_hint(ep, s.has_experts),
+              "DistributedDataParallel: the model differs across the data-parallel ranks of ",
+              "another DP group of this mesh (", failed_ranks, " rank(s) report it, naming the parameter: see their ",
+              "errors); this rank's DP group agrees. Build the same model, in the same registration order, on every "
+              "rank");
+}
+
+void DdpEngine::broadcast_initial_state(const InitState& s) {
+  if (!config_.broadcast_from_rank0) return;
   std::vector<NamedTensor> state, expert_state, tp_replicated_state;
   for (const auto& p : unique_params_) {
     (is_expert_param(p.param) ? expert_state : state).push_back({p.name, p.param});
@@ -385,25 +424,32 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   expert_state.insert(expert_state.end(), expert_buffers_.begin(), expert_buffers_.end());
   tp_replicated_state.insert(tp_replicated_state.end(), module_buffers_.begin(), module_buffers_.end());
   tp_replicated_state.insert(tp_replicated_state.end(), expert_buffers_.begin(), expert_buffers_.end());
-  if (config_.broadcast_from_rank0) {
-    // DP first (each TP column takes its DP rank 0's values; experts their expert-DP rank 0's), then TP
-    // for what every TP rank holds whole: all replicas of a replicated param then equal one rank's.
-    broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
-    if (has_experts) {
-      broadcast_from_group_rank0(*groups_.expert_dp, expert_state,
-                                 "the initial expert parameters and buffers (from expert-data-parallel rank 0)");
-    }
-    if (groups_.tp) {
-      broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
-                                 "the initial TP-replicated parameters and buffers (from TP rank 0)");
-    }
+  // DP first (each TP column takes its DP rank 0's values; experts their expert-DP rank 0's), then TP
+  // for what every TP rank holds whole: all replicas of a replicated param then equal one rank's.
+  broadcast_from_group_rank0(*dp_group_, state, "the initial parameters and buffers (from DP rank 0)");
+  if (s.has_experts) {
+    broadcast_from_group_rank0(*groups_.expert_dp, expert_state,
+                               "the initial expert parameters and buffers (from expert-data-parallel rank 0)");
   }
-  buffer_ = std::make_unique<GradBuffer>(named, groups_, static_cast<GradBufferConfig>(config_));
+  if (groups_.tp) {
+    broadcast_from_group_rank0(*groups_.tp, tp_replicated_state,
+                               "the initial TP-replicated parameters and buffers (from TP rank 0)");
+  }
+}
+
+void DdpEngine::lay_out_gradient_buffer(const InitState& s) {
+  buffer_ = std::make_unique<GradBuffer>(s.named, groups_, static_cast<GradBufferConfig>(config_));
   // A norm or a step must then cover every chunk of this rank (grad_buffer/run_stats.h).
   declare_pipeline_chunks(buffer_.get(), config_.virtual_pipeline_size);
+  for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
+    if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);
+  }
+}
+
+void DdpEngine::check_layouts_agree(const InitState& s) {
   verify_same_settings_across_ranks(*dp_group_, layout_settings(*buffer_, LayoutPart::kDense),
                                     "DistributedDataParallel", "the gradient bucket layouts");
-  if (has_experts) {
+  if (s.has_experts) {
     verify_same_settings_across_ranks(*groups_.expert_dp, layout_settings(*buffer_, LayoutPart::kExpert),
                                       "DistributedDataParallel", "the expert gradient bucket layouts");
   }
@@ -411,10 +457,6 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     verify_same_settings_across_ranks(*groups_.world, layout_settings(*buffer_, LayoutPart::kTpPartial),
                                       "DistributedDataParallel", "the TP-partial gradient bucket layouts");
   }
-  for (int64_t i = 0; i < static_cast<int64_t>(buffer_->params().size()); ++i) {
-    if (!buffer_->placement(i).is_shard()) tp_replicated_.push_back(buffer_->params()[i]);
-  }
-  sync_tied_params_at_construction();
 }
 
 std::vector<at::Tensor> DdpEngine::parameters() const {

@@ -14,12 +14,14 @@
 //   optimizer.step();
 #pragma once
 
-#include "../grad_buffer/grad_buffer.h"
+#include "../grad_buffer/grad_buffer_config.h"
+#include "../grad_buffer/grad_buffer_handle.h"
+#include "../grad_buffer/named_param.h"
+#include "../grad_buffer/sync_groups.h"
 #include "../mesh/device_mesh.h"
-#include "model_sync.h"
-#include "module_ownership.h"
 
 #include <c10/core/GradMode.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
@@ -31,6 +33,13 @@
 #include <vector>
 
 namespace meshddp {
+
+// The engine's internals (grad_buffer/grad_buffer.h, param_gather.h, comm_hook.h): declared here
+// only, so that this public header does not reach them.
+class GradBuffer;
+class ParamGather;
+class CommHook;
+class ParamClaim;  // plugin/module_ownership.h
 
 struct DdpConfig : GradBufferConfig {
   // GradBufferConfig: bucket_bytes (40 MiB; 0 = one bucket per parameter), overlap_grad_reduce (true),
@@ -57,7 +66,7 @@ struct DdpConfig : GradBufferConfig {
                                             // group (DP size / EP ranks holding the same experts), dense ones over DP.
                                             // >= 1, must divide the DP (x CP) size; > 1 needs a DeviceMesh. 1 = the
                                             // expert-DP group is the DP group
-  // Pipeline parallel (docs/pipeline.md): V, the model chunks each rank holds (Megatron's
+  // Pipeline parallel (docs/guide/pipelines.md): V, the model chunks each rank holds (Megatron's
   // virtual_pipeline_model_parallel_size), and which of them this DDP wraps (0..V-1). On a mesh with
   // a "pp" dim, every rank's pp size and V are compared at the construction of its chunk 0, and a
   // weight tied across stages is exchanged by the first stage's chunk 0 and the last stage's chunk V-1
@@ -98,27 +107,27 @@ class DdpEngine {
             c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
   // Virtual: a pipeline holds its chunks, of different module types, as std::unique_ptr<DdpEngine>,
   // and deleting one must destroy the DistributedDataParallel<M> around it (its module) too.
-  virtual ~DdpEngine() = default;
-  DdpEngine(DdpEngine&&) = default;
-  DdpEngine& operator=(DdpEngine&&) = default;
+  virtual ~DdpEngine();
+  DdpEngine(DdpEngine&&) noexcept;
+  DdpEngine& operator=(DdpEngine&&) noexcept;
 
   // Blocks until every bucket is reduced (launching those not launched yet, in order). A second call
   // in the same step is a no-op.
-  void finish_grad_sync() { buffer_->finish_grad_sync(); }
+  void finish_grad_sync();
 
-  // -- The controls a pipeline schedule drives (docs/pipeline.md; plugin/pipeline.h) --
+  // -- The controls a pipeline schedule drives (docs/guide/pipelines.md; plugin/pipeline.h) --
   // Launches now, in bucket order, every bucket not launched yet (a param that got no gradient
   // contributes its slot), without waiting: after a chunk's last backward micro-batch, so that its
   // sync overlaps the other chunks' backward. finish_grad_sync() then waits.
-  void start_grad_sync() { buffer_->start_grad_sync(); }
+  void start_grad_sync();
   // FSDP2's name. false: hold every bucket (backward only accumulates) until it is set true again;
   // the same switch as set_is_last_microbatch() and no_sync(). Default true.
-  void set_requires_gradient_sync(bool requires_sync) { buffer_->set_is_last_microbatch(requires_sync); }
-  bool requires_gradient_sync() const { return buffer_->is_last_microbatch(); }
+  void set_requires_gradient_sync(bool requires_sync);
+  bool requires_gradient_sync() const;
   // Multiplies the flat gradient buffers by `factor` (never param.grad(), which with fp32 main grads
   // or ZeRO-1 is not what the optimizer reads). Between micro-batches, or after finish_grad_sync()
   // and before the optimizer step; throws while a bucket collective is in flight.
-  void scale_gradients(double factor) { buffer_->scale_gradients(factor); }
+  void scale_gradients(double factor);
   // Every param takes DP rank 0's values, over its reduction group (dense params over DP (x CP),
   // expert params over expert-DP), then a param tied across stages the first stage's copy (over the
   // embedding group). Collective; call between steps on every rank of those groups. Keeps the
@@ -130,13 +139,10 @@ class DdpEngine {
   // stages. A no-op on chunks without tied params. plugin/pipeline.cpp.
   void check_tied_params_identical() const;
   // Whether this step's sync finished / began (GradBuffer::grad_sync_finished / _started).
-  bool grad_sync_finished() const { return buffer_->grad_sync_finished(); }
+  bool grad_sync_finished() const;
   // Zeroes the gradient buffers for the next step (and points param.grad() back at them). The step's
   // first training forward then broadcasts the module buffers (broadcast_buffers).
-  void zero_grad_buffer() {
-    buffer_->zero_grad_buffer();
-    buffers_broadcast_due_ = true;
-  }
+  void zero_grad_buffer();
   // Whether the next training forward broadcasts the module buffers (broadcast_buffers): true after
   // construction and zero_grad_buffer(), false after that broadcast. meshddp.pipelining sets it back
   // after the zeroing it does between the schedule steps of one optimizer step.
@@ -154,17 +160,15 @@ class DdpEngine {
   // Call between steps (not while a gradient sync is pending). Every rank loads its own values.
   void load_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
   // false for micro-batches before the last: backward only accumulates, no sync. Default true.
-  void set_is_last_microbatch(bool is_last) { buffer_->set_is_last_microbatch(is_last); }
+  void set_is_last_microbatch(bool is_last);
   // PyTorch DDP's register_comm_hook: replaces how each bucket is reduced (GradBuffer::register_comm_hook).
-  void register_comm_hook(std::shared_ptr<CommHook> hook) { buffer_->register_comm_hook(std::move(hook)); }
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   // RAII scope in which backward only accumulates (PyTorch's no_sync()).
   class NoSyncGuard {
    public:
-    explicit NoSyncGuard(GradBuffer& buffer) : buffer_(buffer), previous_(buffer.is_last_microbatch()) {
-      buffer_.set_is_last_microbatch(false);
-    }
-    ~NoSyncGuard() { buffer_.set_is_last_microbatch(previous_); }
+    explicit NoSyncGuard(GradBuffer& buffer);
+    ~NoSyncGuard();
     NoSyncGuard(const NoSyncGuard&) = delete;
     NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 
@@ -178,9 +182,9 @@ class DdpEngine {
   at::Tensor main_grad(const std::string& name) const;
   // The gradient buffer, as its users see it (the optimizer, checkpoints, Python, benchmarks):
   // read-only but for finish_grad_sync(), and its ZeRO-1 param buffer.
-  GradBufferHandle grad_buffer() const { return *buffer_; }
+  GradBufferHandle grad_buffer() const { return GradBufferHandle(*buffer_); }
   // The param all-gather of the distributed optimizer (null without use_distributed_optimizer).
-  ParamGather* param_gather() const { return buffer_->param_buffer() ? &buffer_->param_buffer()->gather() : nullptr; }
+  ParamGather* param_gather() const;
   c10d::ProcessGroup& dp_group() const { return *dp_group_; }
   const DdpConfig& config() const { return config_; }
 
@@ -192,20 +196,28 @@ class DdpEngine {
   // expert ones over expert-DP; Note [Module buffers once per step]).
   void before_forward();
   // With find_unused_parameters: marks the params the outputs cannot reach as ready (gradient 0).
-  void after_forward(const at::Tensor& output) const {
-    if (config_.find_unused_parameters) buffer_->mark_unreachable_params_ready({output});
-  }
-  void after_forward(const std::vector<at::Tensor>& outputs) const {
-    if (config_.find_unused_parameters) buffer_->mark_unreachable_params_ready(outputs);
-  }
+  void after_forward(const at::Tensor& output) const;
+  void after_forward(const std::vector<at::Tensor>& outputs) const;
   template <typename T>
   void after_forward(const T&) const {
     TORCH_CHECK(!config_.find_unused_parameters || !c10::GradMode::is_enabled(),
                 "DistributedDataParallel: find_unused_parameters needs forward to ",
                 "return a Tensor or a std::vector<Tensor> to walk the autograd graph from");
   }
-  // Open for the duration of forward: ops wait for pending param all-gathers of their own params.
-  ParamGather::ForwardScope param_wait_scope() const { return ParamGather::ForwardScope(param_gather()); }
+  // Open for the duration of forward: ops wait for pending param all-gathers of their own params
+  // (ParamGather::ForwardScope; nothing to open without the distributed optimizer).
+  class ParamWaitScope {
+   public:
+    explicit ParamWaitScope(ParamGather* gather);
+    ~ParamWaitScope();
+    ParamWaitScope(const ParamWaitScope&) = delete;
+    ParamWaitScope& operator=(const ParamWaitScope&) = delete;
+
+   private:
+    struct Open;  // the ForwardScope, defined where ParamGather is
+    std::unique_ptr<Open> open_;
+  };
+  ParamWaitScope param_wait_scope() const { return ParamWaitScope(param_gather()); }
   // The whole GradBuffer, for subclasses that feed it gradients of their own (plugin/python/).
   GradBuffer& buffer() { return *buffer_; }
 
@@ -222,6 +234,17 @@ class DdpEngine {
   void init(std::vector<NamedTensor> params, std::vector<NamedTensor> buffers,
             const std::vector<int64_t>& dp_global_ranks, c10d::ProcessGroup& agreement_group,
             const ExpertGroupMaker& expert_group);
+  // init()'s phases, in order: the ranks agree on the settings (then they are validated); the
+  // reduction groups are made and params and buffers sorted into them (dense, expert); the model is
+  // compared across ranks; DP (expert-DP, TP) rank 0's params and buffers are broadcast; the
+  // GradBuffer lays out the buckets; the ranks' layouts are compared.
+  struct InitState;
+  void agree_on_settings(InitState& s);
+  void make_reduction_groups(InitState& s, const ExpertGroupMaker& expert_group);
+  void verify_same_model(InitState& s);
+  void broadcast_initial_state(const InitState& s);
+  void lay_out_gradient_buffer(const InitState& s);
+  void check_layouts_agree(const InitState& s);
   // The expert-DP group over a DP group alone: the DP group itself when expert_parallel_size is 1.
   ExpertGroup expert_group_without_mesh(const std::vector<int64_t>& dp_global_ranks) const;
   void maybe_check_tp_replicas();
@@ -240,7 +263,7 @@ class DdpEngine {
   std::vector<NamedTensor> module_buffers_;  // dense buffers: broadcast over DP
   // Buffers inside experts: over expert-DP (Note [Buffers follow the module that owns them]).
   std::vector<NamedTensor> expert_buffers_;
-  ParamClaim claim_;                       // this engine's params, refused to a second live engine
+  std::unique_ptr<ParamClaim> claim_;      // this engine's params, refused to a second live engine
   std::vector<NamedParam> tp_replicated_;  // trainable params every TP rank holds whole (not sharded)
   int64_t last_replica_check_ = -1;        // syncs_completed() at the last TP-replica check
   bool buffers_broadcast_due_ = true;      // the next training forward broadcasts the module buffers

@@ -5,7 +5,8 @@
 // in the same order.
 #pragma once
 
-#include "../mesh/config_fields.h"  // Setting, verify_same_settings_across_ranks
+#include "../grad_buffer/named_param.h"  // NamedTensor
+#include "../mesh/config_fields.h"       // Setting, verify_same_settings_across_ranks
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -14,11 +15,6 @@
 #include <vector>
 
 namespace meshddp {
-
-struct NamedTensor {
-  std::string name;
-  at::Tensor tensor;
-};
 
 // Compares every DP rank's list with DP rank 0's; on any difference, every rank throws the same
 // error naming the first differing entry, the DP ranks, and expected vs actual. `global_ranks`

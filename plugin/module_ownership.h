@@ -8,7 +8,7 @@
 // Pure host logic: no communication.
 #pragma once
 
-#include "model_sync.h"  // NamedTensor
+#include "../grad_buffer/named_param.h"  // NamedTensor
 
 #include <ATen/core/Tensor.h>
 

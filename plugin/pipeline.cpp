@@ -1,8 +1,15 @@
 #include "plugin/pipeline.h"
 
+#include "grad_buffer/bucket_layout.h"
+#include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_buffer.h"
+#include "grad_buffer/param_gather.h"
 #include "mesh/collectives.h"
+#include "mesh/config_fields.h"
 #include "mesh/pipeline_groups.h"
+#include "mesh/placement.h"
 #include "mesh/process_group_factory.h"
+#include "plugin/model_sync.h"
 
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>

@@ -1,4 +1,4 @@
-// The data-parallel side of a pipeline schedule (docs/pipeline.md): what a 1F1B or interleaved
+// The data-parallel side of a pipeline schedule (docs/guide/pipelines.md): what a 1F1B or interleaved
 // schedule calls once per step, after the last backward micro-batch of every model chunk and before
 // the optimizer step. The schedule itself (who sends what to which stage when) is the trainer's
 // (examples/); the per-micro-batch controls are DdpEngine's (start_grad_sync,

@@ -1,6 +1,11 @@
 #include "plugin/training_checkpoint.h"
 
+#include "checkpoint/store.h"
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/placement.h"
+#include "optimizer/distributed_optimizer.h"
+#include "plugin/distributed_data_parallel.h"
+#include "plugin/training_state_pieces.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

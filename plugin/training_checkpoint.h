@@ -2,17 +2,17 @@
 // module's params (frozen ones too) and buffers, the optimizer's state and step, and user values
 // (data position, LR schedule, ...). Crash-safe, checksummed, all-or-nothing over the whole mesh,
 // loadable at any other DP x TP. The layout and commit protocol: checkpoint/store.h; the
-// format and guarantees: docs/checkpoints.md.
+// format and guarantees: docs/reference/checkpoints.md.
 //
 //   meshddp::TrainingState state{&ddp.module(), &ddp, &zero_optimizer};   // or {..., nullptr, &adamw}
 //   meshddp::save_checkpoint(state, "ckpt", step, {{"data_position", step * batch}});
 //   auto loaded = meshddp::load_checkpoint(state, "ckpt");             // latest complete; loaded.step
 #pragma once
 
-#include "../checkpoint/store.h"
-#include "../optimizer/distributed_optimizer.h"
-#include "distributed_data_parallel.h"
+#include "../checkpoint/checkpoint_values.h"
+#include "../checkpoint/save_options.h"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -21,6 +21,9 @@
 #include <vector>
 
 namespace meshddp {
+
+class DdpEngine;             // plugin/distributed_data_parallel.h
+class DistributedOptimizer;  // optimizer/distributed_optimizer.h
 
 struct TrainingState {
   torch::nn::Module* module = nullptr;  // required: params (trainable and frozen) and buffers
@@ -35,17 +38,6 @@ struct TrainingState {
 // rank, with every failing rank's error, if any rank fails; then nothing is committed.
 std::string save_checkpoint(const TrainingState& state, const std::string& dir, int64_t step,
                             const CheckpointValues& values = {}, const CheckpointSaveOptions& options = {});
-
-// What save_checkpoint stores, gathered without writing anything (for CheckpointSaver, which writes
-// it later: plugin/checkpoint_saver.h). The tensors are views of the live state.
-struct TrainingStatePieces {
-  CheckpointMesh mesh;
-  CheckpointMeta meta;
-  std::vector<CheckpointTensor> tensors;
-};
-TrainingStatePieces training_state_pieces(const TrainingState& state, int64_t step, const CheckpointValues& values);
-// The group a checkpoint of `state` agrees over (the whole mesh) and the ranks its manifest records.
-CheckpointMesh checkpoint_mesh_of(const TrainingState& state);
 
 struct LoadedCheckpoint {
   std::string path;         // <dir>/step-<N>
@@ -87,8 +79,5 @@ LoadedCheckpoint load_checkpoint(const PipelineTrainingState& state, const std::
                                  std::optional<int64_t> step = std::nullopt);
 std::optional<LoadedCheckpoint> resume_checkpoint(const PipelineTrainingState& state, const std::string& dir,
                                                   std::optional<int64_t> step = std::nullopt);
-TrainingStatePieces training_state_pieces(const PipelineTrainingState& state, int64_t step,
-                                          const CheckpointValues& values);
-CheckpointMesh checkpoint_mesh_of(const PipelineTrainingState& state);
 
 }  // namespace meshddp

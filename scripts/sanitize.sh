@@ -24,7 +24,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
         -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" 2>&1 | tee "$build/configure.log"
 fi
-targets="${MESHDDP_SANITIZE_TARGETS:-mesh_tests grad_buffer_tests checkpoint_tests optimizer_tests tp_tests plugin_tests checkpoint_saver_tests construction_tests pipeline_tests}"
+targets="${MESHDDP_SANITIZE_TARGETS:-mesh_tests grad_buffer_tests checkpoint_tests common_tests optimizer_tests tp_tests plugin_tests checkpoint_saver_tests construction_tests pipeline_tests}"
 jobs="${MESHDDP_SANITIZE_JOBS:-$(nproc)}"
 echo "[sanitize] building $targets with $jobs jobs" >&2
 # shellcheck disable=SC2086

@@ -1,6 +1,6 @@
 // Expert parallelism (mixture of experts): the token exchange between the ranks of an EP group. Each
 // EP rank holds a contiguous block of the experts; a token routed to expert e goes to the rank
-// holding e and comes back by all-to-all (docs/expert_parallel.md). This file gives the
+// holding e and comes back by all-to-all (docs/guide/parallelism.md). This file gives the
 // autograd-aware all-to-all and the pure arithmetic of the exchange (who sends how many rows where,
 // and in which order the receiver's experts see them); the routing itself (router, top-k, gates)
 // belongs to the model (examples/02_dp_x_tp_gpt/moe.h).

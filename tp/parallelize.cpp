@@ -1,7 +1,7 @@
 #include "tp/parallelize.h"
 
+#include "common/glob_match.h"
 #include "mesh/placement.h"
-#include "tp/glob_match.h"
 #include "tp/tp_layers.h"
 
 #include <torch/nn/modules/normalization.h>

@@ -3,6 +3,7 @@
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "tp/linear_with_grad_in_buffer.h"
+#include "tp/tp_functions.h"
 
 #include <torch/torch.h>
 

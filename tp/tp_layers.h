@@ -9,14 +9,15 @@
 // (same TensorImpl, so optimizers and DDP see the local shard) and records each one's Placement.
 #pragma once
 
-#include "tp_functions.h"
-
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <string>
 
 namespace meshddp::tp {
+
+using Group = c10d::ProcessGroup;  // as in tp/tp_functions.h (the TP collectives these layers run)
 
 // y = x W^T + b. Column-parallel: W's rows (output features) and b are split over TP; the input
 // enters the TP region (copy_to_tp, or gather_sequence under sequence parallelism); the output

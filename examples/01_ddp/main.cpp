@@ -13,6 +13,8 @@
 #include "examples/common/run_flags.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/collectives.h"
 
 #include <torch/torch.h>
 

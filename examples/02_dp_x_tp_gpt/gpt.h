@@ -9,6 +9,7 @@
 #pragma once
 
 #include "examples/02_dp_x_tp_gpt/moe.h"
+#include "tp/tp_functions.h"
 
 #include <torch/torch.h>
 

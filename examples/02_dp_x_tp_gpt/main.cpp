@@ -28,6 +28,9 @@
 #include "examples/common/precision.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/collectives.h"
+#include "mesh/reduction_groups.h"
 
 #include <chrono>
 #include <cstdio>

@@ -9,6 +9,8 @@
 // No auxiliary load-balancing loss: the loss is the model's loss alone.
 #pragma once
 
+#include "tp/expert_parallel.h"
+
 #include <torch/torch.h>
 
 #include <meshddp/meshddp.h>

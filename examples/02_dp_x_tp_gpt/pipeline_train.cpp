@@ -26,6 +26,9 @@
 #include "examples/common/precision.h"
 #include "examples/common/step_log.h"
 #include "examples/common/training.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/collectives.h"
+#include "mesh/pipeline_groups.h"
 
 #include <torch/torch.h>
 

@@ -1,5 +1,7 @@
 #include "examples/common/flag_agreement.h"
 
+#include "mesh/collectives.h"
+
 #include <c10/util/Exception.h>
 
 #include <map>

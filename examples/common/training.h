@@ -1,6 +1,6 @@
 // What both examples' training loops share besides flags and the log: the mesh options and the LR
 // schedule the flags ask for, the --inject-nan gradient hook and the ZeRO-1 skipped-step policy
-// (--max-skipped-steps). The plain-DDP gradient norm is the library's (tp/grad_norm.h).
+// (--max-skipped-steps). The plain-DDP gradient norm is the library's (common/grad_norm.h).
 #pragma once
 
 #include "examples/common/run_flags.h"

@@ -1,5 +1,7 @@
 // meshddp's public API, one include: #include <meshddp/meshddp.h> (C++ package: find_package(meshddp)
-// and link meshddp::meshddp; docs/api.md). What is not reachable from here is internal and may change.
+// and link meshddp::meshddp; docs/reference/cpp_api.md). The front end only: what is not reachable from here is
+// internal, is not installed, and may change (tests/build/check_public_headers.py holds the project
+// headers reached from here to at most 20 and builds a consumer against the installed ones only).
 // A ZeRO-1 step and a checkpoint, given a module `model` (a std::shared_ptr), `dp`, `tp`, a batch `x`,
 // `y` and the `step` (compiled as written, into the test docs.readme_cpp_snippet_runs_on_2_ranks):
 //
@@ -17,24 +19,25 @@
 
 #include "meshddp/version.h"
 
-// The mesh and the one checked collective path (for a trainer's own metrics: all-reduce of a loss).
-#include "mesh/collectives.h"
+// The mesh: an N-D grid of ranks with named dims and a process group per dim.
 #include "mesh/device_mesh.h"
-#include "mesh/pipeline_groups.h"
 
-// Data parallelism, the ZeRO-1 optimizer, its LR schedule, whole-training-state checkpoints.
+// Data parallelism and its config; the ZeRO-1 optimizer and its config (OptimizerConfig), the LR schedule.
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
-#include "plugin/checkpoint_saver.h"
 #include "plugin/distributed_data_parallel.h"
-#include "plugin/pipeline.h"
+
+// Checkpoints of the whole training state: save_checkpoint / load_checkpoint / resume_checkpoint, and
+// CheckpointSaver for asynchronous saves.
+#include "plugin/checkpoint_saver.h"
 #include "plugin/training_checkpoint.h"
 
-// Tensor parallelism: layers, plans, the linear that writes its weight gradient into the buffer, and
-// the gradient norm and clipping over DP x TP (plain DDP); the all-to-all of expert parallelism.
-#include "tp/expert_parallel.h"
-#include "tp/grad_norm.h"
-#include "tp/linear_with_grad_in_buffer.h"
+// Pipeline controls: a schedule's chunks, finalize_model_grads, pipeline_chunk_config.
+#include "plugin/pipeline.h"
+
+// The gradient norm and its clipping for plain DDP over DP x TP (ZeRO-1 clips in its optimizer).
+#include "common/grad_norm.h"
+
+// Tensor parallelism: the layers a model is written with, and the plans that parallelize them.
 #include "tp/parallelize.h"
-#include "tp/tp_functions.h"
 #include "tp/tp_layers.h"

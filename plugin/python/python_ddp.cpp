@@ -1,5 +1,7 @@
 #include "plugin/python/python_ddp.h"
 
+#include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_gather.h"
 #include "mesh/placement.h"
 
 #include <c10/util/Exception.h>

@@ -17,6 +17,7 @@
 //   if something (torch's optimizer.zero_grad()) replaced them.
 #pragma once
 
+#include "grad_buffer/param_gather.h"
 #include "plugin/distributed_data_parallel.h"
 
 #include <memory>

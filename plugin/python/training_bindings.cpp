@@ -1,12 +1,13 @@
 #include "plugin/python/training_bindings.h"
 
+#include "common/glob_match.h"
+#include "common/grad_norm.h"
+#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/run_stats.h"
 #include "mesh/config_fields.h"
 #include "mesh/process_group_factory.h"
 #include "optimizer/lr_scheduler.h"
 #include "plugin/python/python_ddp.h"
-#include "tp/glob_match.h"
-#include "tp/grad_norm.h"
 
 #include <string>
 #include <utility>

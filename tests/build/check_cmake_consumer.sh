@@ -51,7 +51,7 @@ echo "a consumer with no torch on its CMAKE_PREFIX_PATH is refused, naming torch
 
 # A trainer with folders named like ours on its own include path (searched first): every one of our
 # header names there is an #error, so the build fails if one of our headers picks the trainer's.
-(cd "$prefix/include/meshddp" && find mesh checkpoint grad_buffer tp optimizer plugin -name '*.h') |
+(cd "$prefix/include/meshddp" && find mesh checkpoint grad_buffer common tp optimizer plugin -name '*.h') |
   while read -r h; do mkdir -p "$work/shadow/$(dirname "$h")"; echo "#error the trainer's own $h was included" > "$work/shadow/$h"; done
 cmake -S "$src/examples/04_cmake_consumer" -B "$work/consumer" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="$prefix;$torch_cmake" -DCMAKE_CXX_FLAGS="-I$work/shadow" > "$work/configure.log"

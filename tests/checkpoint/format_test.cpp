@@ -3,6 +3,7 @@
 #include "checkpoint/json.h"
 #include "checkpoint/reshard.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "tests/support/error_of.h"
 
 #include <gmock/gmock.h>

@@ -2,14 +2,16 @@
 // model this file does not have, a function that is compiled only). tests/docs/check_doc_snippets.py
 // checks that every code line of each block appears, in order, in the file its `<!-- snippet: ... -->`
 // marker names: a block edited in the docs must be edited here too, and then it compiles.
+#include "common/grad_norm.h"
+#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/grad_in_place.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
-#include "tp/grad_norm.h"
 #include "tp/linear_with_grad_in_buffer.h"
 #include "tp/parallelize.h"
 #include "tp/tp_layers.h"

@@ -8,6 +8,7 @@
 //     cudaMalloc after the first steps: activations reuse its blocks; the flat buffers were made once).
 // Tolerance 1e-5: GPU matmuls of different batch shapes (per-rank shards vs the whole batch) sum in
 // different orders; fp32, 10 steps.
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/collectives.h"
 #include "mesh/switches.h"
 #include "optimizer/distributed_optimizer.h"

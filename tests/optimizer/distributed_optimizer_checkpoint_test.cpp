@@ -23,6 +23,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+// The optimizer-only checkpoint (DistributedOptimizer::save_checkpoint / load_checkpoint), deprecated
+// for users, is still read, written and tested here.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
 using namespace meshddp;
 using namespace meshddp::test;
 using ::testing::HasSubstr;

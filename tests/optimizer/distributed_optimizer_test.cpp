@@ -13,6 +13,9 @@
 // is ~lr whatever the gradient's size, a rounding flip of a near-zero gradient can move an element
 // by up to lr (1e-2) the other way: measured 6.9e-3 (2 ranks, clipping), allowed 1e-2 (one step's
 // update). So SGD is the sharp bf16 check; the fp32 tests are the sharp check of the arithmetic.
+#include "grad_buffer/bucket_layout.h"
+#include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_gather.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"

@@ -7,6 +7,7 @@
 // all-gathers, and runs the module's own forward at once; rank 1 joins the gathers 300 ms later. The
 // forward is exact (within 1e-5 of the golden: fp32 sums in another order) only if each op waits for
 // its bucket; reading the buffer as it is gives outputs off by ~1e6.
+#include "grad_buffer/param_gather.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/zero_training.h"
 

@@ -1,6 +1,8 @@
 // shard_buckets: ZeRO-1 ownership arithmetic, without any process group.
 #include "optimizer/shard_layout.h"
 
+#include "grad_buffer/bucket_layout.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 

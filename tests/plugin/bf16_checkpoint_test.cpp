@@ -1,8 +1,10 @@
 // Checkpoints of a bf16 run (bf16 params, fp32 main grads, ZeRO-1 with fp32 masters): the tiny GPT
 // saved at dp 2 x tp 2 and loaded at dp 4 and at dp 1 holds the saved fp32 masters and fp32 AdamW
 // state bit for bit, with no round trip through bf16 (docs/reference/optimizer.md "Precision").
+#include "checkpoint/store.h"
 #include "examples/02_dp_x_tp_gpt/gpt.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
+#include "grad_buffer/grad_buffer.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"

@@ -2,6 +2,7 @@
 // every rank fails, at the same check, naming the field and each rank's value, instead of that rank
 // failing alone and its peers meeting the hole at their next collective. DdpConfig over a mesh (with
 // and without optimizer instances) and over a DP group, and DistributedOptimizerConfig.
+#include "grad_buffer/grad_buffer.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/error_of.h"

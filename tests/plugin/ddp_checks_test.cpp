@@ -1,5 +1,6 @@
 // DistributedDataParallel's construction checks and step-order errors, each message asserted, plus
 // bf16 params with fp32 main grads against the golden.
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/tp_dim.h"
 #include "tests/support/error_of.h"

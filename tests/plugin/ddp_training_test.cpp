@@ -7,6 +7,7 @@
 // (SGD and Adam, 2 and 4 ranks; each test prints it). We allow 1e-6 absolute + 1e-6 relative: 8x
 // the measurement, still ~100x below what one wrong bucket, a missing 1/DP or a skipped micro-batch
 // produces (>= 1e-4 after one step here).
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/mlp.h"
 #include "tests/support/rank_threads.h"

@@ -3,6 +3,7 @@
 // collectives in the same order on every rank, gradients equal to the golden's (an expert no
 // sample reached has gradient zero), and with find_unused_parameters every bucket still launches
 // during backward.
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/rank_threads.h"
 

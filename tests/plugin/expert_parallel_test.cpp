@@ -14,13 +14,17 @@
 // Tolerance: fp32 sums split differently across ranks (a few ulps per step): 5e-7 absolute +
 // relative. Measured max |diff| over 3 steps: gradients 7.5e-8, params 2.4e-7 (SGD and AdamW, also
 // after a checkpoint load and resume), grad norm 6.4e-9. An expert reduced over DP is off by O(0.1).
+#include "common/grad_norm.h"
+#include "grad_buffer/bucket_layout.h"
+#include "grad_buffer/bucket_reduction.h"
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 #include "tests/support/error_of.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"
-#include "tp/grad_norm.h"
 #include "tp/parallelize.h"
 
 #include <gmock/gmock.h>

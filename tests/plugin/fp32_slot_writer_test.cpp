@@ -5,6 +5,7 @@
 // GEMM with an fp32 output from bf16 operands is CUDA-only; tests/gpu/gpu_test.cpp checks it there), so
 // this test writes with its own widening writer (both operands cast to fp32, then an fp32 GEMM: the
 // same products, exactly, as a bf16 x bf16 -> fp32 GEMM).
+#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/grad_in_place.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/rank_threads.h"

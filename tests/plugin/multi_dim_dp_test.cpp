@@ -6,6 +6,7 @@
 //
 // Tolerance: as ddp_training_test.cpp (fp32 sums split differently: a few ulps per step; 1e-6
 // absolute + relative). Averaging over DP only leaves O(0.1) differences in the gradients.
+#include "grad_buffer/grad_buffer.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/tp_dim.h"

@@ -7,6 +7,7 @@
 //
 // Golden: the whole model (both halves) in one process on the whole batch, SGD. Tolerance 1e-6
 // absolute and relative (fp32, 3e-8 measured).
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/pipeline.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"

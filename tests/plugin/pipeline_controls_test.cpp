@@ -7,6 +7,7 @@
 //
 // Golden: the same MLP in one process on the whole batch (mean loss). Tolerance 1e-6 absolute and
 // relative (fp32 sums split across 2 ranks and 3 micro-batches differ by a few ulps: 3.7e-8 measured).
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/collective_progress.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/pipeline.h"

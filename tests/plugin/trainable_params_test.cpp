@@ -2,6 +2,7 @@
 // afterwards is refused, naming it, before an optimizer could apply a zero (or unsynced) gradient;
 // params that cannot live in a flat buffer (sparse, meta) are refused at wrap time, naming them, and
 // a sparse gradient (an embedding with sparse=True) where it arrives.
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"

@@ -2,6 +2,8 @@
 // reader's constructor and read() (here: its optimizer is not the saved one) makes every rank throw
 // its error instead of leaving the others waiting in read(); resume_checkpoint starts fresh only
 // when no rank finds a checkpoint. A Linear under DDP with torch optimizers; ranks are threads.
+#include "grad_buffer/grad_buffer.h"
+#include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 #include "tests/support/rank_threads.h"
 #include "tests/support/temp_dir.h"

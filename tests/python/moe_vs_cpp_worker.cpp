@@ -14,6 +14,9 @@
 //
 //   torchrun --standalone --nproc-per-node 4 --no-python moe_vs_cpp_worker <inputs.pt> <out dir> <titan|hf>
 //            <ep> <optimizer instances> <comm hook: none|bf16_compress|...>
+#include "grad_buffer/grad_buffer.h"
+#include "mesh/placement.h"
+
 #include <torch/torch.h>
 
 #include <cstdlib>

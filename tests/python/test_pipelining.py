@@ -10,7 +10,7 @@ What the cases check:
 - torch's GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV schedules with
   meshddp.pipelining.PipelineStage on dp 2 x pp 2 vs one process on the global batch, scale_grads on and off,
   ZeRO-1 with 1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV: last-step gradients and params after 3
-  SGD steps within 3e-7 (measured 3e-8); docs/pipeline.md's torchrun script on 4 ranks; a stage of a module
+  SGD steps within 3e-7 (measured 3e-8); docs/guide/pipelines.md's torchrun script on 4 ranks; a stage of a module
   meshddp does not wrap refused
 """
 

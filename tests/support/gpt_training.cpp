@@ -1,13 +1,14 @@
 #include "tests/support/gpt_training.h"
 
+#include "common/grad_norm.h"
 #include "examples/02_dp_x_tp_gpt/gpt_plan.h"
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/collectives.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/training_checkpoint.h"
 #include "tests/support/rank_threads.h"
-#include "tp/grad_norm.h"
 #include "tp/tp_layers.h"
 
 #include <cmath>

@@ -1,6 +1,7 @@
 // The toy 2-stage pipeline with a tied embedding: tests/support/toy_pipeline.h.
 #include "tests/support/toy_pipeline.h"
 
+#include "grad_buffer/grad_buffer.h"
 #include "mesh/pipeline_groups.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/pipeline.h"

@@ -1,5 +1,9 @@
 #include "tests/support/zero_training.h"
 
+#include "common/grad_norm.h"
+#include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_buffer.h"
+#include "grad_buffer/param_gather.h"
 #include "tests/support/rank_threads.h"
 
 #include <gtest/gtest.h>

@@ -3,6 +3,7 @@
 // global batch (torch::optim::AdamW / SGD, torch::nn::utils::clip_grad_norm_).
 #pragma once
 
+#include "grad_buffer/param_gather.h"
 #include "optimizer/distributed_optimizer.h"
 #include "optimizer/lr_scheduler.h"
 #include "plugin/distributed_data_parallel.h"

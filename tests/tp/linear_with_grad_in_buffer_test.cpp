@@ -6,6 +6,7 @@
 // Golden: the same layer as torch::linear on a copy of the params, in one process.
 #include "tp/linear_with_grad_in_buffer.h"
 
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/rank_threads.h"
 #include "tp/parallelize.h"

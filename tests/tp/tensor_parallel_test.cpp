@@ -102,7 +102,7 @@ TEST(TensorParallel, DistributedOptimizerWithClippingOnTwoByTwoMatchesGolden) {
   expect_matches_golden(s);
 }
 
-// Plain DDP with meshddp::clip_grad_norm_ (tp/grad_norm.h) on 2x2 against torch's clip_grad_norm_ on
+// Plain DDP with meshddp::clip_grad_norm_ (common/grad_norm.h) on 2x2 against torch's clip_grad_norm_ on
 // the whole model in one process: TP shards' squares summed over TP, replicated and TP-partial params
 // (sequence-parallel norms) counted once, the tied LM head once. Norms: the TP/DP summation order
 // moves the params by a few 1e-6 over the steps (see kParamTol), and the norms with them: measured

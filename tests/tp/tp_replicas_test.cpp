@@ -6,6 +6,7 @@
 // Tolerance: as in tensor_parallel_test.cpp, TP and DP split fp32 sums differently from the golden:
 // measured max |diff| after 3 SGD steps 1.2e-7; asserted 1e-6. A TP sum that is missing (the
 // undeclared norm) or doubled is off by >= 1e-3 here.
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/gpt_training.h"
 #include "tests/support/rank_threads.h"

@@ -1,6 +1,6 @@
 """What a training loop uses around DDP and the optimizer: meshddp's LR schedule (LrScheduler, the
 C++ optimizer/lr_scheduler.h) for any optimizer with param_groups, and the gradient norm and
-clipping of plain DDP over DP x TP (clip_grad_norm_, the C++ tp/grad_norm.h), which counts each
+clipping of plain DDP over DP x TP (clip_grad_norm_, the C++ common/grad_norm.h), which counts each
 element of a torch-TP model's DTensor and plain params once."""
 
 import math

@@ -1,4 +1,4 @@
-// meshddp::clip_grad_norm_ (tp/grad_norm.h) in one process against torch::nn::utils::clip_grad_norm_
+// meshddp::clip_grad_norm_ (common/grad_norm.h) in one process against torch::nn::utils::clip_grad_norm_
 // on the same gradients: the norm, the scaled gradients, and the non-finite cases (error_if_nonfinite
 // true: an error naming the param, nothing scaled; false: NaN or 0 gradients, as torch gives).
 // The 2x2 DP x TP runs against the one-process golden are in tensor_parallel_test.cpp.
@@ -8,8 +8,9 @@
 // the norms differ by at most an fp32 rounding of the sum, and the gradients by that in the scale:
 // measured 2.0e-8 (norm) and 1.1e-7 (gradients, one fp32 ulp), relative; asserted within 4 fp32 ulps
 // (4.8e-7). A wrong coefficient (no clamp, a missing 1e-6) is off by far more.
-#include "tp/grad_norm.h"
+#include "common/grad_norm.h"
 
+#include "grad_buffer/grad_buffer.h"
 #include "plugin/distributed_data_parallel.h"
 #include "tests/support/error_of.h"
 #include "tests/support/mlp.h"

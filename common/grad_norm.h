@@ -4,14 +4,14 @@
 // ZeRO-1 optimizer (optimizer/distributed_optimizer.cpp) and plain-DDP users (the examples, your
 // training loop) all count through norm_pieces().
 //
-// Why tp/ and not optimizer/: the rule is about TP placements (set by the TP layers of this folder)
-// and needs only the GradBuffer below; the ZeRO-1 optimizer above includes it, and a plain-DDP user
-// (no ZeRO) should not need the optimizer's floor for a norm. Not here: the ZeRO-1 optimizer's own
-// clipping (DistributedOptimizerConfig::clip_grad_norm), which scales its fp32 shards.
+// Why common/: the rule needs only the GradBuffer and the placements below it; the tensor-parallel
+// layers (tp/) set those placements, and the ZeRO-1 optimizer and plain-DDP users both count through
+// here, so it sits on the floor under both, and a plain-DDP user needs neither floor for a norm. Not
+// here: the ZeRO-1 optimizer's own clipping (DistributedOptimizerConfig::clip_grad_norm), which
+// scales its fp32 shards.
 #pragma once
 
-#include "../grad_buffer/grad_buffer.h"
-#include "../mesh/placement.h"
+#include "../grad_buffer/grad_buffer_handle.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -19,6 +19,9 @@
 #include <vector>
 
 namespace meshddp {
+
+class GradBuffer;  // grad_buffer/grad_buffer.h
+struct Placement;  // mesh/placement.h
 
 // Note [Gradient norm over DP x TP]
 // The norm of the model's whole gradient counts each element once over the mesh. Over TP: a

@@ -1,5 +1,6 @@
-#include "tp/grad_norm.h"
+#include "common/grad_norm.h"
 
+#include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/run_stats.h"
 
 #include <ATen/ATen.h>
