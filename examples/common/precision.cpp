@@ -1,5 +1,7 @@
 #include "examples/common/precision.h"
 
+#include "grad_buffer/grad_buffer.h"  // main_grad_dtype: GradBuffer is not in the front end
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
