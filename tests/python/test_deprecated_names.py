@@ -28,6 +28,14 @@ def test_top_level_rank_arithmetic_warns_naming_meshddp_groups(name):
     assert old is getattr(meshddp.groups, name)
 
 
+def test_top_level_warnings_point_at_the_callers_line():
+    # The warning names the line that used the old name (not meshddp/__init__.py), so that the
+    # default filter shows it once per calling line and -W filters by module match the caller.
+    with pytest.warns(FutureWarning) as caught:
+        meshddp.flattened_groups
+    assert caught[0].filename == __file__
+
+
 def test_rank_arithmetic_answers_the_same_under_meshddp_groups():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling warns nothing
