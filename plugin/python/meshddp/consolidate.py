@@ -118,6 +118,22 @@ def _write_atomically(path, write):
         raise
 
 
+def _check_outputs(checkpoint, step, outputs):
+    """Refuses outputs that would overwrite the checkpoint being read (a file of one of its step
+    directories, or its `latest`) or each other, before anything is read or written."""
+    root = os.path.realpath(_split_step_dir(checkpoint, step)[0])
+    for flag, path in outputs:
+        relative = os.path.relpath(os.path.realpath(path), root)
+        if relative == "latest" or (relative != os.pardir and not relative.startswith(os.pardir + os.sep)
+                                    and os.sep in relative):
+            raise CheckpointError(f"{flag} '{path}' is a file of the checkpoint being read, or inside one of its "
+                                  f"directories ('{root}'): writing it would alter the checkpoint; write the output "
+                                  f"outside the checkpoint's step directories")
+    if len(outputs) == 2 and os.path.realpath(outputs[0][1]) == os.path.realpath(outputs[1][1]):
+        raise CheckpointError(f"the output and --torch-save name the same file '{outputs[0][1]}' (the torch.save file "
+                              f"would replace the safetensors one): give them different paths")
+
+
 def main(argv=None):
     """The `meshddp-consolidate` command (argv: the arguments, default sys.argv[1:])."""
     parser = argparse.ArgumentParser(prog="meshddp-consolidate", description=__doc__.split("\n")[0])
@@ -133,6 +149,8 @@ def main(argv=None):
               file=sys.stderr)
     written = []  # outputs this run wrote: all removed if a later one fails
     try:
+        _check_outputs(args.checkpoint, args.step,
+                       [("the output", args.output)] + ([("--torch-save", args.torch_save)] if args.torch_save else []))
         tensors, saved = consolidate(args.checkpoint, args.step, args.optimizer)
         metadata = {"format": "meshddp-consolidated", "step": str(saved["step"]),
                     "values": json.dumps(saved["values"]), "optimizer": json.dumps(saved["optimizer"])}
