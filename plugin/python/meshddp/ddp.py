@@ -324,7 +324,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.register_load_state_dict_post_hook(lambda module, incompatible: module._engine.notify_params_changed())
 
     # -- a step -----------------------------------------------------------------------------------
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable(recursive=False, reason=(
+        "meshddp.DistributedDataParallel.forward runs eagerly (its checks and waits) and compiles the wrapped "
+        "module's forward; with fullgraph=True compile the wrapper itself, torch.compile(ddp), not a function "
+        "that calls it (docs/guide/compile.md)"))
     def forward(self, *args, **kwargs):
         """The module's forward, after checking the previous step's sync has finished (a RuntimeError
         naming the params otherwise). With the distributed optimizer's overlapped param gather, each
