@@ -36,6 +36,14 @@ class CheckpointError(Exception):
 
 def _split_step_dir(directory, step):
     """(save directory, step) of CKPT_DIR: a step-<N> directory (one with manifest.json) is its parent's step N."""
+    if step is not None and not 0 <= step < 2**63:
+        raise CheckpointError(f"--step {step}: a step is a whole number from 0 to 2^63-1")
+    directory = os.fspath(directory)
+    try:
+        directory.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{directory!r} is not UTF-8, which the checkpoint reader takes: rename the directory "
+                              f"(or link to it under a UTF-8 name)") from None
     if not os.path.isdir(directory):
         raise CheckpointError(f"'{directory}' is not a directory")
     if not os.path.lexists(os.path.join(directory, "manifest.json")):

@@ -1,4 +1,6 @@
-"""meshddp-consolidate's output paths: an output that is a file of the checkpoint being read (its
+"""meshddp-consolidate's arguments are refused with `error: ...` (exit 1, no traceback, no output): a step
+out of range, a checkpoint path the engine's reader cannot take (not UTF-8), and outputs that would
+damage the checkpoint or each other. An output that is a file of the checkpoint being read (its
 manifest, a shard, `latest`) would overwrite the checkpoint, and --torch-save naming the same file as
 the safetensors output would leave a torch.save file under the safetensors name; both are refused with
 `error: ...` (exit 1) before anything is written, and the checkpoint still consolidates afterwards."""
@@ -44,3 +46,15 @@ def test_torch_save_to_the_safetensors_output_is_refused(checkpoint, tmp_path):
     assert not os.path.exists(out)
     consolidate.main([str(checkpoint), str(out)])  # alone it is fine
     assert sorted(consolidate.load_safetensors(str(out))) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+@pytest.mark.parametrize("step", ["-1", str(2**64)])
+def test_a_step_out_of_range_is_refused_by_name(checkpoint, tmp_path, step):
+    assert f"--step {step}: a step is a whole number from 0 to 2^63-1" in refused([checkpoint, tmp_path / "o.st", "--step", step])
+
+
+def test_a_checkpoint_path_that_is_not_utf8_is_refused_by_name(checkpoint, tmp_path):
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff")
+    os.rename(checkpoint, odd)
+    assert "is not UTF-8" in refused([odd, tmp_path / "o.st"])
+    assert not os.path.exists(tmp_path / "o.st")
