@@ -50,7 +50,8 @@ def test_torch_save_to_the_safetensors_output_is_refused(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("step", ["-1", str(2**64)])
 def test_a_step_out_of_range_is_refused_by_name(checkpoint, tmp_path, step):
-    assert f"--step {step}: a step is a whole number from 0 to 2^63-1" in refused([checkpoint, tmp_path / "o.st", "--step", step])
+    message = refused([checkpoint, tmp_path / "o.st", "--step", step])
+    assert f"--step {step}: a step is a whole number from 0 to 2^63-1" in message
 
 
 def test_a_checkpoint_path_that_is_not_utf8_is_refused_by_name(checkpoint, tmp_path):
