@@ -67,6 +67,15 @@ def test_top_level_pipeline_functions_are_the_pipelining_ones_without_a_warning(
         assert meshddp.declare_tied_across_stages is meshddp.pipelining.declare_tied_across_stages
 
 
+def test_dir_lists_the_names_loaded_on_first_use_and_not_the_deprecated_ones():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = dir(meshddp)
+    assert {"pipelining", "groups", "finalize_model_grads", "declare_tied_across_stages"} <= set(names)
+    assert set(meshddp.__all__) <= set(names)
+    assert not set(RANK_ARITHMETIC) & set(names)
+
+
 def test_optimizer_config_is_an_alias_of_distributed_optimizer_config():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
