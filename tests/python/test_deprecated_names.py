@@ -28,6 +28,14 @@ def test_top_level_rank_arithmetic_warns_naming_meshddp_groups(name):
     assert old is getattr(meshddp.groups, name)
 
 
+def test_top_level_warnings_point_at_the_callers_line():
+    # The warning names the line that used the old name (not meshddp/__init__.py), so that the
+    # default filter shows it once per calling line and -W filters by module match the caller.
+    with pytest.warns(FutureWarning) as caught:
+        meshddp.flattened_groups
+    assert caught[0].filename == __file__
+
+
 def test_rank_arithmetic_answers_the_same_under_meshddp_groups():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling warns nothing
@@ -57,6 +65,15 @@ def test_top_level_pipeline_functions_are_the_pipelining_ones_without_a_warning(
         warnings.simplefilter("error")
         assert meshddp.finalize_model_grads is meshddp.pipelining.finalize_model_grads
         assert meshddp.declare_tied_across_stages is meshddp.pipelining.declare_tied_across_stages
+
+
+def test_dir_lists_the_names_loaded_on_first_use_and_not_the_deprecated_ones():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = dir(meshddp)
+    assert {"pipelining", "groups", "finalize_model_grads", "declare_tied_across_stages"} <= set(names)
+    assert set(meshddp.__all__) <= set(names)
+    assert not set(RANK_ARITHMETIC) & set(names)
 
 
 def test_optimizer_config_is_an_alias_of_distributed_optimizer_config():

@@ -37,6 +37,11 @@ _RENAMED = {
 }
 
 
+def __dir__():
+    """The module's names and those loaded on first use (dir(), help(), completion); not the deprecated ones."""
+    return sorted(set(globals()) | set(_PIPELINING) | {"pipelining"})
+
+
 def __getattr__(name):
     if name == "pipelining":
         return importlib.import_module("meshddp.pipelining")

@@ -14,6 +14,6 @@ def module_getattr(module_name, renamed, name):
     """A module's __getattr__ (PEP 562) over `renamed`: the new object, after a warning naming it."""
     if name in renamed:
         new, get = renamed[name]
-        warn(f"{module_name}.{name}", new, stacklevel=3)
+        warn(f"{module_name}.{name}", new, stacklevel=4)  # this frame, the module's __getattr__, then the caller
         return get()
     raise AttributeError(f"module '{module_name}' has no attribute '{name}'")

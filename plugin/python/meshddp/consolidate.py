@@ -36,6 +36,14 @@ class CheckpointError(Exception):
 
 def _split_step_dir(directory, step):
     """(save directory, step) of CKPT_DIR: a step-<N> directory (one with manifest.json) is its parent's step N."""
+    if step is not None and not 0 <= step < 2**63:
+        raise CheckpointError(f"--step {step}: a step is a whole number from 0 to 2^63-1")
+    directory = os.fspath(directory)
+    try:
+        directory.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{directory!r} is not UTF-8, which the checkpoint reader takes: rename the directory "
+                              f"(or link to it under a UTF-8 name)") from None
     if not os.path.isdir(directory):
         raise CheckpointError(f"'{directory}' is not a directory")
     if not os.path.lexists(os.path.join(directory, "manifest.json")):
@@ -118,6 +126,22 @@ def _write_atomically(path, write):
         raise
 
 
+def _check_outputs(checkpoint, step, outputs):
+    """Refuses outputs that would overwrite the checkpoint being read (a file of one of its step
+    directories, or its `latest`) or each other, before anything is read or written."""
+    root = os.path.realpath(_split_step_dir(checkpoint, step)[0])
+    for flag, path in outputs:
+        relative = os.path.relpath(os.path.realpath(path), root)
+        if relative == "latest" or (relative != os.pardir and not relative.startswith(os.pardir + os.sep)
+                                    and os.sep in relative):
+            raise CheckpointError(f"{flag} '{path}' is a file of the checkpoint being read, or inside one of its "
+                                  f"directories ('{root}'): writing it would alter the checkpoint; write the output "
+                                  f"outside the checkpoint's step directories")
+    if len(outputs) == 2 and os.path.realpath(outputs[0][1]) == os.path.realpath(outputs[1][1]):
+        raise CheckpointError(f"the output and --torch-save name the same file '{outputs[0][1]}' (the torch.save file "
+                              f"would replace the safetensors one): give them different paths")
+
+
 def main(argv=None):
     """The `meshddp-consolidate` command (argv: the arguments, default sys.argv[1:])."""
     parser = argparse.ArgumentParser(prog="meshddp-consolidate", description=__doc__.split("\n")[0])
@@ -133,6 +157,8 @@ def main(argv=None):
               file=sys.stderr)
     written = []  # outputs this run wrote: all removed if a later one fails
     try:
+        _check_outputs(args.checkpoint, args.step,
+                       [("the output", args.output)] + ([("--torch-save", args.torch_save)] if args.torch_save else []))
         tensors, saved = consolidate(args.checkpoint, args.step, args.optimizer)
         metadata = {"format": "meshddp-consolidated", "step": str(saved["step"]),
                     "values": json.dumps(saved["values"]), "optimizer": json.dumps(saved["optimizer"])}

@@ -338,9 +338,16 @@ class DistributedDataParallel(torch.nn.Module):
         _guards.watch_optimizer_steps(self)
         if config.use_distributed_optimizer:
             _guards.guard_raw_forward(self, module)
+        # Loaded as a submodule (torch.compile(ddp).load_state_dict: nn.Module's recursion, not load_state_dict
+        # below): the keys are the module's own, as state_dict() writes them, and the engine's checks run.
+        self._register_load_state_dict_pre_hook(self._load_as_submodule, with_module=False)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._engine.notify_params_changed())
 
     # -- a step -----------------------------------------------------------------------------------
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable(recursive=False, reason=(
+        "meshddp.DistributedDataParallel.forward runs eagerly (its checks and waits) and compiles the wrapped "
+        "module's forward; with fullgraph=True compile the wrapper itself, torch.compile(ddp), not a function "
+        "that calls it (docs/guide/compile.md)"))
     def forward(self, *args, **kwargs):
         """The module's forward, after checking the previous step's sync has finished (a RuntimeError
         naming the params otherwise). With the distributed optimizer's overlapped param gather, each
@@ -498,6 +505,16 @@ class DistributedDataParallel(torch.nn.Module):
             return self.module.load_state_dict(state_dict, strict=strict)
         finally:
             self._engine.notify_params_changed()  # also after a partial load (strict=True that failed midway)
+
+    def _load_as_submodule(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """load_state_dict's pre-hook when this wrapper is loaded as another module's submodule: the keys
+        under `prefix` are renamed to the wrapped module's ('module.' inserted), as load_state_dict() takes them."""
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise _error("load_state_dict(assign=True) would replace the parameters, but each is a view of "
+                         "meshddp's flat buffers; load with assign=False (the default: values copied in place)")
+        self._engine.before_params_written("meshddp.DistributedDataParallel.load_state_dict")
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
+            state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
 
     def main_grad(self, name):
         """The synced gradient of trainable param `name` (module path): a view of its slot in the flat
