@@ -26,8 +26,7 @@ import torch
 
 from torchrun_losses import run_losses
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-import consolidate_checkpoint  # noqa: E402
+from meshddp import consolidate  # noqa: E402  (the engine's checkpoint reader)
 
 binary, case = sys.argv[1], sys.argv[2]
 STEPS = 4
@@ -62,7 +61,7 @@ if case not in CASES:
 def final_params(nproc, args, save_dir):
     _, err = run_losses(binary, nproc, STEPS, [*args, "--save-dir", save_dir], with_stderr=True)
     found = re.search(r"# gradient storage on rank 0: (\d+) bytes", err)
-    params, _ = consolidate_checkpoint.consolidate(save_dir, STEPS)
+    params, _ = consolidate.consolidate(save_dir, STEPS)
     return params, int(found.group(1)) if found else None
 
 
