@@ -59,6 +59,14 @@ def _split_step_dir(directory, step):
     return os.path.dirname(path), int(name[5:])
 
 
+def _as_command_error(message):
+    """The reader's error as this command's: without the load's framing (one rank here, nothing loaded
+    anywhere) and with this command's flag for picking a step."""
+    message = re.sub(r"^checkpoint load from '.*?' failed; nothing was loaded on any rank:\s*rank 0: ", "",
+                     message.strip(), flags=re.S)
+    return message.replace("(load_checkpoint(..., step); the examples: --resume-step N)", "(--step N)")
+
+
 def consolidate(directory, step=None, optimizer=False, check_crc=None):
     """(key -> whole tensor, {"step", "values", "optimizer"}): keys are module names, or checkpoint keys
     with optimizer=True. Raises CheckpointError naming what is wrong."""
@@ -69,7 +77,7 @@ def consolidate(directory, step=None, optimizer=False, check_crc=None):
     try:
         _, saved_step, values, optimizer_json, tensors = _C._read_whole_checkpoint(save_dir, step, optimizer)
     except RuntimeError as e:
-        raise CheckpointError(str(e).strip()) from None
+        raise CheckpointError(_as_command_error(str(e))) from None
     out = {key if optimizer else key[len("model/"):]: tensor for key, tensor in tensors}
     return out, {"step": saved_step, "values": values, "optimizer": json.loads(optimizer_json)}
 
