@@ -81,6 +81,26 @@ c10::ScalarType main_grad_dtype_of(const at::Tensor& p, bool grad_reduce_in_fp32
 
 }  // namespace
 
+namespace {
+
+// Note [Compiled autograd refused at the hooks]
+//   Compiled autograd (torch._dynamo.config.compiled_autograd, or its enable() context around backward)
+//   asks every hook of the autograd graph for its compiled_args before running any: torch's default throws
+//   "compiled_args nyi ... AccumulationPreHook", which names no way out. It captures the whole backward as
+//   one graph, so a bucket could only launch after it; meshddp's hooks refuse it with this message instead
+//   (at the first backward under it, whenever it was turned on).
+void refuse_compiled_autograd(const std::string& param) {
+  TORCH_CHECK(false, "GradBuffer: a backward under compiled autograd (torch._dynamo.config.compiled_autograd or ",
+              "torch._dynamo.compiled_autograd.enable) reached the gradient hook of parameter ", param,
+              ", which is not supported: compiled autograd captures the whole backward as one graph, leaving no ",
+              "point inside it for the bucket reductions (launched by these hooks as gradients arrive) to start. ",
+              "Turn compiled autograd off and compile per block (block.compile() for each transformer block, which ",
+              "keeps the reductions overlapped with backward) or compile the wrapper (torch.compile(ddp), split ",
+              "at the buckets)");
+}
+
+}  // namespace
+
 // A pre-hook on a param's AccumulateGrad node; see GradBuffer::before_grad_accumulation().
 struct GradBuffer::AccumulationPreHook : torch::autograd::FunctionPreHook {
   AccumulationPreHook(GradBuffer* buffer, int64_t index, std::shared_ptr<std::atomic<bool>> alive)
@@ -88,6 +108,10 @@ struct GradBuffer::AccumulationPreHook : torch::autograd::FunctionPreHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     if (!*alive) return grads;
     return buffer->before_grad_accumulation(index, grads);
+  }
+  // Note [Compiled autograd refused at the hooks]
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    refuse_compiled_autograd(*alive ? describe_param_name(buffer->params_[index]) : std::string("(a freed buffer)"));
   }
   GradBuffer* buffer;
   int64_t index;
@@ -229,6 +253,9 @@ void GradBuffer::install_hooks() {
         [this, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
           on_grad_accumulated(index);
           return outputs;
+        },
+        [this, index](torch::dynamo::autograd::CompiledNodeArgs& /*args*/) {
+          refuse_compiled_autograd(describe_param_name(params_[index]));  // Note [Compiled autograd refused at the hooks]
         }));
     slot.accumulator->add_pre_hook(std::make_unique<AccumulationPreHook>(this, index, alive_));
   }

@@ -265,6 +265,33 @@ def compiled_autograd(rank, world_size):
         torch._dynamo.config.compiled_autograd = False
 
 
+def compiled_autograd_in_backward(rank, world_size, way):
+    """The error text of a step whose backward alone runs under compiled autograd (the forward, compiled or
+    not, ran without it), or None when it ran. way: "context" (the wrapper compiled, then its enable()
+    context around loss.backward()), "config" (torch._dynamo.config.compiled_autograd set after wrapping and
+    after an eager forward, the backward in a torch.compile'd function)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    ddp = meshddp.DistributedDataParallel(Blocks(), process_group=dist.group.WORLD, config=config())
+    x, y = batch(0, rank)
+    try:
+        if way == "context":
+            loss = F.mse_loss(torch.compile(ddp, backend="aot_eager")(x), y)
+            with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                loss.backward()
+        else:
+            loss = F.mse_loss(ddp(x), y)
+            torch._dynamo.config.compiled_autograd = True
+            torch.compile(lambda loss: loss.backward(), backend="aot_eager")(loss)
+        ddp.finish_grad_sync()
+        return None
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+
+
 
 def dp_x_tp(rank, world_size):
     """Blocks parallelized with torch TP (up: Colwise, down: Rowwise) over "tp" of a 2 x 2 mesh, wrapped

@@ -13,7 +13,11 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   the buffer's hooks, and zero_grad_buffer() leaves a slot whose param got a gradient in the last
   step stale (Note [Slots written in place]) for the step's first gradient to overwrite. A weight pass
   that was a param's first gradient of the step (ScheduleDualPipeV's micro-batch 0 on the last
-  stage) was added to the stale slot, then overwritten by the next micro-batch's backward.
+  stage) was added to the stale slot, then overwritten by the next micro-batch's backward. Each gradient
+  goes into its own input of its node (torch sums them into input 0), through the engine directly
+  (torch.autograd.backward's shape check cannot read a compiled module's node).
+- compiled stages under a split backward: the input pass keeps the graph of a compiled module's
+  output alive for the weight pass (Note [Compiled stages under a split backward]).
 - perform_reduce_grad (the schedule's REDUCE_GRAD action, after the chunk's last backward) and
   scale_grads (called by the schedules without that action right after the last backward): the flat
   buffers are scaled (scale_gradients) and the chunk's sync is started (start_grad_sync), overlapping
@@ -59,11 +63,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshddp import _C, _deprecated
+from meshddp import compile as _compile
 from meshddp.ddp import DistributedDataParallel
 
 # Note [torch's stage methods this stage overrides]
@@ -108,6 +113,14 @@ def _check_torch_stage(base=_TorchPipelineStage):
             f"_get_grad_fn_or_grad_acc is _get_grad_fn_or_grad_acc{got}, but meshddp's stage calls it as "
             f"_get_grad_fn_or_grad_acc(t) (torch 2.11). Use a torch whose pipelining matches (2.11), or update "
             f"meshddp.pipelining (Note [torch's stage methods this stage overrides])")
+    got = _plain_signature(_engine_run_backward)
+    if got != "(t_outputs, *args, **kwargs)":  # the weight pass runs the engine as torch.autograd.backward does
+        raise ImportError(
+            f"meshddp.pipelining: torch {torch.__version__}'s torch.autograd.graph._engine_run_backward is "
+            f"_engine_run_backward{got}, but meshddp's stage calls it as torch.autograd.backward does in torch 2.11 "
+            f"(edges, grads, retain_graph, create_graph, inputs, allow_unreachable=, accumulate_grad=). Use a torch "
+            f"whose autograd matches (2.11), or update meshddp.pipelining (Note [torch's stage methods this stage "
+            f"overrides])")
 
 
 _check_torch_stage()
@@ -222,11 +235,30 @@ class PipelineStage(_TorchPipelineStage):
         try:
             if backward_type == "weight":
                 return self._backward_weight(bwd_kwargs["param_groups"]), None
+            roots = self._graph_roots(bwd_kwargs["stage_output"]) if backward_type == "input" else []
             # torch's base with a non-torch-DDP submod: a plain backward (stage_backward, or the split
             # stage_backward_input); the held sync makes it accumulate only.
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
+            grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
+            for group in (param_groups or ()) if roots else ():
+                group["graph_roots"] = roots  # dropped by the weight pass, with the intermediates
+            return grads, param_groups
         finally:
             ddp.set_requires_gradient_sync(True)
+
+    def _graph_roots(self, stage_output):
+        """Note [Compiled stages under a split backward]: torch's input pass (stage_backward_input) detaches
+        the stage's outputs, so that the autograd nodes above the ones the weight pass starts from (its
+        intermediates) are freed, and keeps each intermediate alive by its Python object. A compiled module's
+        node is an autograd.Function's, whose Python object does not keep it alive: it was freed with the
+        outputs, and the weight pass found no graph ("element 0 of tensors does not require grad"). When the
+        stage may run compiled code, an alias of each output (a view, whose node holds the output's node)
+        keeps the graph until the weight pass, with the saved tensors of the nodes above the intermediates
+        (none for a stage whose last module is compiled: its node is the intermediate)."""
+        ddp = self.submod
+        if getattr(ddp, "_compiled_call_impl", None) is None and not _compile.has_compiled_submodules(ddp.module):
+            return []
+        outputs = stage_output if isinstance(stage_output, (list, tuple)) else [stage_output]
+        return [t.view_as(t) for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
     def _backward_weight(self, param_groups):
         """torch's stage_backward_weight (the weight pass from the intermediates that the input pass saved),
@@ -237,13 +269,22 @@ class PipelineStage(_TorchPipelineStage):
         for group in param_groups:
             edges, grads = [], []
             # Popped: the saved intermediates and their gradients are freed after use, as in torch's.
+            roots = group.pop("graph_roots", None)  # Note [Compiled stages under a split backward]: kept for this pass
             for grads_tuple, intermediate in zip(group.pop("grads", ()), group.pop("intermediates")):
-                non_none = [g for g in grads_tuple if g is not None]
-                if non_none:
-                    edges.append(GradientEdge(intermediate, 0))
-                    grads.append(sum(non_none))
+                # Each gradient into its own input of the node: a compiled section (one autograd node
+                # for the whole section) may take several (torch's sums them all into input 0).
+                for i, grad in enumerate(grads_tuple):
+                    if grad is not None:
+                        edges.append(GradientEdge(intermediate, i))
+                        grads.append(grad)
             if edges:
-                torch.autograd.backward(edges, grad_tensors=grads, inputs=[by_node[n] for n in group["params"]])
+                # The engine itself, as torch.autograd.backward calls it after its shape check, which reads
+                # node._input_metadata: a compiled module's node (an autograd.Function's) has none to read
+                # (Note [torch's stage methods this stage overrides]).
+                _engine_run_backward(tuple(edges), tuple(grads), False, False,
+                                     tuple(by_node[n] for n in group["params"]), allow_unreachable=True,
+                                     accumulate_grad=True)
+            del roots
         return tuple(None for _ in params)
 
     def scale_grads(self, grad_scale_factor):
