@@ -5,15 +5,19 @@ wrapping, with inductor. The model: a pre-LN MLP transformer (blocks of LayerNor
 GELU, Linear(4d, d), residual), 1 MiB buckets.
 
     .venv/bin/python bench/compile_bench.py [--blocks 6] [--dim 256] [--tokens 512] [--steps 10] [--backend inductor]
+                                            [--warm-caches]
 
 Prints per setting: the median step time over the timed steps (the slower rank's), its ratio to
 meshddp eager and to torch's DDP in the same setting, and the overlap: the Gloo all-reduces started
 before the backward's last compute op ended (torch.profiler, one step after the timed ones), of all
-bucket launches. Not a test: CI does not run it."""
+bucket launches; the warm-up (the first 3 steps: compiles), each setting compiling into empty inductor
+caches after a start-up compile run before all settings. Not a test: CI does not run it."""
 
 import argparse
+import atexit
 import datetime
 import os
+import shutil
 import socket
 import statistics
 import tempfile
@@ -68,9 +72,32 @@ def _overlap(prof):
     return sum(s < end for s in starts), len(starts)
 
 
-def _run_setting(args, rank, wrapper, how):
+def _cold_inductor_caches(rank, setting_index):
+    """Each setting compiles into an empty inductor cache (its own cache dir, no FX graph cache, no
+    in-memory compiled modules): otherwise a later setting's sections, the same graphs as an earlier
+    setting's (torch's DDP compiled after meshddp's), load from that setting's cache, and its warm-up
+    measures a cache hit, not a compile."""
+    cache_dir = tempfile.mkdtemp(prefix=f"compile_bench_r{rank}_s{setting_index}_")
+    atexit.register(shutil.rmtree, cache_dir, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._inductor.config.fx_graph_cache = False
+    from torch._inductor import codecache
+
+    codecache.PyCodeCache.cache_clear()
+
+
+def _inductor_start_up(backend):
+    """One tiny compile before the settings: inductor's one-off start-up (its imports, the C++ compiler's
+    checks), which would otherwise count in the first compiled setting's warm-up."""
+    if backend == "inductor":
+        torch.compile(lambda t: torch.nn.functional.gelu(t) * 2, backend=backend)(torch.randn(4, requires_grad=True)).sum().backward()
+
+
+def _run_setting(args, rank, wrapper, how, setting_index=0):
     import meshddp
 
+    if args.backend == "inductor" and not args.warm_caches:
+        _cold_inductor_caches(rank, setting_index)
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = how != "whole_unsplit"
     model = Model(args.blocks, args.dim)
@@ -118,7 +145,8 @@ def _entry(rank, args, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
-    results = [_run_setting(args, rank, wrapper, how) for _, wrapper, how in SETTINGS]
+    _inductor_start_up(args.backend)
+    results = [_run_setting(args, rank, wrapper, how, i) for i, (_, wrapper, how) in enumerate(SETTINGS)]
     torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -130,6 +158,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--warm-caches", action="store_true",
+                        help="let settings share inductor's caches (warm-ups then depend on the settings' order)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -111,7 +111,8 @@ struct GradBuffer::AccumulationPreHook : torch::autograd::FunctionPreHook {
   }
   // Note [Compiled autograd refused at the hooks]
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
-    refuse_compiled_autograd(*alive ? describe_param_name(buffer->params_[index]) : std::string("(a freed buffer)"));
+    if (!*alive) return;  // a freed buffer's hook passes gradients through: nothing to capture
+    refuse_compiled_autograd(describe_param_name(buffer->params_[index]));
   }
   GradBuffer* buffer;
   int64_t index;
@@ -255,7 +256,8 @@ void GradBuffer::install_hooks() {
           return outputs;
         },
         [this, index](torch::dynamo::autograd::CompiledNodeArgs& /*args*/) {
-          refuse_compiled_autograd(describe_param_name(params_[index]));  // Note [Compiled autograd refused at the hooks]
+          refuse_compiled_autograd(
+              describe_param_name(params_[index]));  // Note [Compiled autograd refused at the hooks]
         }));
     slot.accumulator->add_pre_hook(std::make_unique<AccumulationPreHook>(this, index, alive_));
   }

@@ -2,7 +2,8 @@
 bucket boundaries so bucket reductions overlap the compiled backward (as torch's DDP under its
 DDPOptimizer), per-block compile keeps the overlap, the results are torch's DDP's under the same
 compilation, meshddp adds no graph break of its own (ZeRO-1's param-gather waits included), nothing
-recompiles after warm-up, and compiled autograd is refused naming per-block compile. Two ranks, Gloo,
+recompiles after warm-up, and compiled autograd is refused naming per-block compile (at the forward, or at
+the gradient hooks when it is turned on for the backward only). Two ranks, Gloo,
 CPU, backend="aot_eager" (the split and the autograd structure are what inductor would get too)."""
 
 import pathlib
@@ -107,6 +108,16 @@ def test_meshddp_adds_no_graph_break_but_the_bucket_splits(explained, case):
 def test_compiled_autograd_is_refused_naming_per_block_compile():
     for text in multiprocess.run(2, "compile_workers.compiled_autograd"):
         assert text is not None and "compiled autograd" in text and "block.compile()" in text, text
+
+
+@pytest.mark.parametrize("way", ["context", "config"])
+def test_compiled_autograd_turned_on_for_the_backward_only_is_refused_at_the_hooks_naming_per_block_compile(way):
+    # context: the enable() context around loss.backward() of a compiled wrapper; config: the config set after
+    # wrapping and after the forward, the backward in a compiled function. torch alone would fail inside
+    # itself ("compiled_args nyi ... AccumulationPreHook"); meshddp's hooks refuse, naming the parameter.
+    text = multiprocess.run(1, "compile_workers.compiled_autograd_in_backward", way=way)[0]
+    assert text is not None and "GradBuffer: a backward under compiled autograd" in text, text
+    assert "gradient hook of parameter '" in text and "block.compile()" in text and "nyi" not in text, text
 
 
 def _code_lines(text):

@@ -7,7 +7,9 @@ the autograd structure inductor would get, without its compile time), Gloo, CPU,
   within 3e-7 of one process on the global batch (measured 3e-8, as the eager pipelines); no recompile
   after the first step;
 - experts on an ("edp", "ep") 2 x 2 mesh, the wrapper compiled: torchtitan-style DTensor experts and
-  HF-style expert modules, bit-identical to eager and within 1e-6 of one process (measured: see the test).
+  HF-style expert modules, bit-identical to eager and within 1e-7 of one process (measured 1.5e-8); the
+  MoE's EP exchange (autograd all-reduces) runs eagerly: Dynamo's trace of it gives other gradients (a
+  torch issue, without meshddp).
 """
 
 import pytest
@@ -17,6 +19,7 @@ import multiprocess
 SCHEDULES = ["1F1B", "ZBVZeroBubble"]
 MODES = ["wrapper", "per_block"]
 PIPELINE_TOL = 3e-7
+EXPERT_TOL = 1e-7  # measured 1.5e-8
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,12 @@ def test_compiled_pipeline_stages_are_the_eager_pipeline_and_one_process(pipelin
         assert r["graphs"][0] == r["graphs"][1] >= 1, (rank, schedule, mode, r)
 
 
+def test_a_stage_of_torch_compiled_wrapper_is_refused_naming_ddp_compile():
+    text = multiprocess.run(1, "compile_parallel_workers.stage_of_torch_compiled_wrapper")[0]
+    assert text is not None and "submodule is torch.compile(ddp), a OptimizedModule" in text, text
+    assert "ddp.compile()" in text, text
+
+
 @pytest.fixture(scope="module")
 def experts():
     return multiprocess.run(4, "compile_parallel_workers.compiled_experts")
@@ -45,5 +54,5 @@ def test_compiled_experts_are_eager_and_one_process(experts, style):
     for rank, runs in enumerate(experts):
         r = runs[style]
         assert r["eager"] == 0.0, (rank, style, r)
-        assert r["golden"] < 1e-6, (rank, style, r)
+        assert r["golden"] < EXPERT_TOL, (rank, style, r)
         assert r["graphs"][1] == r["graphs"][-1] >= 1, (rank, style, r)

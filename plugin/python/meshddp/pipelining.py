@@ -138,6 +138,11 @@ class PipelineStage(_TorchPipelineStage):
     DDP) or "sum" (a loss already divided by the global token count; see the module's docstring)."""
 
     def __init__(self, submodule, *args, grad_reduction="mean", **kwargs):
+        if isinstance(getattr(submodule, "_orig_mod", None), DistributedDataParallel):
+            raise _error(f"PipelineStage: submodule is torch.compile(ddp), a {type(submodule).__name__} around the "
+                         f"meshddp.DistributedDataParallel; compile the wrapper in place instead, ddp.compile() (it "
+                         f"stays the DistributedDataParallel the stage drives), or compile each block "
+                         f"(docs/guide/compile.md)")
         if not isinstance(submodule, DistributedDataParallel):
             raise _error(f"PipelineStage: submodule must be a meshddp.DistributedDataParallel "
                          f"(wrap the stage's module first), got {type(submodule).__name__}; for a module without "
