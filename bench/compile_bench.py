@@ -74,7 +74,7 @@ def _overlap(prof):
 
 def _cold_inductor_caches(rank, setting_index):
     """Each setting compiles into an empty inductor cache (its own cache dir, no FX graph cache, no
-    in-memory compiled modules): otherwise a later setting's sections, the same graphs as an earlier
+    in-memory compiled modules or C++ kernels): otherwise a later setting's sections, the same graphs as an earlier
     setting's (torch's DDP compiled after meshddp's), load from that setting's cache, and its warm-up
     measures a cache hit, not a compile."""
     cache_dir = tempfile.mkdtemp(prefix=f"compile_bench_r{rank}_s{setting_index}_")
@@ -84,6 +84,8 @@ def _cold_inductor_caches(rank, setting_index):
     from torch._inductor import codecache
 
     codecache.PyCodeCache.cache_clear()
+    for cpp_cache in (codecache.CppCodeCache, codecache.CppPythonBindingsCodeCache, codecache.CppWrapperCodeCache):
+        cpp_cache.cache.clear()  # the compiled kernels, by source: a later setting's equal kernels would load them
 
 
 def _inductor_start_up(backend):

@@ -78,6 +78,18 @@ def test_a_torch_stage_method_of_another_signature_is_refused_naming_it(monkeypa
         pipelining._check_torch_stage()
 
 
+def test_a_torch_autograd_engine_entry_of_another_signature_is_refused_naming_it(monkeypatch):
+    # The weight pass of a split backward runs the engine as torch.autograd.backward does (a compiled stage's
+    # node has no metadata for backward()'s shape check): a changed entry point is named at import.
+    import meshddp.pipelining as pipelining
+
+    monkeypatch.setattr(pipelining, "_engine_run_backward", lambda t_outputs, grad_tensors: None)
+    with pytest.raises(ImportError, match=r"torch\.autograd\.graph\._engine_run_backward is "
+                                          r"_engine_run_backward\(t_outputs, grad_tensors\), but meshddp's stage calls "
+                                          r"it as torch\.autograd\.backward does"):
+        pipelining._check_torch_stage()
+
+
 def test_importing_it_over_a_torch_stage_that_lacks_a_method_fails_naming_it():
     import subprocess
     import sys
