@@ -428,6 +428,7 @@ void GradBuffer::reset_step_state() {
   next_bucket_ = 0;
   next_to_complete_ = 0;
   flush_queued_ = false;
+  microbatches_reduced_ = 0;
   launched_by_hooks_ = 0;
   state_ = StepState::kIdle;
 }
