@@ -169,3 +169,42 @@ TEST(GradBufferShardedGrads, DebugSyncNamesARankWithOneMoreBackwardInAStep) {
     EXPECT_THAT(msg, HasSubstr("end of step after 2 micro-batch reduction(s)"));
   }
 }
+
+// find_unused_parameters under no_sync(): each forward marks the params its outputs cannot reach. Under
+// "optim_grads" that mark started the step's sync in forward, so a second forward before the first
+// backward (forward, forward, backward, backward, which "optim" takes) was refused as "a new step began
+// before finish_grad_sync()". Marking happens on the last micro-batch only, as under "optim"; the flush at
+// the end of each non-last backward launches every bucket anyway. Shards equal "optim"'s.
+TEST(GradBufferShardedGrads, TwoForwardsBeforeTheirBackwardsWithUnusedParamsAccumulateAsOptim) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    std::vector<std::vector<at::Tensor>> shards;
+    for (const char* name : {kShardOptim, kShardOptimGrads}) {
+      auto params = make_params();
+      GradBuffer buffer(params, mesh["dp"], strategy(name));
+      const auto loss_without = [&](int64_t unused, int scale) {
+        at::Tensor loss;
+        for (int64_t i = 0; i < kParams; ++i) {
+          if (i == unused) continue;
+          auto term = (params[i].param * static_cast<double>(scale * (i + 1) + mesh.rank())).sum();
+          loss = loss.defined() ? loss + term : term;
+        }
+        buffer.mark_unreachable_params_ready({loss});  // what find_unused_parameters does after forward
+        return loss;
+      };
+      buffer.set_is_last_microbatch(false);
+      const at::Tensor first = loss_without(5, 1);
+      buffer.check_no_sync_pending("DistributedDataParallel::forward");  // the second forward's check
+      const at::Tensor second = loss_without(9, 2);
+      torch::autograd::backward({first});
+      torch::autograd::backward({second});
+      buffer.set_is_last_microbatch(true);
+      torch::autograd::backward({loss_without(0, 3)});
+      buffer.finish_grad_sync();
+      auto& mine = shards.emplace_back();
+      for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+        mine.push_back(buffer.bucket_shard(b).clone());
+      }
+    }
+    for (size_t b = 0; b < shards[0].size(); ++b) EXPECT_TRUE(at::equal(shards[1][b], shards[0][b])) << "bucket " << b;
+  });
+}
