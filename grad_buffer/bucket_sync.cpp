@@ -115,10 +115,16 @@ void GradBuffer::finish_grad_sync() {
   check_trainable_params_unchanged("finish_grad_sync()");
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ == StepState::kSynced) return;
-  while (next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
+  // Note [A last micro-batch reduced as a non-last one]: nothing arrived since that flush, so the step's
+  // gradients are all in the shards; one more round of reduce-scatters would be one the other ranks skip.
+  const bool all_reduced =
+      shards_grads_ && !is_last_microbatch_ && state_ == StepState::kIdle && microbatches_reduced_ > 0;
+  const bool final_round = !all_reduced;
+  while (final_round && next_bucket_ < static_cast<int64_t>(buckets_.size())) launch_bucket(next_bucket_++);
   if (shards_grads_) {
     complete_launched_buckets();  // Note [Sharded gradients]: into the shards, blocks back to the pool
     flush_queued_ = false;
+    if (debug_sequence_) check_microbatch_reductions_agree(microbatches_reduced_ + (final_round ? 1 : 0));
   } else {
     wait_launched_buckets();
   }
@@ -130,17 +136,41 @@ void GradBuffer::finish_grad_sync() {
 
 void GradBuffer::check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind) {
   // Every rank of `group` says which collective it is about to launch; all must say the same.
-  const std::string mine = std::to_string(b) + " " + kind + " " + std::to_string(layout_.buckets[b].numel()) + " " +
-                           c10::toString(layout_.buffers[layout_.buckets[b].buffer].key.grad_dtype) + " " +
-                           comm_hook_->name();
-  const auto all = all_gather_strings(group, mine, "the MESHDDP_DEBUG_SYNC check of " + bucket_description(b),
-                                      layout_.buffers[layout_.buckets[b].buffer].key.device);
+  std::string mine = std::to_string(b) + " " + kind + " " + std::to_string(layout_.buckets[b].numel()) + " " +
+                     c10::toString(layout_.buffers[layout_.buckets[b].buffer].key.grad_dtype) + " " +
+                     comm_hook_->name();
+  if (shards_grads_) mine += ", micro-batch reduction " + std::to_string(microbatches_reduced_) + " of the step";
+  check_same_on_group(group, mine, layout_.buffers[layout_.buckets[b].buffer].key.device,
+                      "the MESHDDP_DEBUG_SYNC check of " + bucket_description(b));
+}
+
+// Note [A last micro-batch reduced as a non-last one]
+//   Under "optim_grads" each backward of a non-last micro-batch ends with a round of reduce-scatters
+//   (Note [Sharded gradients]), so ranks must run as many backward passes per step. A rank that never
+//   marks its last micro-batch as the last (every backward under no_sync(), then finish_grad_sync()) has
+//   run its last round at the end of that backward, as a rank that marks it runs it in that backward:
+//   finish_grad_sync() launches nothing more for it ("optim" and "no_shard", which communicate once per
+//   step, are indifferent to this). Debug mode compares each rank's count of rounds at the end of the
+//   step: a rank with one more backward (two backward calls in a micro-batch, a micro-batch skipped on
+//   one rank) is named there instead of hanging in a reduce-scatter the others never launch.
+void GradBuffer::check_microbatch_reductions_agree(int64_t reductions) {
+  if (buckets_.empty() || skip_collective(*buckets_[0].reduction.group)) return;
+  check_same_on_group(*buckets_[0].reduction.group,
+                      "end of step after " + std::to_string(reductions) + " micro-batch reduction(s)",
+                      layout_.buffers[layout_.buckets[0].buffer].key.device,
+                      "the MESHDDP_DEBUG_SYNC check of the step's micro-batch reductions (optim_grads)");
+}
+
+void GradBuffer::check_same_on_group(c10d::ProcessGroup& group, const std::string& mine, c10::Device device,
+                                     const std::string& what) {
+  const auto all = all_gather_strings(group, mine, what, device);
   for (size_t r = 0; r < all.size(); ++r) {
     TORCH_CHECK(all[r] == all[0], "GradBuffer (MESHDDP_DEBUG_SYNC): the bucket collectives diverge across ranks of ",
                 describe_group(group), ": rank 0 launches [bucket index, kind, numel, dtype, comm hook] = [", all[0],
                 "] while rank ", r, " launches [", all[r], "]. Ranks must build the same model and DdpConfig, ",
                 "register the same comm hook, and run the same backward sequence (same micro-batch settings, ",
-                "no_sync() on every rank alike)");
+                "no_sync() on every rank alike; under optim_grads the same number of backward passes per step, ",
+                "each of which reduce-scatters)");
   }
 }
 

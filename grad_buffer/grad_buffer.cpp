@@ -366,7 +366,10 @@ int64_t GradBuffer::mark_unreachable_params_ready(const std::vector<at::Tensor>&
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!is_last_microbatch_ && !shards_grads_) return 0;
+  // Only on the last micro-batch, "optim_grads" too: marking only launches buckets sooner (its non-last
+  // micro-batches' flushes launch every bucket anyway), and a mark in forward would leave the step in
+  // flight for the next forward (forward, forward, backward, backward under no_sync()).
+  if (!is_last_microbatch_) return 0;
   int64_t marked = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (slots_[i].ready || seen.count(slots_[i].accumulator.get())) continue;
@@ -457,6 +460,7 @@ void GradBuffer::reset_step_state() {
   next_bucket_ = 0;
   next_to_complete_ = 0;
   flush_queued_ = false;
+  microbatches_reduced_ = 0;
   launched_by_hooks_ = 0;
   state_ = StepState::kIdle;
 }

@@ -264,6 +264,10 @@ class GradBuffer {
   void reset_microbatch_state();
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
+  // Debug mode, "optim_grads": every rank ends the step after as many micro-batch reductions.
+  void check_microbatch_reductions_agree(int64_t reductions);
+  void check_same_on_group(c10d::ProcessGroup& group, const std::string& mine, c10::Device device,
+                           const std::string& what);
   std::string unready_param_names(size_t limit) const;
   // Throws naming `p` (an expert param) if this buffer has no expert-DP group, or if its gradient is TP-partial.
   // Throws naming the param if one was frozen (requires_grad_(false)) or unfrozen since construction:
@@ -300,8 +304,9 @@ class GradBuffer {
   bool is_last_microbatch_ = true;
   std::vector<Bucket> buckets_;
   int64_t next_bucket_ = 0;
-  int64_t next_to_complete_ = 0;  // "optim_grads": buckets before it are reduced into their shards
-  bool flush_queued_ = false;     // "optim_grads": this backward's flush_microbatch() is queued
+  int64_t next_to_complete_ = 0;      // "optim_grads": buckets before it are reduced into their shards
+  bool flush_queued_ = false;         // "optim_grads": this backward's flush_microbatch() is queued
+  int64_t microbatches_reduced_ = 0;  // "optim_grads": micro-batches of this step flushed into the shards
   int64_t launched_by_hooks_ = 0;
   int64_t syncs_completed_ = 0;
   // Autograd has no way to remove a pre-hook: the ones this buffer adds hold this flag, cleared by

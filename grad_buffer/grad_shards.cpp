@@ -174,6 +174,7 @@ void GradBuffer::reset_microbatch_state() {
   }
   next_bucket_ = 0;
   next_to_complete_ = 0;
+  ++microbatches_reduced_;
   state_ = StepState::kIdle;  // as after a non-last micro-batch under the other strategies
 }
 

@@ -324,3 +324,52 @@ def dp_x_tp(rank, world_size):
         out[compiled] = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
         out[f"graphs{compiled}"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return {"compiled": out[True], "eager": out[False], "graphs": out["graphsTrue"], "warned": out["warnedTrue"]}
+
+
+def _head(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+class _BlocksWithAHeadFunction(Blocks):
+    """Blocks after a head (first, so that its bucket's gather, launched last, is pending when it runs) that
+    runs through `head_fn`, a plain function (compiled or not), not a submodule."""
+
+    def forward(self, x):
+        x = self.head_fn(x, self.head.weight, self.head.bias)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def compiled_function_in_forward(rank, world_size):
+    """ZeRO-1 with overlap_param_gather, the forward calling a torch.compile'd function (no compiled
+    submodule, the wrapper not compiled) on the head's params: the param all-gathers pending each time
+    that compiled code starts, and the params after 4 AdamW steps, compiled and eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, pending = _BlocksWithAHeadFunction(), []
+        ddp = meshddp.DistributedDataParallel(model, process_group=dist.group.WORLD,
+                                              config=config(use_distributed_optimizer=True))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.OptimizerConfig(kind="adamw", lr=1e-3, weight_decay=0.0,
+                                                                        overlap_param_gather=True))
+
+        def counting_pending(gm, _):
+            def forward(*args):
+                pending.append(ddp._engine.pending_param_gathers())
+                return gm(*args)
+            return make_boxed_func(forward)
+
+        model.head_fn = torch.compile(_head, backend=aot_autograd(fw_compiler=counting_pending)) if compiled else _head
+        for step in range(4):
+            ddp.zero_grad_buffer()
+            x, y = batch(step, rank)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+        ddp._engine.finish_param_gathers()
+        out[compiled] = [p.detach().clone() for p in model.parameters()]
+        out[f"pending{compiled}"] = pending
+    return {"compiled": out[True], "eager": out[False], "pending": out["pendingTrue"]}

@@ -80,6 +80,15 @@ def test_compiled_zero1_with_overlapped_param_gather_is_eager_zero1(trained):
         assert len(r["pending"]) >= 4 and not any(r["pending"]), (rank, r["pending"])
 
 
+def test_a_compiled_function_in_the_forward_starts_after_every_param_gather():
+    # ZeRO-1 with overlap_param_gather, the wrapper eager, its forward calling a torch.compile'd function (not a
+    # compiled submodule) on the head's params: inductor's kernels would read them without meshddp's per-op
+    # waits, so that compiled code must start with no gather pending, as a compiled submodule does.
+    for rank, r in enumerate(multiprocess.run(2, "compile_workers.compiled_function_in_forward")):
+        assert len(r["pending"]) >= 4 and not any(r["pending"]), (rank, r["pending"])
+        assert _identical(r["compiled"], r["eager"]), (rank, _max_diff(r["compiled"], r["eager"]))
+
+
 def test_dp_x_tp_with_dtensor_params_compiles_as_one_exact_graph_with_a_warning():
     # torch's section compiler cannot pass DTensors between sections: one graph, bit-identical to eager.
     results = multiprocess.run(4, "compile_workers.dp_x_tp")

@@ -53,6 +53,7 @@ _WRITTEN_FOR = {
                                                                    "(orig_gm, split_gm)"),
     "torch._dynamo.backends.distributed.propagate_metadata": (_ddp_optimizer, "propagate_metadata",
                                                               "(orig_gm, split_gm)"),
+    "torch._dynamo.convert_frame.output_codes.seen_ids": (_convert_frame.output_codes, "seen_ids", None),
 }
 
 
@@ -239,6 +240,14 @@ def has_compiled_submodules(module):
     its place): its forward runs compiled kernels, which read params without meshddp's per-op waits."""
     return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
                for m in module.modules())
+
+
+def may_run_compiled_code(module):
+    """Whether `module`'s forward may run compiled kernels, which read params without meshddp's per-op
+    waits: a compiled submodule, or any code torch.compile has made in this process and not yet freed (a
+    compiled function the forward calls on a param, e.g. torch.compile(fn), which only running the forward
+    could tell)."""
+    return bool(_convert_frame.output_codes.seen_ids) or has_compiled_submodules(module)
 
 
 def refuse_compiled_autograd(compiling):

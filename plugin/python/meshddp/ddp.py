@@ -365,7 +365,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.check_before_forward()
         compiling = _compile.is_compiling_callback(callback)
         _compile.refuse_compiled_autograd(compiling)
-        if self._engine.pending_param_gathers() > 0 and (compiling or _compile.has_compiled_submodules(self.module)):
+        if self._engine.pending_param_gathers() > 0 and (compiling or _compile.may_run_compiled_code(self.module)):
             self._engine.finish_param_gathers()
         scope = self._engine.open_forward_scope()
         try:
