@@ -48,11 +48,13 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
                 config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
   // After the settings agreed (DdpEngine's construction): every rank refuses alike.
-  TORCH_CHECK(!this->config().shards_grads(),
-              "meshddp.DistributedDataParallel (Python): data_parallel_sharding_strategy '", kShardOptimGrads,
-              "' is not supported from Python yet: param.main_grad, DTensor grads and the optimizer's ",
-              "write checks are views of the whole gradient buffer, which this strategy does not keep. Use '",
-              kShardOptim, "' from Python, or the C++ meshddp::DistributedDataParallel");
+  TORCH_CHECK(dtensors_.empty() || !this->config().shards_grads(), "meshddp.DistributedDataParallel: parameter '",
+              dtensors_.empty() ? std::string() : dtensors_.front().name,
+              "' is a DTensor, which data_parallel_sharding_strategy '", kShardOptimGrads,
+              "' does not support yet: a DTensor's gradient is accumulated by autograd into its .grad, a DTensor ",
+              "over the param's slot in the whole gradient buffer, and this strategy keeps only each bucket's ",
+              "shard. Use '", kShardOptim, "' for tensor-parallel (DTensor) models, or the C++ ",
+              "meshddp::DistributedDataParallel with meshddp::parallelize (DP x TP under '", kShardOptimGrads, "')");
   TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
               "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",
               dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",

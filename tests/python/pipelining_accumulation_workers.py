@@ -40,7 +40,8 @@ def _end(ending, stages, wrapped):
 
 
 def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_grads=True, zero1=False,
-                eval_between=False, ending="stage", grad_reduction="mean", discard_first=False, broken=None):
+                eval_between=False, ending="stage", grad_reduction="mean", discard_first=False, broken=None,
+                strategy=""):
     """(max |grad - golden|, max |param - golden|) over this rank's params after OPT_STEPS optimizer steps,
     each over ACCUMULATE schedule.step() calls; finish_between: meshddp.pipelining.finalize_model_grads(stages)
     after every schedule.step(), not only the last; eval_between: a schedule.eval() on the step's batch after
@@ -49,10 +50,11 @@ def accumulated(rank, world_size, schedule="1F1B", finish_between=False, scale_g
     the global batch's micro-batch count (MICRO x DP size; scale_grads off); discard_first: first an
     accumulation on other batches, finished with each DDP's finish_grad_sync() and discarded (the loop's
     zero_grad_buffer(), as after a NaN loss). Returns the error message instead when one is raised.
-    broken="no_add_back": the earlier steps' gradients set aside at a step's start and never added back."""
+    broken="no_add_back": the earlier steps' gradients set aside at a step's start and never added back.
+    strategy: DdpConfig.data_parallel_sharding_strategy of every chunk (with zero1)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    stages, wrapped = build(mesh, schedule, zero1=zero1, grad_reduction=grad_reduction)
+    stages, wrapped = build(mesh, schedule, zero1=zero1, grad_reduction=grad_reduction, strategy=strategy)
     for s in stages if broken == "no_add_back" else []:
         resume = s._resume_accumulation
         s._resume_accumulation = lambda s=s, resume=resume: (resume(), setattr(s.submod, "_set_aside", None))

@@ -56,7 +56,7 @@ SCHEDULES = {"GPipe": (tpp.ScheduleGPipe, 1), "1F1B": (tpp.Schedule1F1B, 1),
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 pp - 1 - r
 
 
-def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean"):
+def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean", strategy=""):
     """This rank's stages of the MLP for `schedule` (a list, one per chunk) and their (stage index,
     wrapper) pairs: meshddp DDPs in meshddp stages (with `grad_reduction`), or with torch_ddp torch's DDP
     in torch's stage."""
@@ -74,7 +74,8 @@ def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean"):
             ddp = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
             stage_cls = tpp.PipelineStage
         else:
-            config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1)
+            config = meshddp.DdpConfig(bucket_bytes=64, use_distributed_optimizer=zero1,
+                                       data_parallel_sharding_strategy=strategy)
             ddp = meshddp.DistributedDataParallel(module, mesh, dp_dim="dp", config=config)
             stage_cls = meshddp.pipelining.PipelineStage
         extra = {} if torch_ddp else {"grad_reduction": grad_reduction}
@@ -109,7 +110,8 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
         sched.step(*args, target=y if has_last else None)
         if meshddp_stages:
             meshddp.pipelining.finalize_model_grads(stages)
-        grads = [p.grad.clone() for p in params]
+        # optim_grads: no whole gradient (.grad is None): NaN, and the caller compares params only.
+        grads = [p.grad.clone() if p.grad is not None else torch.full_like(p, float("nan")) for p in params]
         if zero1:  # one step over every chunk this rank holds: one norm, one skip decision
             meshddp.DistributedOptimizer.step_together(opts)
         else:
@@ -117,14 +119,16 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
     return grads, [p.detach().clone() for p in params]
 
 
-def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False):
+def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False, strategy=""):
     """(max |grad - golden grad| of the last step, max |param - golden|) over this rank's params.
-    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; broken: a
-    way to break the stage on purpose ("no_scale", "no_hold", "self_p2p": torch's warm-up sends to this
-    rank itself kept, "torch_weight_pass": torch's weight pass, `weight.grad += dw` past the buffer's hooks)."""
+    zero1: each chunk's SGD a meshddp.DistributedOptimizer (ZeRO-1) instead of torch's; strategy:
+    DdpConfig.data_parallel_sharding_strategy (with zero1; "optim_grads": the grad difference is NaN, no
+    whole gradient exists); broken: a way to break the stage on purpose ("no_scale", "no_hold", "self_p2p":
+    torch's warm-up sends to this rank itself kept, "torch_weight_pass": torch's weight pass, `weight.grad +=
+    dw` past the buffer's hooks)."""
     dp_size, pp_size = 2, 2
     mesh = init_device_mesh("cpu", (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    stages, wrapped = build(mesh, schedule, zero1=zero1)
+    stages, wrapped = build(mesh, schedule, zero1=zero1, strategy=strategy)
     for s in stages if broken else []:  # on purpose, to see the test fail
         if broken == "no_scale":  # the sync started, the buffers never scaled
             s.scale_grads = lambda f, s=s: s.submod.start_grad_sync()

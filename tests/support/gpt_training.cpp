@@ -113,10 +113,11 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
     DdpConfig config;
     config.bucket_bytes = s.bucket_bytes;
     config.use_distributed_optimizer = s.distributed_optimizer;
+    config.data_parallel_sharding_strategy = s.sharding_strategy;
     DistributedDataParallel ddp(model.ptr(), mesh, dp_dim, config);
     std::unique_ptr<torch::optim::AdamW> opt;
     std::unique_ptr<DistributedOptimizer> zero;
-    if (s.distributed_optimizer) {
+    if (ddp.config().use_distributed_optimizer) {
       DistributedOptimizerConfig oc;
       oc.lr = kLr;
       oc.weight_decay = 0.0;
@@ -153,7 +154,7 @@ std::vector<GptRun> train_gpt_on_mesh(const GptScenario& s) {
       run.losses.push_back(global_loss.item<double>());
       ddp.finish_grad_sync();
       run.grads_written_in_place.push_back(ddp.grad_buffer()->stats().grads_written_in_place);
-      if (step == 0) run.first_grads = synced_grads(ddp, zero.get());
+      if (step == 0 && !ddp.config().shards_grads()) run.first_grads = synced_grads(ddp, zero.get());
       if (zero) {
         auto result = zero->step();
         run.grad_norms.push_back(result.grad_norm);

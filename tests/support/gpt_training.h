@@ -14,6 +14,10 @@ struct GptScenario {
   int64_t dp = 2, tp = 2;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
+  // DdpConfig::data_parallel_sharding_strategy ("" = from distributed_optimizer). "optim" and
+  // "optim_grads" step with the DistributedOptimizer; under "optim_grads" first_grads stays empty (no
+  // whole gradient exists to read).
+  std::string sharding_strategy = {};
   double clip = 0.0;  // max_norm: DistributedOptimizerConfig::clip_grad_norm, or meshddp::clip_grad_norm_ in plain DDP
   int steps = 6;
   int micro_batches = 1;

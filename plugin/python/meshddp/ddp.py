@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _deprecated, _groups, _guards
+from meshddp import _C, _deprecated, _grad_shards, _groups, _guards
 from meshddp import compile as _compile
 
 
@@ -177,19 +177,15 @@ def _register_progress(groups, stuck_report_after, timeout):
 
 
 def _sharding_applied(config):
-    """The config with data_parallel_sharding_strategy applied (docs/guide/sharding.md): 'optim' is
-    use_distributed_optimizer (a copy with it set; the caller's config is left alone); 'no_shard' with
-    use_distributed_optimizer and 'optim_grads' (not from Python yet) are refused. Called after the ranks
-    agreed on the config, so every rank decides alike."""
+    """The config with data_parallel_sharding_strategy applied (docs/guide/sharding.md): 'optim' and
+    'optim_grads' are use_distributed_optimizer (a copy with it set; the caller's config is left alone);
+    'no_shard' with use_distributed_optimizer is refused. Called after the ranks agreed on the config, so
+    every rank decides alike."""
     strategy = config.data_parallel_sharding_strategy
     if strategy == "no_shard" and config.use_distributed_optimizer:
         raise _error("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True (the "
                      "'optim' strategy); set one of them")
-    if strategy == "optim_grads":
-        raise _error("data_parallel_sharding_strategy='optim_grads' is not supported from Python yet: param.main_grad, "
-                     "DTensor grads and the optimizer's write checks are views of the whole gradient buffer, which "
-                     "this strategy does not keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
-    if strategy == "optim" and not config.use_distributed_optimizer:
+    if strategy in ("optim", "optim_grads") and not config.use_distributed_optimizer:
         config = _C.DdpConfig(**{name: getattr(config, name) for name in config.field_names()})
         config.use_distributed_optimizer = True
     return config
@@ -300,6 +296,9 @@ class DistributedDataParallel(torch.nn.Module):
                                expert_dp_group=expert_dp_group, instance_group=instance_group,
                                cross_instance_group=cross_group, expert_instance_group=expert_instance_group,
                                pipeline_group=pipeline_group)
+        # optim_grads: no whole gradient buffer (grads are sharded after each bucket's reduce-scatter):
+        # param.main_grad is refused by name (meshddp/_grad_shards.py), param.grad is None after backward.
+        self._shards_grads = config.data_parallel_sharding_strategy == "optim_grads"
         grads = {}
         for name, p, _, _ in dtensors:
             grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
@@ -308,13 +307,19 @@ class DistributedDataParallel(torch.nn.Module):
         # param.main_grad, as Megatron and veScale read it: the param's slot in the flat buffer (fp32 with
         # grad_reduce_in_fp32); for a DTensor param the DTensor over its slot (its .grad).
         for name, p in module.named_parameters():
-            if p.requires_grad:
-                engine_name = self._engine_names.get(name, name)
+            if not p.requires_grad:
+                continue
+            engine_name = self._engine_names.get(name, name)
+            if self._shards_grads:
+                _grad_shards.refuse_main_grad(p, name)
+            else:
+                _grad_shards.allow_main_grad(p)  # wrapped under optim_grads before: main_grad settable again
                 p.main_grad = grads[engine_name] if isinstance(p, DTensor) else self._engine.main_grad(engine_name)
         # ZeRO-1: one gradient of each flat buffer, whose version counter (shared by every view of the buffer)
         # tells DistributedOptimizer.step() whether the gradients were written after finish_grad_sync().
+        # optim_grads: none (no gradient is reachable from outside: .grad is None, main_grad refused).
         probes = {}
-        if config.use_distributed_optimizer:
+        if config.use_distributed_optimizer and not self._shards_grads:
             for name in self._engine.param_names():
                 g = self._engine.main_grad(name)
                 probes.setdefault(g.untyped_storage().data_ptr(), g)
@@ -518,7 +523,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def main_grad(self, name):
         """The synced gradient of trainable param `name` (module path): a view of its slot in the flat
-        buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32)."""
+        buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32). Refused under
+        data_parallel_sharding_strategy='optim_grads', which keeps no whole gradient."""
+        if self._shards_grads:
+            raise _grad_shards.no_whole_main_grad(f"ddp.main_grad('{name}')", name)
         return self._engine.main_grad(self._engine_names.get(name, name))
 
     @property
@@ -526,5 +534,7 @@ class DistributedDataParallel(torch.nn.Module):
         return self._engine.config
 
     def grad_buffer_bytes(self):
-        """Bytes of the flat gradient buffers (the gradients' only long-lived home)."""
+        """Bytes of the flat gradient buffers (the gradients' only long-lived home); under
+        data_parallel_sharding_strategy='optim_grads' this rank's gradient shards plus the whole-bucket
+        blocks allocated for the buckets in flight."""
         return self._engine.grad_buffer_bytes()

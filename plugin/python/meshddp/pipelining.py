@@ -223,6 +223,13 @@ class PipelineStage(_TorchPipelineStage):
                          f"the gradients the optimizer stepped on, and this step would add to them. Call "
                          f"submod.zero_grad_buffer() on every chunk before each optimizer step's first schedule.step() "
                          f"(several schedule.step() calls before one optimizer step accumulate)")
+        if ddp._shards_grads:
+            raise _error(f"PipelineStage {self.stage_index}: schedule.step() again before the optimizer step, on "
+                         f"gradients already synced, under data_parallel_sharding_strategy='optim_grads': that keeps "
+                         f"only this rank's shard of each gradient, so the synced gradients cannot be set aside and "
+                         f"added back. Give one schedule.step() all of the optimizer step's micro-batches "
+                         f"(n_microbatches), or use data_parallel_sharding_strategy='optim' to accumulate across "
+                         f"schedule.step() calls")
         set_aside = [(n, ddp.main_grad(n).clone()) for n, p in ddp.module.named_parameters() if p.requires_grad]
         broadcast_due = ddp._engine.buffers_broadcast_due()  # once per optimizer step, not per schedule.step()
         ddp.zero_grad_buffer()
