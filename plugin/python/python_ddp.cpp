@@ -49,7 +49,8 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
       dtensors_(std::move(dtensors)) {
   // After the settings agreed (DdpEngine's construction): every rank refuses alike.
   TORCH_CHECK(!this->config().shards_grads(),
-              "meshddp.DistributedDataParallel (Python): data_parallel_sharding_strategy '", kShardOptimGrads,
+              "meshddp.DistributedDataParallel (Python): data_parallel_sharding_strategy '",
+              this->config().sharding_strategy(),
               "' is not supported from Python yet: param.main_grad, DTensor grads and the optimizer's ",
               "write checks are views of the whole gradient buffer, which this strategy does not keep. Use '",
               kShardOptim, "' from Python, or the C++ meshddp::DistributedDataParallel");

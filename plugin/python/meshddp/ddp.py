@@ -189,6 +189,10 @@ def _sharding_applied(config):
         raise _error("data_parallel_sharding_strategy='optim_grads' is not supported from Python yet: param.main_grad, "
                      "DTensor grads and the optimizer's write checks are views of the whole gradient buffer, which "
                      "this strategy does not keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
+    if strategy == "optim_grads_params":
+        raise _error("data_parallel_sharding_strategy='optim_grads_params' is not supported from Python yet: the "
+                     "wrapper's params, main grads and state dicts are whole tensors, which this strategy does not "
+                     "keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
     if strategy == "optim" and not config.use_distributed_optimizer:
         config = _C.DdpConfig(**{name: getattr(config, name) for name in config.field_names()})
         config.use_distributed_optimizer = True
