@@ -10,6 +10,7 @@ mesh, and the param storage the run held (printed by the example on rank 0). One
               sums some elements in another order: 1.2e-7 measured, atol 5e-7)
   dp2_tp2     dp 2 x tp 2, sequence parallel, 2 micro-batches
   bf16        dp 2, bf16 params with fp32 main grads and fp32 masters, 2 micro-batches
+  resume      checkpoints across strategies and DP sizes (below, at RESUME)
 
 SGD (lr 2): a gradient off by a scale, a missing micro-batch or a stale param shows in the params. With
 accumulation the k reduce-scattered means are summed in the shard (fp32 sums reordered against optim): atol
@@ -50,8 +51,34 @@ CASES = {
                  ATOL)],
     "bf16": [(2, ["--dp", "2", "--micro-batches", "2", *BF16, *MODEL], MODEL, ATOL, BF16_TO_ONE)],
 }
+# resume: checkpoints across strategies and DP sizes. An optim_grads_params run at dp 2 resumed from its step-2
+# checkpoint gives the uninterrupted run's losses bit for bit; the same checkpoint resumed by 'optim' at dp 4, and
+# an 'optim' dp-4 checkpoint resumed by optim_grads_params at dp 2, give its step-2 loss bit for bit (the loss of
+# the first resumed step depends only on the loaded params; later steps reduce over another DP size).
+RESUME = ["--layers", "4", "--global-batch", "16", "--seed", "1", "--optimizer", "adamw", "--lr", "0.01",
+          "--bucket-bytes", "4096"]
+if case == "resume":
+    def losses(nproc, strategy, extra):
+        return run_losses(binary, nproc, 4, ["--dp", str(nproc), *RESUME, "--data-parallel-sharding-strategy",
+                                             strategy, *extra], first=2 if "--resume-step" in extra else 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        zero3_dir, optim_dir = os.path.join(tmp, "zero3"), os.path.join(tmp, "optim")
+        full = losses(2, "optim_grads_params", ["--save-dir", zero3_dir, "--save-every", "2"])
+        resumed = losses(2, "optim_grads_params", ["--save-dir", zero3_dir, "--resume-step", "2"])
+        optim_from_zero3 = losses(4, "optim", ["--save-dir", zero3_dir, "--resume-step", "2"])
+        losses(4, "optim", ["--save-dir", optim_dir, "--save-every", "2"])
+        zero3_from_optim = losses(2, "optim_grads_params", ["--save-dir", optim_dir, "--resume-step", "2"])
+    print(f"resume: uninterrupted {full[2:]}, resumed {resumed}, optim dp 4 from it {optim_from_zero3}, "
+          f"optim_grads_params dp 2 from optim dp 4's {zero3_from_optim}")
+    if resumed != full[2:]:
+        sys.exit(f"FAILED: resume: optim_grads_params resumed at step 2 gives {resumed}, not {full[2:]}")
+    if optim_from_zero3[0] != full[2] or zero3_from_optim[0] != full[2]:
+        sys.exit(f"FAILED: resume: the step-2 loss across strategies and DP sizes is {optim_from_zero3[0]} (optim dp 4 "
+                 f"from optim_grads_params dp 2) and {zero3_from_optim[0]} (the other way), not {full[2]}")
+    print("1 passed, 0 failed")
+    sys.exit(0)
 if case not in CASES:
-    sys.exit(f"FAILED: unknown case '{case}'; one of {', '.join(CASES)}")
+    sys.exit(f"FAILED: unknown case '{case}'; one of {', '.join(CASES)}, resume")
 
 
 def final_params(nproc, args, save_dir):
