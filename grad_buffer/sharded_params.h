@@ -20,16 +20,18 @@
 //   so backward's ops that read saved params gather them the same way (tested: the backward of a
 //   released unit reads gathered values, sharded_params_test.cpp).
 //   Order. In forward, using unit u releases every other gathered unit (a forward moves from unit to
-//   unit; a unit used again later, such as an embedding tied to the output layer, is gathered again),
-//   and prefetches the unit after u: its all-gathers are launched and waited for only when an op
-//   reads it. "After" is the order of first uses the last forward through a UseScope recorded (as
-//   FSDP2 records it; registration order before the first forward, which may differ: a module may
-//   register its final norm before its blocks); in backward, the unit before u in that order. The end of the forward
-//   releases every unit. In backward (an op inside the autograd engine: get_current_node()), using u
-//   prefetches the unit before it, and a unit is released once every param of it has reported its gradient this
-//   backward (GradBuffer's hook calls grad_ready()); a param that gets no gradient keeps its unit
-//   until the step. The step writes the new shards and releases every unit (start_param_sync()):
-//   after it no whole param exists, and the next forward gathers on use.
+//   unit; a unit used again later, such as an embedding tied to the output layer, is gathered again)
+//   and prefetches the unit after u: its all-gathers are launched, and waited for only when an op
+//   reads it. "After" follows the order of first uses that the last forward through a UseScope
+//   recorded (as FSDP2 records it; before the first forward, registration order, which may differ: a
+//   module may register its final norm before its blocks). The end of the forward releases every
+//   unit. In backward (an op inside the autograd engine: get_current_node()), using u prefetches the
+//   unit before it in that order, and a unit is released once every param of it has reported its
+//   gradient this backward (GradBuffer's hook calls grad_ready()); a param that gets no gradient
+//   keeps its unit until the step. The step writes the new shards and releases every unit
+//   (start_param_sync()): after it no whole param exists, and the next forward gathers on use.
+//   Cost: every op on a thread with the mode on looks up its tensor arguments' storages (a hash
+//   lookup under a mutex), while a ShardedParams lives.
 //   Not here: the gradient path is ZeRO-2's unchanged (reduce-scatter per bucket, per micro-batch).
 #pragma once
 
