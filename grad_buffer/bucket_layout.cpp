@@ -46,6 +46,12 @@ BucketLayout assign_buckets(const std::vector<ParamSpec>& params, const LayoutCo
     const ParamSpec& p = params[i];
     TORCH_CHECK(!p.name.empty(), "assign_buckets: parameter #", i, " has an empty name");
     TORCH_CHECK(p.numel >= 0, "assign_buckets: parameter '", p.name, "' has numel ", p.numel);
+    // A unit boundary closes every open bucket (Note [Bucket layout]: FSDP units).
+    if (i + 1 < static_cast<int64_t>(params.size()) && params[i + 1].unit != p.unit) {
+      for (int64_t buffer = 0; buffer < static_cast<int64_t>(layout.buffers.size()); ++buffer) {
+        if (open[buffer]) close_bucket(buffer);
+      }
+    }
     const BufferKey key{p.param_dtype, p.grad_dtype, p.device, p.tp_partial, p.expert, p.tied};
     int64_t buffer = 0;
     while (buffer < static_cast<int64_t>(layout.buffers.size()) && !(layout.buffers[buffer].key == key)) ++buffer;

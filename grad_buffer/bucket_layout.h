@@ -23,6 +23,9 @@
 //   (mesh/reduction_groups.h). They live in buffers of their own (BufferKey::expert), so a bucket never
 //   mixes groups, and an expert bucket is padded to a multiple of expert_dp_size * kAlignmentElems
 //   (its ZeRO-1 shards are 1/expert_dp_size of it).
+// - FSDP units (ParamSpec::unit, "optim_grads_params"): when the walk reaches a param of another unit
+//   than the param before it, every open bucket closes, so a bucket's params are all of one unit and a
+//   unit is gathered and released as whole buckets (Note [Sharded parameters], sharded_params.h).
 #pragma once
 
 #include "grad_buffer_config.h"  // kDefaultBucketBytes
@@ -49,6 +52,8 @@ struct ParamSpec {
   bool expert = false;      // an expert (MoE) param: reduced over the expert-data-parallel group, in buffers of its own
   bool tied = false;        // tied across pipeline stages: summed over the embedding group first, in buffers of its own
   std::vector<int64_t> shape = {};  // the param's (local) sizes; used only by the whole-param placement's cost
+  int64_t unit = 0;                 // its FSDP unit ("optim_grads_params", grad_buffer/fsdp_units.h): a bucket
+                                    // never holds params of two units; all 0 = no unit boundaries
 };
 
 struct LayoutConfig {

@@ -34,12 +34,12 @@ void GradBufferConfig::validate() const {
               " must be >= 1 (1 = flat ZeRO-1)");
   check_shard_policy(shard_policy);  // "byte_range" | "whole_param"
   const std::string& strategy = data_parallel_sharding_strategy;
-  TORCH_CHECK(strategy != kShardOptimGradsParams, "GradBufferConfig: data_parallel_sharding_strategy = '",
-              kShardOptimGradsParams, "' (ZeRO-3: params sharded too) is not built yet; use '", kShardOptimGrads,
-              "' (optimizer state and gradients sharded) or '", kShardOptim, "'");
-  TORCH_CHECK(strategy.empty() || strategy == kNoShard || strategy == kShardOptim || strategy == kShardOptimGrads,
+  TORCH_CHECK(strategy.empty() || strategy == kNoShard || strategy == kShardOptim || strategy == kShardOptimGrads ||
+                  strategy == kShardOptimGradsParams,
               "GradBufferConfig: data_parallel_sharding_strategy = '", strategy, "' is not one of '", kNoShard, "', '",
-              kShardOptim, "', '", kShardOptimGrads, "' (or '' to follow use_distributed_optimizer)");
+              kShardOptim, "', '", kShardOptimGrads, "', '", kShardOptimGradsParams,
+              "' (or '' to follow use_distributed_optimizer)");
+  assign_fsdp_units({}, fsdp_unit_modules);  // throws naming an empty pattern
 }
 
 std::string GradBufferConfig::sharding_strategy() const {
@@ -49,7 +49,9 @@ std::string GradBufferConfig::sharding_strategy() const {
 
 void GradBufferConfig::apply_sharding_strategy() {
   const std::string strategy = sharding_strategy();
-  if (strategy == kShardOptim || strategy == kShardOptimGrads) use_distributed_optimizer = true;
+  if (strategy == kShardOptim || strategy == kShardOptimGrads || strategy == kShardOptimGradsParams) {
+    use_distributed_optimizer = true;
+  }
 }
 
 void GradBufferConfig::check_combination() const {
@@ -166,13 +168,17 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     if (expert) check_expert_param(p, placement, groups_);
     if (tied) check_tied_param(p, placement, groups_);
     TORCH_CHECK(!tied || !shards_grads_, "GradBuffer: parameter ", describe_param_name(p),
-                " is tied across pipeline stages, which data_parallel_sharding_strategy '", kShardOptimGrads,
-                "' does not support yet (its embedding-group sum needs the whole bucket); use '", kShardOptim, "'");
+                " is tied across pipeline stages, which data_parallel_sharding_strategy '", config_.sharding_strategy(),
+                "' does not support yet (its embedding-group sum needs the whole ", "bucket); use '", kShardOptim, "'");
+    if (config_.shards_params()) check_shardable_param(p, expert);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
                               main_grad_dtype_of(p.param, config_.grad_reduce_in_fp32), p.param.device(),
                               placement.is_partial_grad(), expert, tied, p.param.sizes().vec()});
   }
   if (config_.use_distributed_optimizer) config_.pad_for_reduce_scatter = true;
+  // "optim_grads_params": buckets never span two FSDP units (Note [Sharded parameters]).
+  std::unique_ptr<FsdpUnits> units = config_.shards_params() ? std::make_unique<FsdpUnits>(fsdp_units()) : nullptr;
+  for (size_t i = 0; units && i < specs.size(); ++i) specs[i].unit = units->unit_of[i];
   const int64_t expert_dp_size = groups_.expert_dp ? groups_.expert_shard_group()->getSize() : 1;
   const LayoutConfig layout_config{config_.bucket_bytes, config_.pad_for_reduce_scatter, dp_size_, expert_dp_size};
   layout_ = assign_buckets(specs, layout_config);  // then, with whole_param, params re-placed within their buckets:
@@ -199,7 +205,7 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
       const BucketReduction& r = buckets_[b].reduction;
       gather_buckets.push_back({{}, {}, "param all-gather of " + bucket_description(b), r.shard_group});
     }
-    param_buffer_ = std::make_unique<ParamBuffer>(layout_, params_, std::move(gather_buckets));
+    param_buffer_ = std::make_unique<ParamBuffer>(layout_, params_, std::move(gather_buckets), units.get());
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].param;
@@ -337,6 +343,8 @@ void GradBuffer::on_grad_accumulated(int64_t index) {
     s.stale = false;
     s.got_grad = true;
   }
+  // "optim_grads_params": the unit's last gradient of this backward releases its params.
+  if (ShardedParams* sharded = param_buffer_ ? param_buffer_->sharded() : nullptr) sharded->grad_ready(index);
   // optim_grads: every micro-batch is reduce-scattered (Note [Sharded gradients]).
   if (!is_last_microbatch_ && !shards_grads_) return;
 

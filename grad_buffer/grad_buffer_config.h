@@ -76,10 +76,19 @@ struct GradBufferConfig {
   // gradients, a rank keeping only its shard of each bucket after the bucket's reduce-scatter (full-size
   // gradient storage is a small pool of bucket-sized buffers in flight; every micro-batch is
   // reduce-scattered: Note [Sharded gradients] in grad_buffer/grad_shards.cpp). "" = from
-  // use_distributed_optimizer ("optim" if set, else "no_shard"). "optim" and "optim_grads" turn
-  // use_distributed_optimizer on; "no_shard" with use_distributed_optimizer is an error.
-  // "optim_grads_params" (ZeRO-3) is not built yet and is refused
+  // use_distributed_optimizer ("optim" if set, else "no_shard"). "optim_grads_params" = ZeRO-3: also
+  // the params, a rank keeping its shard of each bucket and a unit's whole params only while the unit
+  // is in use (gathered on use, released after: Note [Sharded parameters] in
+  // grad_buffer/sharded_params.h), gradients as under "optim_grads". "optim", "optim_grads" and
+  // "optim_grads_params" turn use_distributed_optimizer on; "no_shard" with use_distributed_optimizer
+  // is an error
   std::string data_parallel_sharding_strategy;
+  // (Megatron-FSDP's name) "optim_grads_params" only: the modules whose params are gathered and
+  // released together, as comma-separated module paths or globs ("blocks.*,wte"; '*' matches dots
+  // too); a param belongs to the shortest matching path of its name, params of no match to one root
+  // unit. "" = each top-level child module, and each element of a top-level list ("blocks.0", ...):
+  // grad_buffer/fsdp_units.h. No bucket holds params of two units
+  std::string fsdp_unit_modules;
 
   // Throws naming the field on a bad value. Called by every constructor that takes a config.
   void validate() const;
@@ -90,8 +99,10 @@ struct GradBufferConfig {
   void check_combination() const;
   // The strategy in effect: data_parallel_sharding_strategy, or "" resolved from use_distributed_optimizer.
   std::string sharding_strategy() const;
-  bool shards_grads() const { return sharding_strategy() == kShardOptimGrads; }
-  // Sets use_distributed_optimizer for "optim" and "optim_grads" (after check_combination()).
+  bool shards_grads() const { return sharding_strategy() == kShardOptimGrads || shards_params(); }
+  bool shards_params() const { return sharding_strategy() == kShardOptimGradsParams; }
+  // Sets use_distributed_optimizer for "optim", "optim_grads" and "optim_grads_params" (after
+  // check_combination()).
   void apply_sharding_strategy();
 };
 

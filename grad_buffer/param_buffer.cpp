@@ -39,14 +39,30 @@ std::vector<ParamGather::Bucket> gather_buckets(const std::vector<at::Tensor>& r
   return buckets;
 }
 
+std::unique_ptr<ShardedParams> make_sharded(const BucketLayout& layout, std::vector<NamedParam>& params,
+                                            const std::vector<ParamGather::Bucket>& buckets, const FsdpUnits* units) {
+  if (units == nullptr) return nullptr;
+  std::vector<ShardedParams::Bucket> sharded;
+  for (const ParamGather::Bucket& b : buckets) sharded.push_back({b.what, b.group});
+  return std::make_unique<ShardedParams>(layout, params, std::move(sharded), units->unit_of, units->names);
+}
+
+std::vector<at::Tensor> sharded_bucket_data(const ShardedParams& sharded, size_t num_buckets) {
+  std::vector<at::Tensor> out;
+  for (size_t b = 0; b < num_buckets; ++b) out.push_back(sharded.bucket_full(static_cast<int64_t>(b)));
+  return out;
+}
+
 }  // namespace
 
 ParamBuffer::ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params,
-                         std::vector<ParamGather::Bucket> buckets)
-    : buffers_(allocate(layout)),
-      bucket_data_(bucket_ranges(layout, buffers_)),
-      gather_(gather_buckets(bucket_data_, std::move(buckets))) {
-  for (size_t i = 0; i < params.size(); ++i) {
+                         std::vector<ParamGather::Bucket> buckets, const FsdpUnits* units)
+    : sharded_(make_sharded(layout, params, buckets, units)),
+      buffers_(sharded_ ? std::vector<at::Tensor>() : allocate(layout)),
+      bucket_data_(sharded_ ? sharded_bucket_data(*sharded_, layout.buckets.size()) : bucket_ranges(layout, buffers_)),
+      gather_(sharded_ ? std::vector<ParamGather::Bucket>() : gather_buckets(bucket_data_, std::move(buckets))) {
+  for (const BucketSpan& span : layout.buckets) bucket_begin_.push_back(span.begin);
+  for (size_t i = 0; i < params.size() && !sharded_; ++i) {
     const ParamSlot& slot = layout.slots[i];
     at::Tensor& param = params[i].param;
     at::Tensor view = buffers_[slot.buffer].narrow(0, slot.offset, slot.numel).view(param.sizes());
@@ -57,7 +73,16 @@ ParamBuffer::ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& pa
   }
 }
 
+void ParamBuffer::start_param_sync(bool async) {
+  if (sharded_) {
+    sharded_->release_all();
+  } else {
+    gather_.start(async);
+  }
+}
+
 int64_t ParamBuffer::bytes() const {
+  if (sharded_) return sharded_->resident_bytes();
   int64_t bytes = 0;
   for (const at::Tensor& buffer : buffers_) bytes += static_cast<int64_t>(buffer.nbytes());
   return bytes;
@@ -65,6 +90,18 @@ int64_t ParamBuffer::bytes() const {
 
 void ParamBuffer::check_param_in_place(const NamedParam& p, const ParamSlot& slot, const char* who) const {
   if (p.param.numel() == 0) return;  // no elements to reach (an empty tensor's data pointer is not its slot's)
+  if (sharded_) {  // no bytes while its unit is released: the storage and the offset say where it lives
+    const at::Tensor& full = bucket_data_[slot.bucket];
+    TORCH_CHECK(p.param.has_storage() &&
+                    p.param.storage().unsafeGetStorageImpl() == full.storage().unsafeGetStorageImpl() &&
+                    p.param.storage_offset() == slot.offset - bucket_begin_[slot.bucket],
+                "GradBuffer::", who, ": parameter ", describe_param_name(p),
+                " no longer lives in its bucket's storage under data_parallel_sharding_strategy 'optim_grads_params' ",
+                "(its data was replaced after wrapping: param.data = ..., param.set_data(...)); the optimizer's ",
+                "updates and the parameter gathers would no longer reach it. Load new values through the checkpoint ",
+                "functions, or use 'optim'");
+    return;
+  }
   const auto* expected = static_cast<const char*>(buffers_[slot.buffer].const_data_ptr()) +
                          slot.offset * static_cast<int64_t>(buffers_[slot.buffer].element_size());
   TORCH_CHECK(p.param.const_data_ptr() == expected, "GradBuffer::", who, ": parameter ", describe_param_name(p),

@@ -6,13 +6,16 @@
 #pragma once
 
 #include "bucket_layout.h"
+#include "fsdp_units.h"
 #include "param_gather.h"
+#include "sharded_params.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,14 +30,27 @@ class ParamBuffer {
   // and the group its all-gather runs over (its DP group, or expert-DP group for expert params);
   // `full` and `shard` are filled here: this rank's shard of a bucket is its group rank's 1/size of
   // it (buckets are padded to a multiple of that size).
-  ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params, std::vector<ParamGather::Bucket> buckets);
+  // With `units` ("optim_grads_params"), there is no flat buffer: each bucket's params live in a
+  // storage of their own that exists only while their unit is in use, and this rank keeps its shards
+  // (ShardedParams, Note [Sharded parameters]); the ParamGather then has no bucket.
+  ParamBuffer(const BucketLayout& layout, std::vector<NamedParam>& params, std::vector<ParamGather::Bucket> buckets,
+              const FsdpUnits* units = nullptr);
   ParamBuffer(const ParamBuffer&) = delete;
   ParamBuffer& operator=(const ParamBuffer&) = delete;
 
-  // Bucket `b`'s range of its flat param buffer, padding included.
+  // Bucket `b`'s range of its flat param buffer, padding included (under "optim_grads_params" its own
+  // storage, without bytes while its unit is released).
   const at::Tensor& bucket_data(int64_t b) const { return bucket_data_[b]; }
-  // Bytes of the flat param buffers (full, not sharded).
+  // Bytes of the flat param buffers (full, not sharded); under "optim_grads_params" the param storage
+  // resident now (this rank's shards and the units in use).
   int64_t bytes() const;
+  // "optim_grads_params": the sharded params (null under the other strategies).
+  ShardedParams* sharded() const { return sharded_.get(); }
+  // After the optimizer wrote this rank's shards: all-gathers them into the flat buffer (ZeRO-1, now or
+  // overlapped with the next forward: ParamGather::start), or under "optim_grads_params" releases
+  // every unit (the next use gathers it). finish_param_sync() waits for what start left in flight.
+  void start_param_sync(bool async);
+  void finish_param_sync() { gather_.wait_all(); }
   // The all-gather of updated param shards into the buffer.
   ParamGather& gather() { return gather_; }
   const ParamGather& gather() const { return gather_; }
@@ -49,8 +65,10 @@ class ParamBuffer {
   void check_param_in_place(const NamedParam& p, const ParamSlot& slot, const char* who) const;
 
  private:
+  std::unique_ptr<ShardedParams> sharded_;  // before bucket_data_: its buckets' storages are bucket_data_
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> bucket_data_;  // per bucket: its range of buffers_
+  std::vector<int64_t> bucket_begin_;    // per bucket: its first element's offset in its flat buffer
   ParamGather gather_;
   std::atomic<int64_t> params_version_{0};
 };

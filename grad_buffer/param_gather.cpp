@@ -1,5 +1,6 @@
 #include "grad_buffer/param_gather.h"
 
+#include "grad_buffer/sharded_params.h"
 #include "mesh/collectives.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -54,6 +55,21 @@ std::vector<ParamGather*> launched_on_this_thread() {
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   bool any_pending = false;
+  // "optim_grads_params": an argument in a released unit's storage gathers the unit first (Note
+  // [Sharded parameters], sharded_params.h); the mode stays on while any ShardedParams lives.
+  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
+    const c10::IValue& arg = (*stack)[i];
+    if (arg.isTensor()) {
+      any_pending = ShardedParams::on_use(arg.toTensor()) || any_pending;
+    } else if (arg.isTensorList()) {
+      for (const at::Tensor& t : arg.toTensorList().vec()) any_pending = ShardedParams::on_use(t) || any_pending;
+    } else if (arg.isOptionalTensorList()) {
+      for (const std::optional<at::Tensor>& t : arg.toOptionalTensorList().vec()) {
+        if (t.has_value()) any_pending = ShardedParams::on_use(*t) || any_pending;
+      }
+    }
+  }
+  any_pending = any_pending || ShardedParams::on_use(at::Tensor());  // any alive: ops without tensor arguments too
   std::vector<ParamGather*> gathers = launched_on_this_thread();
   gathers.insert(gathers.end(), active_gathers.begin(), active_gathers.end());
   for (ParamGather* gather : gathers) {

@@ -309,7 +309,7 @@ void DistributedOptimizer::apply_step(double grad_scale) {
   ++step_;
   if (fused_) {
     update_fused(grad_scale);
-    param_buffer_->gather().start(/*async=*/config_.overlap_param_gather);
+    param_buffer_->start_param_sync(/*async=*/config_.overlap_param_gather);
     return;
   }
   if (config_.kind == OptimizerKind::kAdamW) {
@@ -493,8 +493,15 @@ void DistributedOptimizer::update_fused(double grad_scale) {
 
 at::Tensor DistributedOptimizer::param_shard(size_t b) const {
   const BucketShard& shard = shards_[b];
-  return param_buffer_->bucket_data(shard.bucket)
-      .narrow(0, shard.begin - buffer_->layout().buckets[shard.bucket].begin, shard.numel);
+  const int64_t offset = shard.begin - buffer_->layout().buckets[shard.bucket].begin;
+  if (const ShardedParams* sharded = param_buffer_->sharded()) {  // "optim_grads_params": the kept shard
+    const at::Tensor& kept = sharded->bucket_shard(shard.bucket);
+    TORCH_INTERNAL_ASSERT(
+        kept.numel() == shard.numel && offset == kept.numel() * buffer_->bucket_reduction(shard.bucket).shard_rank,
+        "DistributedOptimizer: bucket ", shard.bucket, "'s shard is not the sharded params' one");
+    return kept;
+  }
+  return param_buffer_->bucket_data(shard.bucket).narrow(0, offset, shard.numel);
 }
 
 void DistributedOptimizer::write_masters_into_param_buffer() {
@@ -505,10 +512,10 @@ void DistributedOptimizer::write_masters_into_param_buffer() {
 
 void DistributedOptimizer::write_params_and_gather() {
   write_masters_into_param_buffer();
-  param_buffer_->gather().start(/*async=*/config_.overlap_param_gather);
+  param_buffer_->start_param_sync(/*async=*/config_.overlap_param_gather);
 }
 
-void DistributedOptimizer::finish_param_sync() { param_buffer_->gather().wait_all(); }
+void DistributedOptimizer::finish_param_sync() { param_buffer_->finish_param_sync(); }
 
 std::string DistributedOptimizer::nonfinite_report() {
   // Local: which params had non-finite values before the reduction (this rank produced them), and

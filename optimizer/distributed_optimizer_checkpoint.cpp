@@ -143,7 +143,7 @@ void DistributedOptimizer::finish_checkpoint_load(const std::vector<CheckpointTe
   }
   step_ = step;
   write_masters_into_param_buffer();
-  param_buffer_->gather().start(/*async=*/false);
+  param_buffer_->start_param_sync(/*async=*/false);
   // The masters are the checkpoint's: a load_state_dict before this one must not make step() reload
   // them from the (rounded) params.
   params_version_seen_ = param_buffer_->params_version();

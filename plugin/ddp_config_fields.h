@@ -23,8 +23,10 @@ inline constexpr auto kDdpConfigFields =
                     field("comm_hook", &DdpConfig::comm_hook),  // a built-in hook's name: GradBufferConfig::validate()
                     field("num_distributed_optimizer_instances", &DdpConfig::num_distributed_optimizer_instances),
                     field("shard_policy", &DdpConfig::shard_policy),  // "byte_range" | "whole_param": validate()
-                    // "" | "no_shard" | "optim" | "optim_grads": validate(), check_combination()
+                    // "" | "no_shard" | "optim" | "optim_grads" | "optim_grads_params": validate(), check_combination()
                     field("data_parallel_sharding_strategy", &DdpConfig::data_parallel_sharding_strategy),
+                    // comma-separated module globs ("" = top-level children and list elements): validate()
+                    field("fsdp_unit_modules", &DdpConfig::fsdp_unit_modules),
                     field("broadcast_from_rank0", &DdpConfig::broadcast_from_rank0),
                     field("verify_model_across_ranks", &DdpConfig::verify_model_across_ranks),
                     field("broadcast_buffers", &DdpConfig::broadcast_buffers),

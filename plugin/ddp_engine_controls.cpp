@@ -48,13 +48,18 @@ DdpEngine::NoSyncGuard::NoSyncGuard(GradBuffer& buffer) : buffer_(buffer), previ
 
 DdpEngine::NoSyncGuard::~NoSyncGuard() { buffer_.set_is_last_microbatch(previous_); }
 
+ShardedParams* DdpEngine::sharded_params() const {
+  return buffer_->param_buffer() ? buffer_->param_buffer()->sharded() : nullptr;
+}
+
 struct DdpEngine::ParamWaitScope::Open {
-  explicit Open(ParamGather* gather) : scope(gather) {}
+  Open(ParamGather* gather, ShardedParams* sharded) : scope(gather), use(sharded) {}
   ParamGather::ForwardScope scope;
+  ShardedParams::UseScope use;
 };
 
-DdpEngine::ParamWaitScope::ParamWaitScope(ParamGather* gather)
-    : open_(gather ? std::make_unique<Open>(gather) : nullptr) {}
+DdpEngine::ParamWaitScope::ParamWaitScope(ParamGather* gather, ShardedParams* sharded)
+    : open_(gather || sharded ? std::make_unique<Open>(gather, sharded) : nullptr) {}
 
 DdpEngine::ParamWaitScope::~ParamWaitScope() = default;
 

@@ -38,6 +38,7 @@ namespace meshddp {
 // only, so that this public header does not reach them.
 class GradBuffer;
 class ParamGather;
+class ShardedParams;
 class CommHook;
 class ParamClaim;  // plugin/module_ownership.h
 
@@ -205,10 +206,11 @@ class DdpEngine {
                 "return a Tensor or a std::vector<Tensor> to walk the autograd graph from");
   }
   // Open for the duration of forward: ops wait for pending param all-gathers of their own params
-  // (ParamGather::ForwardScope; nothing to open without the distributed optimizer).
+  // (ParamGather::ForwardScope; nothing to open without the distributed optimizer), or under
+  // "optim_grads_params" gather their unit on use and release it after (ShardedParams::UseScope).
   class ParamWaitScope {
    public:
-    explicit ParamWaitScope(ParamGather* gather);
+    ParamWaitScope(ParamGather* gather, ShardedParams* sharded);
     ~ParamWaitScope();
     ParamWaitScope(const ParamWaitScope&) = delete;
     ParamWaitScope& operator=(const ParamWaitScope&) = delete;
@@ -217,7 +219,9 @@ class DdpEngine {
     struct Open;  // the ForwardScope, defined where ParamGather is
     std::unique_ptr<Open> open_;
   };
-  ParamWaitScope param_wait_scope() const { return ParamWaitScope(param_gather()); }
+  ParamWaitScope param_wait_scope() const { return ParamWaitScope(param_gather(), sharded_params()); }
+  // "optim_grads_params": the sharded params (Note [Sharded parameters]); null under the other strategies.
+  ShardedParams* sharded_params() const;
   // The whole GradBuffer, for subclasses that feed it gradients of their own (plugin/python/).
   GradBuffer& buffer() { return *buffer_; }
 

@@ -18,8 +18,10 @@ struct Flags {
   bool sequence_parallel = false, distributed_optimizer = false;
   // --optimizer-instances K: hierarchical ZeRO-1 (num_distributed_optimizer_instances)
   int64_t optimizer_instances = 1;
-  // --data-parallel-sharding-strategy no_shard|optim|optim_grads (DdpConfig's; docs/guide/sharding.md):
-  // "optim" is --distributed-optimizer, "optim_grads" also shards the gradients. "" = not given
+  // --data-parallel-sharding-strategy no_shard|optim|optim_grads|optim_grads_params (DdpConfig's;
+  // docs/guide/sharding.md): "optim" is --distributed-optimizer, "optim_grads" also shards the gradients,
+  // "optim_grads_params" the params too (one FSDP unit per block: DdpConfig::fsdp_unit_modules' default). "" = not
+  // given
   std::string sharding_strategy;
   int64_t bucket_bytes = -1;  // --bucket-bytes N: DdpConfig::bucket_bytes; -1 = its default
   int64_t global_batch = 16;
@@ -56,7 +58,7 @@ struct Flags {
 inline std::string usage_line() {
   return std::string(
              "--dp N [--cp N] --tp N [--sequence-parallel] [--distributed-optimizer [--optimizer-instances K]] "
-             "[--data-parallel-sharding-strategy no_shard|optim|optim_grads] [--bucket-bytes N] "
+             "[--data-parallel-sharding-strategy no_shard|optim|optim_grads|optim_grads_params] [--bucket-bytes N] "
              "[--optimizer adamw|sgd|muon] [--clip-grad X] "
              "[--global-batch N] [--micro-batches K] "
              "[--seed N] [--layers N] [--dim N] [--heads N] [--seq-len N] [--vocab N] [--experts N [--top-k K] [--ep "
@@ -77,7 +79,9 @@ inline void validate(Flags& f) {
         "strategy); give one of them");
   }
   // Megatron's rule: "optim" is the distributed optimizer; "optim_grads" needs it too.
-  if (f.sharding_strategy == "optim" || f.sharding_strategy == "optim_grads") f.distributed_optimizer = true;
+  if (f.sharding_strategy == "optim" || f.sharding_strategy == "optim_grads" ||
+      f.sharding_strategy == "optim_grads_params")
+    f.distributed_optimizer = true;
   const auto& m = f.model;
   const auto n = [](int64_t v) { return std::to_string(v); };
   if (m.dim % m.heads != 0) throw FlagError("--dim " + n(m.dim) + " must divide by --heads " + n(m.heads));
@@ -176,7 +180,8 @@ inline Flags parse(int argc, char** argv) {
       else if (arg == "--clip-grad")
         f.clip_grad = examples::parse_float_flag(arg, v, 0.0, true);
       else if (arg == "--data-parallel-sharding-strategy")
-        f.sharding_strategy = examples::parse_choice_flag(arg, v, {"no_shard", "optim", "optim_grads"});
+        f.sharding_strategy =
+            examples::parse_choice_flag(arg, v, {"no_shard", "optim", "optim_grads", "optim_grads_params"});
       else if (arg == "--bucket-bytes")
         f.bucket_bytes = parse_int_flag(arg, v, 0);
       else if (arg == "--micro-batches")

@@ -205,6 +205,17 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "# gradient storage on rank %lld: %lld bytes (%s), peak RSS %ld KiB\n",
                    static_cast<long long>(mesh.rank()), static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
                    ddp.config().sharding_strategy().c_str(), usage.ru_maxrss);
+      // optim_grads_params: the shards and the units in use; the most held at once since construction.
+      const meshddp::ParamBuffer* params = ddp.grad_buffer()->param_buffer();
+      if (const meshddp::ShardedParams* sharded = params ? params->sharded() : nullptr) {
+        std::fprintf(stderr,
+                     "# param storage on rank %lld: %lld bytes after the run, peak %lld (whole params %lld, largest "
+                     "unit %lld)\n",
+                     static_cast<long long>(mesh.rank()), static_cast<long long>(sharded->resident_bytes()),
+                     static_cast<long long>(sharded->peak_resident_bytes()),
+                     static_cast<long long>(sharded->whole_bytes()),
+                     static_cast<long long>(sharded->largest_unit_bytes()));
+      }
     }
     if (log != stdout) std::fclose(log);
   } catch (const c10::Error& e) {

@@ -137,3 +137,20 @@ TEST(BucketLayout, ExpertParamsGetBuffersOfTheirOwnPaddedToTheExpertDpSize) {
   EXPECT_EQ(layout.buckets[layout.slots[2].bucket].end, 256);
   EXPECT_THROW(assign_buckets(params, LayoutConfig{0, true, 4, 0}), c10::Error);
 }
+
+TEST(BucketLayout, ABucketNeverSpansTwoFsdpUnits) {
+  // Units (registration order): {0, 1} | {2, 3, 4} | {5}. A cap no bucket reaches: only unit
+  // boundaries close buckets, walking backwards: {5} | {4, 3, 2} | {1, 0}.
+  auto specs = fp32_params({8, 8, 8, 8, 8, 8});
+  const std::vector<int64_t> unit = {0, 0, 1, 1, 1, 2};
+  for (size_t i = 0; i < specs.size(); ++i) specs[i].unit = unit[i];
+  auto layout = assign_buckets(specs, LayoutConfig{size_t{1} << 30, true, 2});
+  ASSERT_EQ(layout.buckets.size(), 3u);
+  EXPECT_EQ(layout.buckets[0].params, (std::vector<int64_t>{5}));
+  EXPECT_EQ(layout.buckets[1].params, (std::vector<int64_t>{4, 3, 2}));
+  EXPECT_EQ(layout.buckets[2].params, (std::vector<int64_t>{1, 0}));
+  for (const BucketSpan& span : layout.buckets) EXPECT_EQ(span.numel() % (2 * kAlignmentElems), 0);
+  // The cap still closes buckets inside a unit (16 bytes = 4 elements: one param a bucket).
+  layout = assign_buckets(specs, LayoutConfig{16, false, 1});
+  EXPECT_EQ(layout.buckets.size(), 6u);
+}

@@ -76,7 +76,7 @@ _FIELD_VALUES = {
         broadcast_from_rank0=False,
         verify_model_across_ranks=False, broadcast_buffers=False, tp_replica_check_interval=7,
         expert_parallel_size=2, virtual_pipeline_size=3, virtual_pipeline_chunk=2, shard_policy="whole_param",
-        data_parallel_sharding_strategy="optim_grads"),
+        data_parallel_sharding_strategy="optim_grads", fsdp_unit_modules="blocks.*"),
     meshddp.DistributedOptimizerConfig: dict(
         kind="sgd", lr=0.25, weight_decay=0.5, beta1=0.5, beta2=0.75, eps=1e-6, momentum=0.875,
         groups=[("*.bias", None, 0.0), ("*norm*", 0.125, None)], clip_grad_norm=1.5, overlap_param_gather=True,

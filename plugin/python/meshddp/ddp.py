@@ -185,6 +185,10 @@ def _sharding_applied(config):
     if strategy == "no_shard" and config.use_distributed_optimizer:
         raise _error("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True (the "
                      "'optim' strategy); set one of them")
+    if strategy == "optim_grads_params":
+        raise _error("data_parallel_sharding_strategy='optim_grads_params' is not supported from Python yet: the "
+                     "wrapper's params, main grads and state dicts are whole tensors, which this strategy does not "
+                     "keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
     if strategy in ("optim", "optim_grads") and not config.use_distributed_optimizer:
         config = _C.DdpConfig(**{name: getattr(config, name) for name in config.field_names()})
         config.use_distributed_optimizer = True

@@ -1,0 +1,322 @@
+#include "grad_buffer/sharded_params.h"
+
+#include "mesh/collectives.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace meshddp {
+namespace {
+
+// The mode ParamGather's fallback runs under (Note [Waiting for parameters in forward without module
+// hooks], param_gather.h); its fallback calls ShardedParams::on_use().
+constexpr c10::DispatchKey kUseMode = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+// Every live ShardedParams. A global list, not a thread-local one: backward may run on the autograd
+// engine's device threads, which inherit the dispatch mode but not this thread's variables.
+std::mutex registry_mutex;
+std::vector<ShardedParams*>& registry() {
+  static std::vector<ShardedParams*> live;
+  return live;
+}
+
+void release_storage(const at::Tensor& full) {
+  c10::StorageImpl* storage = full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
+  storage->set_nbytes(0);
+}
+
+void grow_storage(const at::Tensor& full, int64_t nbytes) {
+  c10::StorageImpl* storage = full.storage().unsafeGetStorageImpl();
+  if (static_cast<int64_t>(storage->nbytes()) == nbytes) return;
+  TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "ShardedParams: a bucket storage without an allocator");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+ShardedParams::ShardedParams(const BucketLayout& layout, std::vector<NamedParam>& params, std::vector<Bucket> buckets,
+                             const std::vector<int64_t>& unit_of_param, std::vector<std::string> unit_names)
+    : unit_of_param_(unit_of_param) {
+  TORCH_INTERNAL_ASSERT(buckets.size() == layout.buckets.size() && unit_of_param.size() == params.size(),
+                        "ShardedParams: ", buckets.size(), " buckets and ", unit_of_param.size(), " units for ",
+                        layout.buckets.size(), " buckets and ", params.size(), " params");
+  units_.resize(unit_names.size());
+  used_in_forward_.assign(units_.size(), false);
+  position_.assign(units_.size(), -1);
+  for (size_t u = 0; u < units_.size(); ++u) units_[u].name = std::move(unit_names[u]);
+  for (int64_t unit : unit_of_param_) ++units_[unit].num_params;
+  c10::NoGradGuard no_grad;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const BucketSpan& span = layout.buckets[b];
+    const BufferKey& key = layout.buffers[span.buffer].key;
+    BucketState state;
+    state.info = std::move(buckets[b]);
+    TORCH_INTERNAL_ASSERT(state.info.group, "ShardedParams: no group for ", state.info.what);
+    state.unit = unit_of_param_[span.params.front()];
+    for (int64_t i : span.params) {
+      TORCH_INTERNAL_ASSERT(unit_of_param_[i] == state.unit, "ShardedParams: ", state.info.what,
+                            " holds params of two units (", units_[state.unit].name, ", ",
+                            units_[unit_of_param_[i]].name, ")");
+    }
+    // Zeroed: the padding stays zero in every gather.
+    state.full = at::zeros({span.numel()}, at::TensorOptions().dtype(key.param_dtype).device(key.device));
+    state.nbytes = static_cast<int64_t>(state.full.nbytes());
+    for (int64_t i : span.params) {
+      const ParamSlot& slot = layout.slots[i];
+      at::Tensor& param = params[i].param;
+      at::Tensor view = state.full.narrow(0, slot.offset - span.begin, slot.numel).view(param.sizes());
+      view.copy_(param.detach());
+      param.set_data(view);  // same TensorImpl (modules, optimizers, autograd keep it), the bucket's storage
+    }
+    const c10d::ProcessGroup& group = *state.info.group;
+    const int64_t n = span.numel() / group.getSize();
+    state.shard = state.full.narrow(0, group.getRank() * n, n).clone();
+    bucket_of_storage_[state.full.storage().unsafeGetStorageImpl()] = static_cast<int64_t>(b);
+    units_[state.unit].buckets.push_back(static_cast<int64_t>(b));
+    resident_ += state.nbytes + static_cast<int64_t>(state.shard.nbytes());
+    buckets_.push_back(std::move(state));
+  }
+  for (Unit& unit : units_) unit.state = UnitState::kGathered;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_all_locked();
+    peak_ = resident_;  // counted from here: construction holds each param whole once, as the module did
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().push_back(this);
+}
+
+ShardedParams::~ShardedParams() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto& live = registry();
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<InFlightCollective> in_flight;
+  for (const BucketState& b : buckets_) {
+    if (b.work) in_flight.push_back({b.work, b.info.group.get(), "all-gather of " + b.info.what});
+  }
+  wait_or_abandon(in_flight, "a sharded-parameter gather (optim_grads_params)");
+}
+
+void ShardedParams::note_resident() { peak_ = std::max(peak_, resident_); }
+
+void ShardedParams::launch_gather(int64_t u) {
+  Unit& unit = units_[u];
+  TORCH_INTERNAL_ASSERT(unit.state == UnitState::kReleased);
+  // The gathers' own ops must not come back here (they write the bucket storages).
+  const c10::impl::ExcludeDispatchKeyGuard no_use(kUseMode);
+  for (int64_t b : unit.buckets) {
+    BucketState& bucket = buckets_[b];
+    grow_storage(bucket.full, bucket.nbytes);
+    resident_ += bucket.nbytes;
+    if (skip_collective(*bucket.info.group)) {
+      bucket.full.copy_(bucket.shard);  // a group of one: the shard is the bucket
+      continue;
+    }
+    bucket.work = all_gather_into(*bucket.info.group, bucket.full, bucket.shard, bucket.info.what);
+  }
+  note_resident();
+  unit.state = UnitState::kInFlight;
+  ++gathers_;
+}
+
+void ShardedParams::wait_gather(int64_t u) {
+  Unit& unit = units_[u];
+  const c10::impl::ExcludeDispatchKeyGuard no_use(kUseMode);
+  for (int64_t b : unit.buckets) {
+    BucketState& bucket = buckets_[b];
+    if (!bucket.work) continue;
+    auto work = std::move(bucket.work);
+    bucket.work.reset();
+    wait_collective(work, *bucket.info.group, bucket.info.what);
+  }
+  unit.state = UnitState::kGathered;
+}
+
+void ShardedParams::release(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state == UnitState::kReleased) return;
+  if (unit.state == UnitState::kInFlight) wait_gather(u);  // a collective still writes the storage
+  for (int64_t b : unit.buckets) {
+    release_storage(buckets_[b].full);
+    resident_ -= buckets_[b].nbytes;
+  }
+  unit.state = UnitState::kReleased;
+  unit.prefetched = false;
+  unit.grads_ready = 0;
+}
+
+void ShardedParams::use(int64_t u) {
+  const bool backward = torch::autograd::get_current_node() != nullptr;
+  Unit& unit = units_[u];
+  if (unit.state == UnitState::kGathered && current_ == u && !backward) return;  // the common case: no change
+  if (!backward) {
+    // Note [Sharded parameters]: a forward moving to unit u releases the others in use.
+    for (int64_t other = 0; other < num_units(); ++other) {
+      if (other != u && units_[other].state == UnitState::kGathered) release(other);
+    }
+  }
+  if (unit.state == UnitState::kReleased) launch_gather(u);
+  if (unit.state == UnitState::kInFlight) {
+    if (unit.prefetched) ++prefetch_hits_;
+    unit.prefetched = false;
+    wait_gather(u);
+  }
+  current_ = u;
+  if (!backward && !used_in_forward_[u]) {
+    used_in_forward_[u] = true;
+    forward_use_order_.push_back(u);
+  }
+  const int64_t next = next_unit(u, backward);
+  if (next >= 0 && units_[next].state == UnitState::kReleased) {
+    launch_gather(next);
+    units_[next].prefetched = true;
+  }
+}
+
+int64_t ShardedParams::next_unit(int64_t u, bool backward) const {
+  // The last whole forward's order of first uses, when u was in it; else registration order.
+  const int64_t step = backward ? -1 : 1;
+  if (position_[u] < 0) return u + step >= 0 && u + step < num_units() ? u + step : -1;
+  const int64_t p = position_[u] + step;
+  return p >= 0 && p < static_cast<int64_t>(order_.size()) ? order_[p] : -1;
+}
+
+void ShardedParams::release_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_all_locked();
+}
+
+void ShardedParams::release_all_locked() {
+  for (int64_t u = 0; u < num_units(); ++u) release(u);
+  current_ = -1;
+}
+
+void ShardedParams::gather_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t u = 0; u < num_units(); ++u) {
+    if (units_[u].state == UnitState::kReleased) launch_gather(u);
+  }
+  for (int64_t u = 0; u < num_units(); ++u) {
+    if (units_[u].state == UnitState::kInFlight) wait_gather(u);
+    units_[u].prefetched = false;
+  }
+}
+
+void ShardedParams::grad_ready(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Unit& unit = units_[unit_of_param_[param]];
+  if (++unit.grads_ready < unit.num_params) return;
+  release(unit_of_param_[param]);  // its last gradient of this backward: no op of it is left
+  if (current_ == unit_of_param_[param]) current_ = -1;
+}
+
+int64_t ShardedParams::resident_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return resident_;
+}
+
+int64_t ShardedParams::peak_resident_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_;
+}
+
+void ShardedParams::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  peak_ = resident_;
+}
+
+int64_t ShardedParams::shard_bytes() const {
+  int64_t bytes = 0;
+  for (const BucketState& b : buckets_) bytes += static_cast<int64_t>(b.shard.nbytes());
+  return bytes;
+}
+
+int64_t ShardedParams::whole_bytes() const {
+  int64_t bytes = 0;
+  for (const BucketState& b : buckets_) bytes += b.nbytes;
+  return bytes;
+}
+
+int64_t ShardedParams::largest_unit_bytes() const {
+  int64_t largest = 0;
+  for (const Unit& unit : units_) {
+    int64_t bytes = 0;
+    for (int64_t b : unit.buckets) bytes += buckets_[b].nbytes;
+    largest = std::max(largest, bytes);
+  }
+  return largest;
+}
+
+int64_t ShardedParams::gathers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gathers_;
+}
+
+int64_t ShardedParams::prefetch_hits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return prefetch_hits_;
+}
+
+bool ShardedParams::on_use(const at::Tensor& t) {
+  ShardedParams* owner = nullptr;
+  int64_t unit = -1;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (registry().empty()) return false;
+    if (!t.defined() || !t.has_storage()) return true;
+    const void* storage = t.storage().unsafeGetStorageImpl();
+    for (ShardedParams* params : registry()) {
+      const auto it = params->bucket_of_storage_.find(storage);  // fixed at construction: no lock needed
+      if (it == params->bucket_of_storage_.end()) continue;
+      owner = params;
+      unit = params->buckets_[it->second].unit;
+      break;
+    }
+  }
+  // Not under registry_mutex: a gather waits for the other ranks, which may be threads of this process.
+  if (owner != nullptr) {
+    std::lock_guard<std::mutex> lock(owner->mutex_);
+    owner->use(unit);
+  }
+  return true;
+}
+
+ShardedParams::UseScope::UseScope(ShardedParams* params) : params_(params) {
+  if (params_ == nullptr) return;
+  c10::impl::tls_set_dispatch_key_included(kUseMode, true);  // and left on: Note [Sharded parameters]
+  std::lock_guard<std::mutex> lock(params_->mutex_);
+  for (Unit& unit : params_->units_) unit.grads_ready = 0;
+  params_->used_in_forward_.assign(params_->units_.size(), false);
+  params_->forward_use_order_.clear();
+}
+
+ShardedParams::UseScope::~UseScope() {
+  if (params_ == nullptr) return;
+  {  // this forward's order of first uses: the next prefetches follow it (Note [Sharded parameters])
+    std::lock_guard<std::mutex> lock(params_->mutex_);
+    if (!params_->forward_use_order_.empty()) {
+      params_->order_ = params_->forward_use_order_;
+      params_->position_.assign(params_->units_.size(), -1);
+      for (size_t p = 0; p < params_->order_.size(); ++p)
+        params_->position_[params_->order_[p]] = static_cast<int64_t>(p);
+    }
+  }
+  try {
+    params_->release_all();
+  } catch (...) {  // a failed gather: the forward's own error is the one to see
+  }
+}
+
+}  // namespace meshddp

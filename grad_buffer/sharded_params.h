@@ -1,0 +1,160 @@
+// ShardedParams: the params of a GradBuffer under the "optim_grads_params" sharding strategy (ZeRO-3):
+// this rank's shard of every bucket (persistent, what the DistributedOptimizer steps), and each
+// bucket's whole storage, whose bytes exist only while its FSDP unit is in use. Gathering on use,
+// prefetching and releasing live here; the bucket layout (units never share a bucket) is
+// bucket_layout.h's, the units fsdp_units.h's. Not the gradients: those are ZeRO-2's (grad_shards.cpp).
+//
+// Note [Sharded parameters]
+//   Storage. Each bucket's params are views of one tensor of its own (`full`, padding included); its
+//   StorageImpl is kept for good, and releasing the unit sets its bytes to none (as FSDP2 resizes its
+//   storages to 0): params, the views ops took of them and the tensors autograd saved all keep
+//   pointing at that StorageImpl, so once the unit is gathered again (the bytes re-grown and the
+//   bucket all-gathered from the shards) they read its values again. A rank's resident param storage
+//   is therefore its shards plus the units in use (resident_bytes()).
+//   Gather on use. LibTorch modules have no forward pre-hooks (Note [Waiting for parameters in forward
+//   without module hooks], param_gather.h), so the same thread-local dispatch mode intercepts every
+//   op: an argument whose StorageImpl is a released (or still gathering) bucket's makes the op wait
+//   for its whole unit first. The mode is turned on by the first forward through
+//   DistributedDataParallel (UseScope) and stays on in that thread while a ShardedParams lives; the
+//   autograd engine carries the thread's dispatch state into backward (GraphTask's ThreadLocalState),
+//   so backward's ops that read saved params gather them the same way (tested: the backward of a
+//   released unit reads gathered values, sharded_params_test.cpp).
+//   Order. In forward, using unit u releases every other gathered unit (a forward moves from unit to
+//   unit; a unit used again later, such as an embedding tied to the output layer, is gathered again)
+//   and prefetches the unit after u: its all-gathers are launched, and waited for only when an op
+//   reads it. "After" follows the order of first uses that the last forward through a UseScope
+//   recorded (as FSDP2 records it; before the first forward, registration order, which may differ: a
+//   module may register its final norm before its blocks). The end of the forward releases every
+//   unit. In backward (an op inside the autograd engine: get_current_node()), using u prefetches the
+//   unit before it in that order, and a unit is released once every param of it has reported its
+//   gradient this backward (GradBuffer's hook calls grad_ready()); a param that gets no gradient
+//   keeps its unit until the step. The step writes the new shards and releases every unit
+//   (start_param_sync()): after it no whole param exists, and the next forward gathers on use.
+//   Cost: every op on a thread with the mode on looks up its tensor arguments' storages (a hash
+//   lookup under a mutex), while a ShardedParams lives.
+//   Not here: the gradient path is ZeRO-2's unchanged (reduce-scatter per bucket, per micro-batch).
+#pragma once
+
+#include "bucket_layout.h"
+#include "named_param.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace meshddp {
+
+class ShardedParams {
+ public:
+  struct Bucket {
+    std::string what;                              // for messages
+    c10::intrusive_ptr<c10d::ProcessGroup> group;  // its all-gather runs over it (DP or expert-DP)
+  };
+  // Copies each param of `params` (the layout's, in its order) into its bucket's storage, points the
+  // param at it, keeps this rank's shard of every bucket and releases every unit. `unit_of_param` and
+  // `unit_names` come from assign_fsdp_units() (the layout was built with them: one unit a bucket).
+  ShardedParams(const BucketLayout& layout, std::vector<NamedParam>& params, std::vector<Bucket> buckets,
+                const std::vector<int64_t>& unit_of_param, std::vector<std::string> unit_names);
+  ~ShardedParams();
+  ShardedParams(const ShardedParams&) = delete;
+  ShardedParams& operator=(const ShardedParams&) = delete;
+
+  // Bucket b's whole storage (no bytes while its unit is released) and this rank's shard of it.
+  const at::Tensor& bucket_full(int64_t b) const { return buckets_[b].full; }
+  const at::Tensor& bucket_shard(int64_t b) const { return buckets_[b].shard; }
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  const std::string& unit_name(int64_t u) const { return units_[u].name; }
+  int64_t unit_of_bucket(int64_t b) const { return buckets_[b].unit; }
+
+  // Releases every unit (waiting for gathers in flight first): after the optimizer wrote new shards,
+  // or after a load. The next use gathers again.
+  void release_all();
+  // Gathers every unit and keeps it until the next release (to read every whole param at once).
+  void gather_all();
+  // Called once a param's gradient of this backward is in (GradBuffer's hook): releases its unit
+  // when it was the unit's last.
+  void grad_ready(int64_t param);
+
+  // Bytes of param storage this rank holds now: its shards plus the buckets of the units in use or
+  // in flight; the most it held since construction or reset_peak(); the shards alone; and the bytes
+  // of every bucket whole (what "optim" holds).
+  int64_t resident_bytes() const;
+  int64_t peak_resident_bytes() const;
+  void reset_peak();
+  int64_t shard_bytes() const;
+  int64_t whole_bytes() const;
+  // Bytes of the largest unit's buckets, whole.
+  int64_t largest_unit_bytes() const;
+  // Units gathered (on use or prefetched) since construction, and of those, how many a prefetch had
+  // launched before their first use.
+  int64_t gathers() const;
+  int64_t prefetch_hits() const;
+
+  // Open for a forward (DistributedDataParallel::forward): turns the gather-on-use mode on for this
+  // thread (it stays on: backward needs it too) and releases every unit when the forward ends.
+  class UseScope {
+   public:
+    explicit UseScope(ShardedParams* params);
+    ~UseScope();
+    UseScope(const UseScope&) = delete;
+    UseScope& operator=(const UseScope&) = delete;
+
+   private:
+    ShardedParams* params_ = nullptr;
+  };
+
+  // The dispatch-mode fallback's entry (param_gather.cpp): gathers `t`'s unit if `t` lives in a
+  // released bucket of any live ShardedParams. Returns whether any ShardedParams is alive.
+  static bool on_use(const at::Tensor& t);
+
+ private:
+  enum class UnitState { kReleased, kInFlight, kGathered };
+  struct BucketState {
+    at::Tensor full;
+    at::Tensor shard;
+    Bucket info;
+    int64_t unit = 0;
+    int64_t nbytes = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  struct Unit {
+    std::string name;
+    std::vector<int64_t> buckets;
+    int64_t num_params = 0;
+    int64_t grads_ready = 0;  // this backward
+    UnitState state = UnitState::kReleased;
+    bool prefetched = false;
+  };
+  // mutex_ held below.
+  void use(int64_t unit);
+  void launch_gather(int64_t unit);
+  void wait_gather(int64_t unit);
+  void release(int64_t unit);
+  void release_all_locked();
+  void note_resident();
+  int64_t next_unit(int64_t u, bool backward) const;  // the unit to prefetch after u, or -1
+
+  std::vector<BucketState> buckets_;
+  std::vector<Unit> units_;
+  std::vector<int64_t> unit_of_param_;
+  std::unordered_map<const void*, int64_t> bucket_of_storage_;
+  mutable std::mutex mutex_;
+  int64_t resident_ = 0;
+  int64_t peak_ = 0;
+  int64_t gathers_ = 0;
+  int64_t prefetch_hits_ = 0;
+  int64_t current_ = -1;  // the unit the last op used (forward), -1 after a release of all
+  // The units in the order of their first use in the last forward through a UseScope (order_, and
+  // each unit's place in it or -1: position_), and that order being recorded in this forward.
+  std::vector<int64_t> order_;
+  std::vector<int64_t> position_;
+  std::vector<bool> used_in_forward_;
+  std::vector<int64_t> forward_use_order_;
+};
+
+}  // namespace meshddp

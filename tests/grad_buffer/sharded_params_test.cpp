@@ -1,0 +1,160 @@
+// GradBuffer under the "optim_grads_params" sharding strategy (ZeRO-3; Note [Sharded parameters] in
+// grad_buffer/sharded_params.h), on real Gloo groups (ranks as threads): a rank holds its param shards
+// plus the units in use (never the whole params between units, nor after a step), backward re-gathers
+// the units it reads and gives the "optim" strategy's gradients bit for bit, written shards reach the
+// next forward; the FSDP units (a pure function of the names) and the refusals.
+#include "grad_buffer/fsdp_units.h"
+#include "grad_buffer/grad_buffer.h"
+#include "tests/support/error_of.h"
+#include "tests/support/rank_threads.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+using namespace meshddp;
+using meshddp::test::error_of;
+using ::testing::HasSubstr;
+
+namespace {
+
+constexpr int64_t kLayers = 4, kDim = 32;
+
+// Layer k's weight: the same on every rank, different per layer and element, small (tanh stays linear-ish).
+std::vector<NamedParam> make_layers() {
+  std::vector<NamedParam> params;
+  for (int64_t k = 0; k < kLayers; ++k) {
+    at::Tensor w = (at::arange(kDim * kDim, at::kFloat).reshape({kDim, kDim}).sin() * 0.1 + 0.01 * k).contiguous();
+    params.push_back({"layer" + std::to_string(k) + ".weight", w.requires_grad_(true)});
+  }
+  return params;
+}
+
+GradBufferConfig strategy(const char* name) {
+  GradBufferConfig config;
+  config.data_parallel_sharding_strategy = name;
+  config.bucket_bytes = kDim * kDim * 4;  // one layer a bucket: the same layout under every strategy
+  return config;
+}
+
+// y = tanh(... tanh(x W0) ... W3); calls `after_layer(k)` after layer k's forward.
+at::Tensor forward(const std::vector<NamedParam>& params, int rank, const std::function<void(int64_t)>& after_layer) {
+  at::Tensor y = at::full({2, kDim}, 0.5 + 0.25 * rank);
+  for (int64_t k = 0; k < kLayers; ++k) {
+    y = at::tanh(at::mm(y, params[k].param));
+    after_layer(k);
+  }
+  return y.sum();
+}
+
+struct StepRecord {
+  std::vector<at::Tensor> grad_shards;
+  int64_t forward_peak = 0;  // the most param storage held at the end of a layer's forward
+  int64_t step_peak = 0;     // over forward and backward (ShardedParams' own peak)
+  int64_t after_step = 0;    // after start_param_sync(): what the optimizer leaves resident
+};
+
+// One forward + backward + sync under `name`, then the step's param sync; what the rank held.
+StepRecord one_step(DeviceMesh& mesh, const char* name) {
+  auto params = make_layers();
+  GradBuffer buffer(params, mesh["dp"], strategy(name));
+  ShardedParams* sharded = buffer.param_buffer()->sharded();
+  StepRecord record;
+  {
+    ShardedParams::UseScope scope(sharded);
+    const at::Tensor loss = forward(params, mesh.rank(), [&](int64_t) {
+      if (sharded) record.forward_peak = std::max(record.forward_peak, sharded->resident_bytes());
+    });
+    torch::autograd::backward({loss});
+  }
+  buffer.finish_grad_sync();
+  for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+    record.grad_shards.push_back(buffer.bucket_shard(b).clone());
+  }
+  buffer.param_buffer()->start_param_sync(/*async=*/false);
+  if (sharded) {
+    record.step_peak = sharded->peak_resident_bytes();
+    record.after_step = sharded->resident_bytes();
+  }
+  return record;
+}
+
+}  // namespace
+
+// Four units of one 32 x 32 fp32 bucket each (4 KiB; whole params 16 KiB), dp 2: shards of 8 KiB. While
+// a layer runs, the rank holds its unit and the next one's prefetch: 8 + 2 x 4 KiB, never the 8 + 16 KiB
+// of whole params kept resident; after the step only the shards.
+TEST(ShardedParams, HoldsItsShardsAndAtMostTwoUnitsAtATime) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    const int64_t unit = kDim * kDim * 4, shards = kLayers * unit / 2;
+    const StepRecord r = one_step(mesh, kShardOptimGradsParams);
+    EXPECT_EQ(r.after_step, shards) << "after the step no whole param stays resident";
+    EXPECT_GE(r.forward_peak, shards + unit) << "a layer's forward holds its unit";
+    EXPECT_LE(r.forward_peak, shards + 2 * unit) << "its unit and the next one's prefetch, no more";
+    EXPECT_LE(r.step_peak, shards + 2 * unit) << "backward too: a unit is released once its grads are in";
+  });
+}
+
+// The backward's ops read the saved params of released units: they are gathered again, so the
+// gradients equal "optim"'s (whole params resident) bit for bit, bucket by bucket.
+TEST(ShardedParams, BackwardRegathersReleasedUnitsAndGradientsEqualTheOptimStrategys) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    const StepRecord want = one_step(mesh, kShardOptim);
+    const StepRecord got = one_step(mesh, kShardOptimGradsParams);
+    ASSERT_EQ(got.grad_shards.size(), want.grad_shards.size());
+    for (size_t b = 0; b < want.grad_shards.size(); ++b) {
+      EXPECT_TRUE(at::equal(got.grad_shards[b], want.grad_shards[b])) << "bucket " << b;
+    }
+  });
+}
+
+// What the optimizer writes into the shards is what the next forward's ops read.
+TEST(ShardedParams, WrittenShardsReachTheNextForward) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_layers();
+    std::vector<at::Tensor> expected;
+    for (const NamedParam& p : params) expected.push_back(p.param.detach().clone() + 1);
+    GradBuffer buffer(params, mesh["dp"], strategy(kShardOptimGradsParams));
+    ShardedParams* sharded = buffer.param_buffer()->sharded();
+    ASSERT_NE(sharded, nullptr);
+    for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+      sharded->bucket_shard(b).add_(1);  // padding too: it is never read
+    }
+    buffer.param_buffer()->start_param_sync(/*async=*/false);
+    ShardedParams::UseScope scope(sharded);
+    for (int64_t k = 0; k < kLayers; ++k) {
+      EXPECT_TRUE(at::equal(params[k].param.detach().clone(), expected[k])) << params[k].name;
+    }
+  });
+}
+
+TEST(FsdpUnits, DefaultIsEachTopLevelModuleAndEachElementOfATopLevelList) {
+  const FsdpUnits units = assign_fsdp_units(
+      {"wte.weight", "blocks.0.attn.q.weight", "blocks.0.ln1.weight", "blocks.1.attn.q.weight", "ln_f.weight", "scale"},
+      "");
+  EXPECT_EQ(units.names, (std::vector<std::string>{"wte", "blocks.0", "blocks.1", "ln_f", kRootFsdpUnit}));
+  EXPECT_EQ(units.unit_of, (std::vector<int64_t>{0, 1, 1, 2, 3, 4}));
+}
+
+TEST(FsdpUnits, PatternsPickTheShortestMatchingModulePathAndTheRestIsTheRoot) {
+  const FsdpUnits units = assign_fsdp_units(
+      {"wte.weight", "blocks.0.attn.q.weight", "blocks.0.mlp.fc.weight", "blocks.1.attn.q.weight", "ln_f.weight"},
+      "blocks.*.attn, blocks.1");
+  EXPECT_EQ(units.names, (std::vector<std::string>{kRootFsdpUnit, "blocks.0.attn", "blocks.1"}));
+  EXPECT_EQ(units.unit_of, (std::vector<int64_t>{0, 1, 0, 2, 0}));
+  EXPECT_THAT(error_of([] { assign_fsdp_units({"a.w"}, "blocks.*,,wte"); }),
+              HasSubstr("fsdp_unit_modules = 'blocks.*,,wte' has an empty pattern"));
+}
+
+TEST(ShardedParams, UnsupportedSettingsAreRefusedNamingTheParamAndWhatToUse) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_layers();
+    GradBufferConfig config = strategy(kShardOptimGradsParams);
+    config.shard_policy = kWholeParamShards;
+    const std::string msg = error_of([&] { GradBuffer buffer(params, mesh["dp"], config); });
+    EXPECT_THAT(msg, HasSubstr("'optim_grads_params' does not support shard_policy 'whole_param' yet (parameter "
+                               "'layer0.weight')"));
+    EXPECT_THAT(msg, HasSubstr("use 'optim_grads' with whole_param"));
+  });
+}
