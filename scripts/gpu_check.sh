@@ -5,8 +5,8 @@
 #
 # Usage: scripts/gpu_check.sh [STAGE...]      STAGE: tests | sanitizer | bench   (default: all three)
 #   tests      the GPU tests (NCCL at world size 1 with every collective forced; 4 ranks on the one
-#              GPU over Gloo with CUDA tensors), the fused kernels against ATen on CUDA, the NCCL
-#              blocking-wait path
+#              GPU over Gloo with CUDA tensors), the fused kernels against ATen on CUDA, the Python
+#              package's GPU suites (tests/python/test_gpu*.py), the NCCL blocking-wait path
 #   sanitizer  compute-sanitizer memcheck, racecheck and synccheck on the world-size-1 GPU tests and
 #              on the kernel tests
 #   bench      fused_step_bench at 1e7/1e8/1e9 elements, ddp_bench --device cuda at world size 1 (the
@@ -142,10 +142,15 @@ for s in "${stages[@]}"; do
     # The Python package on the GPU (torch's NCCL DeviceMesh); a skip fails it unless this is a dry run.
     require_gpu=1; [ "$dry_run" = 1 ] && require_gpu=0
     if [ "$python_module" = 0 ]; then
-      echo "python_gpu: NOT RUN (no Python development headers for .venv's python: CMake did not configure the module)" >>"$summary"
+      echo "python_gpu*: NOT RUN (no Python development headers for .venv's python: CMake did not configure the module)" >>"$summary"
     else
-    step python_gpu 240 env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
-      "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_gpu.py"
+    # test_gpu.py: DDP and ZeRO-1 on NCCL; test_gpu_compile.py: torch.compile with inductor (Triton
+    # kernels: the compile is most of its time); test_gpu_muon.py: Muon's Newton-Schulz on cuBLAS;
+    # test_gpu_dcp.py: torch.distributed.checkpoint of CUDA state, resumed on the GPU and on CPU.
+    for suite in gpu:240 gpu_compile:300 gpu_muon:180 gpu_dcp:180; do
+      step "python_${suite%%:*}" "${suite##*:}" env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
+        "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_${suite%%:*}.py"
+    done
     fi
     # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.
     MESHDDP_FORCE_COLLECTIVES=1 MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait 120 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
