@@ -1,10 +1,11 @@
-// Expert parallelism's token exchange (tp::all_to_all over mesh/all_to_all.h) with CUDA tensors:
-// forward and backward against a local golden (every rank's rows are a known function of (source,
-// destination, row), so each rank builds what it must receive and the gradient each of its rows must
-// get back), as tests/tp/expert_parallel_test.cpp does on CPU. At world size 1 on NCCL (the rows move
-// from the input into a separate output on NCCL's stream) and on 4 ranks as threads sharing the one GPU
-// over Gloo with CUDA tensors (NCCL cannot put two ranks on one GPU), some splits 0. The exchange moves
-// bits: exact. Without a CUDA device every test skips, saying so.
+// Expert parallelism's token exchange with CUDA tensors. On 4 ranks as threads sharing the one GPU over
+// Gloo (NCCL cannot put two ranks on one GPU), some splits 0: tp::all_to_all forward and backward
+// against a local golden (every rank's rows are a known function of (source, destination, row), so each
+// rank builds what it must receive and the gradient each of its rows must get back), as
+// tests/tp/expert_parallel_test.cpp does on CPU. At world size 1 on NCCL: the collective under it
+// (mesh/all_to_all.h; tp::all_to_all skips it at one rank), rows moving from the input into a separate
+// output on NCCL's stream, and the count exchange. The exchange moves bits: exact. Without a CUDA
+// device every test skips, saying so.
 #include "mesh/all_to_all.h"
 #include "mesh/device_mesh.h"
 #include "tests/support/rank_threads.h"
@@ -72,15 +73,23 @@ void expect_exchange_matches_local_golden(c10d::ProcessGroup* group, int64_t me,
 
 }  // namespace
 
-TEST(GpuExpertTokenExchange, AllToAllWithNcclAtWorldSizeOneMatchesLocalGoldenForwardAndBackward) {
+// At one rank tp::all_to_all is the identity (no collective); the collective under it
+// (mesh/all_to_all.h) runs on NCCL: rows into a separate output, and the count exchange.
+TEST(GpuExpertTokenExchange, AllToAllRowsWithNcclAtWorldSizeOneMovesTheRowsIntoTheOutput) {
   SKIP_WITHOUT_GPU();
   setenv("LOCAL_RANK", "0", 1);
   MeshOptions options;
   options.device_type = c10::DeviceType::CUDA;
   options.timeout = kTestTimeout;
   DeviceMesh mesh = DeviceMesh::from_store(c10::make_intrusive<c10d::HashStore>(), 0, 1, {1}, {"ep"}, options);
-  ASSERT_EQ(mesh["ep"]->getBackendType(), c10d::ProcessGroup::BackendType::NCCL);
-  expect_exchange_matches_local_golden(mesh["ep"].get(), 0, 1);
+  c10d::ProcessGroup& group = *mesh["ep"];
+  ASSERT_EQ(group.getBackendType(), c10d::ProcessGroup::BackendType::NCCL);
+  const torch::Tensor input = (torch::arange(5 * kWidth, torch::kFloat).view({5, kWidth}) + 100).cuda();
+  const torch::Tensor output = torch::full({5, kWidth}, -1.0).cuda();
+  wait_collective(all_to_all_rows(group, output, input, {5}, {5}, "the test's rows"), group, "all-to-all");
+  EXPECT_TRUE(torch::equal(output, input)) << output;
+  const torch::Tensor counts = torch::tensor({3, 0, 7}, torch::kLong).cuda();
+  EXPECT_TRUE(torch::equal(all_to_all_counts(group, counts, "the test's counts"), counts));
 }
 
 TEST(GpuExpertTokenExchange, AllToAllOverGlooWithCudaTensorsOnFourRanksMatchesLocalGoldenForwardAndBackward) {
