@@ -5,8 +5,8 @@
 #
 # Usage: scripts/gpu_check.sh [STAGE...]      STAGE: tests | sanitizer | bench   (default: all three)
 #   tests      the GPU tests (NCCL at world size 1 with every collective forced; 4 ranks on the one
-#              GPU over Gloo with CUDA tensors), the fused kernels against ATen on CUDA, the NCCL
-#              blocking-wait path
+#              GPU over Gloo with CUDA tensors), the fused kernels against ATen on CUDA, the Python
+#              package's GPU suites (tests/python/test_gpu*.py), the NCCL blocking-wait path
 #   sanitizer  compute-sanitizer memcheck, racecheck and synccheck on the world-size-1 GPU tests and
 #              on the kernel tests
 #   bench      fused_step_bench at 1e7/1e8/1e9 elements, ddp_bench --device cuda at world size 1 (the
@@ -19,7 +19,7 @@
 # Environment: MESHDDP_GPU_CHECK_BUDGET_S (default 540: stop starting steps after this many seconds,
 # so a 600 s device call still returns its summary); MESHDDP_GPU_CHECK_DRY_RUN=1 runs without a GPU
 # (checks this script's flow on a CPU machine: every GPU test then skips and is reported so;
-# timeouts x10).
+# timeouts and the budget x10; a missing compute-sanitizer is reported, not failed).
 # GoogleTest on a machine without it: `bash scripts/gpu_deps.sh` here first (downloads its source
 # package into .gpu_deps/), then carry .gpu_deps with the device call (docs/reference/gpu.md "Running the check").
 set -uo pipefail
@@ -29,6 +29,7 @@ build="${MESHDDP_BUILD_DIR:-$root/build}"
 budget="${MESHDDP_GPU_CHECK_BUDGET_S:-540}"
 dry_run="${MESHDDP_GPU_CHECK_DRY_RUN:-0}"
 timeout_scale=1; [ "$dry_run" = 1 ] && timeout_scale=10  # a 2-core CPU machine builds slower
+budget=$((budget * timeout_scale))                        # the budget too (its build alone may pass 540 s)
 stages=("$@")
 [ "${#stages[@]}" -gt 0 ] || stages=(tests sanitizer bench)
 for s in "${stages[@]}"; do
@@ -142,10 +143,15 @@ for s in "${stages[@]}"; do
     # The Python package on the GPU (torch's NCCL DeviceMesh); a skip fails it unless this is a dry run.
     require_gpu=1; [ "$dry_run" = 1 ] && require_gpu=0
     if [ "$python_module" = 0 ]; then
-      echo "python_gpu: NOT RUN (no Python development headers for .venv's python: CMake did not configure the module)" >>"$summary"
+      echo "python_gpu*: NOT RUN (no Python development headers for .venv's python: CMake did not configure the module)" >>"$summary"
     else
-    step python_gpu 240 env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
-      "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_gpu.py"
+    # test_gpu.py: DDP and ZeRO-1 on NCCL; test_gpu_compile.py: torch.compile with inductor (Triton
+    # kernels: the compile is most of its time); test_gpu_muon.py: Muon's Newton-Schulz on cuBLAS;
+    # test_gpu_dcp.py: torch.distributed.checkpoint of CUDA state, resumed on the GPU and on CPU.
+    for suite in gpu:240 gpu_compile:300 gpu_muon:180 gpu_dcp:180; do
+      step "python_${suite%%:*}" "${suite##*:}" env PYTHONPATH="$build/plugin/python" MESHDDP_REQUIRE_GPU="$require_gpu" \
+        "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_${suite%%:*}.py"
+    done
     fi
     # The NCCL blocking-wait path (Note [Waiting on NCCL]) on the world-size-1 tests.
     MESHDDP_FORCE_COLLECTIVES=1 MESHDDP_NCCL_BLOCKING_WAIT=1 step gpu_tests_blocking_wait 120 "$tests/gpu_tests" --gtest_filter='*WorldSizeOne*'
@@ -156,7 +162,9 @@ for s in "${stages[@]}"; do
   sanitizer)
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
     if [ ! -x "$sanitizer" ]; then
-      echo "sanitizer: NOT RUN (no compute-sanitizer on PATH nor at $sanitizer)" >>"$summary"; failed+=(sanitizer); continue
+      echo "sanitizer: NOT RUN (no compute-sanitizer on PATH nor at $sanitizer)" >>"$summary"
+      [ "$dry_run" = 1 ] || failed+=(sanitizer)  # a CPU machine may lack the tool; a GPU run needs it
+      continue
     fi
     # API-error reports off (NCCL probes driver entry points that do not exist: not our errors) and a
     # bounded report count (the log must come back). memcheck runs without the caching allocator, so

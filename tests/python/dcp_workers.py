@@ -27,11 +27,11 @@ def global_batch(step):
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
 
 
-def build(world_size, seed, variant):
+def build(world_size, seed, variant, device="cpu"):
     kind, dtype = VARIANTS[variant]
     torch.manual_seed(seed)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    ddp = meshddp.DistributedDataParallel(Net().to(dtype), mesh, config=meshddp.DdpConfig(
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+    ddp = meshddp.DistributedDataParallel(Net().to(device, dtype), mesh, config=meshddp.DdpConfig(
         bucket_bytes=1024, use_distributed_optimizer=True))
     opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind=kind, lr=LR, momentum=0.9, weight_decay=0.01, groups=[("*.bias", None, 0.0)]))
@@ -39,8 +39,8 @@ def build(world_size, seed, variant):
 
 
 def train(ddp, opt, rank, world_size, steps):
-    """The global mean loss of each step."""
-    dtype = next(ddp.parameters()).dtype
+    """The global mean loss of each step (on the params' device)."""
+    dtype, device = next(ddp.parameters()).dtype, next(ddp.parameters()).device
     n = 8 // world_size
     losses = []
     for step in steps:
@@ -48,7 +48,8 @@ def train(ddp, opt, rank, world_size, steps):
             opt.set_lr(LR / 2)
         ddp.zero_grad_buffer()
         x, y = global_batch(step)
-        loss = F.mse_loss(ddp(x[rank * n:(rank + 1) * n].to(dtype)).float(), y[rank * n:(rank + 1) * n])
+        rows = slice(rank * n, (rank + 1) * n)
+        loss = F.mse_loss(ddp(x[rows].to(device, dtype)).float(), y[rows].to(device))
         loss.backward()
         opt.step()
         total = loss.detach().clone()
@@ -59,14 +60,15 @@ def train(ddp, opt, rank, world_size, steps):
 
 
 def params_of(ddp):
-    return [p.detach().float().clone() for p in ddp.parameters()]
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in ddp.parameters()]
 
 
-def save(rank, world_size, directory):
-    """SAVE_AT steps, then a DCP checkpoint (and meshddp's own format, for the bit-exact comparison)."""
+def save(rank, world_size, directory, device="cpu"):
+    """SAVE_AT steps, then a DCP checkpoint (and meshddp's own format, for the bit-exact comparison).
+    device "cuda": the model, the optimizer state and the collectives on this rank's GPU."""
     out = {}
     for variant in VARIANTS:
-        ddp, opt = build(world_size, 0, variant)
+        ddp, opt = build(world_size, 0, variant, device)
         out[variant] = train(ddp, opt, rank, world_size, range(SAVE_AT))
         dcp.save({"model": ddp.state_dict(), "optim": opt.state_dict()},
                  checkpoint_id=os.path.join(directory, variant, "dcp"))
@@ -74,16 +76,16 @@ def save(rank, world_size, directory):
     return out
 
 
-def resume(rank, world_size, directory):
+def resume(rank, world_size, directory, device="cpu"):
     """Per variant: the uninterrupted run at this size; the run resumed from the DCP checkpoint (into a
     model and optimizer built with other initial values); the run resumed from meshddp's format."""
     out = {}
     for variant in VARIANTS:
-        ddp, opt = build(world_size, 0, variant)
+        ddp, opt = build(world_size, 0, variant, device)
         full_losses = train(ddp, opt, rank, world_size, range(SAVE_AT + CONTINUE))
         full = params_of(ddp)
 
-        ddp, opt = build(world_size, 1, variant)
+        ddp, opt = build(world_size, 1, variant, device)
         sd = {"model": ddp.state_dict(), "optim": opt.state_dict()}
         dcp.load(sd, checkpoint_id=os.path.join(directory, variant, "dcp"))
         ddp.load_state_dict(sd["model"])
@@ -92,7 +94,7 @@ def resume(rank, world_size, directory):
         dcp_losses = train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))
         resumed = params_of(ddp)
 
-        ddp, opt = build(world_size, 2, variant)
+        ddp, opt = build(world_size, 2, variant, device)
         opt.load_checkpoint(os.path.join(directory, variant, "meshddp"))
         opt.set_lr(LR / 2)  # meshddp's format leaves the LR to the trainer's schedule
         own_losses = train(ddp, opt, rank, world_size, range(SAVE_AT, SAVE_AT + CONTINUE))

@@ -43,6 +43,7 @@ def train_vs_single(mesh, model, golden, optimizer, dim_in, dim_out):
     ZeRO-1: only this rank's shard is synced), the params' difference after the last step, the
     engine's DP ranks, its TP dim and the DTensor params."""
     zero1 = optimizer == "zero1"
+    device = next(golden.parameters()).device
     ddp = meshddp.DistributedDataParallel(model, mesh, ("dp", "cp"),
                                           meshddp.DdpConfig(bucket_bytes=512, use_distributed_optimizer=zero1))
     if zero1:
@@ -56,7 +57,7 @@ def train_vs_single(mesh, model, golden, optimizer, dim_in, dim_out):
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
     grad_diff = None
     for step in range(STEPS):
-        x, y = global_batch(step, dp, cp, dim_in, dim_out)
+        x, y = (t.to(device) for t in global_batch(step, dp, cp, dim_in, dim_out))
         ddp.zero_grad_buffer()
         F.mse_loss(ddp(local_slice(x, dp_rank, cp_rank)), local_slice(y, dp_rank, cp_rank)).backward()
         ddp.finish_grad_sync()
@@ -104,4 +105,17 @@ def multi_dim_suite(rank, world_size):
     golden = copy.deepcopy(block)
     parallelize_module(block, mesh3["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     out["cp_x_tp"] = train_vs_single(mesh3, block, golden, "sgd", 16, 8)
+    return out
+
+
+def multi_dim_on_one_gpu(rank, world_size):
+    """A dp 1 x cp 1 x tp 1 mesh on this rank's GPU (NCCL): the flattened DP x CP group and the TP group
+    made on NCCL, every bucket collective forced (MESHDDP_FORCE_COLLECTIVES=1 in the environment); the
+    MLP with torch SGD and with meshddp ZeRO-1 (the fused CUDA AdamW) against one process on the GPU."""
+    mesh = init_device_mesh("cuda", (1, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
+    out = {}
+    for optimizer in ("sgd", "zero1"):
+        torch.manual_seed(0)
+        model = Net().cuda()
+        out[optimizer] = train_vs_single(mesh, model, copy.deepcopy(model), optimizer, 8, 8)
     return out

@@ -38,13 +38,13 @@ def local_batch(init, step, rank, world_size, ep):
             y[group:group + ep * rows], 1.0 / (rows * D))
 
 
-def build(world_size, ep, stacked, ns_dtype="fp32"):
+def build(world_size, ep, stacked, ns_dtype="fp32", device="cpu"):
     """The MoE over a DP mesh (ep 1: w1, w2 plain 3-D params) or an ("edp", "ep") mesh (ep > 1: 3-D
-    DTensor experts), ZeRO-1 whole_param, kind muon."""
+    DTensor experts), ZeRO-1 whole_param, kind muon. device "cuda" (ep 1): the model on this rank's GPU."""
     init = inputs()
     if ep == 1:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        model = Moe(init, None, hf_style=False)
+        mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+        model = Moe(init, None, hf_style=False).to(device)
         ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
             bucket_bytes=512, use_distributed_optimizer=True, shard_policy="whole_param"))
     else:
@@ -57,10 +57,11 @@ def build(world_size, ep, stacked, ns_dtype="fp32"):
     return init, model, ddp, opt
 
 
-def train(init, model, ddp, opt, rank, world_size, ep, first, last):
+def train(init, model, ddp, opt, rank, world_size, ep, first, last, device="cpu"):
     for step in range(first, last):
         ddp.zero_grad_buffer()
-        ddp(*local_batch(init, step, rank, world_size, ep)).backward()
+        x, y, xg, yg, scale = local_batch(init, step, rank, world_size, ep)
+        ddp(x.to(device), y.to(device), xg.to(device), yg.to(device), scale).backward()
         opt.step()
     opt.finish_param_sync()
 
@@ -69,11 +70,11 @@ def local(p):
     return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
 
 
-def golden(init, stacked, ns_dtype):
+def golden(init, stacked, ns_dtype, device="cpu"):
     """STEPS steps in one process: every expert matrix a 2-D param; with `stacked`, they, the router
     and the head's weight on Muon (torch.optim.Muon for bf16, reference_muon_step for fp32), else the
     experts on AdamW. Returns {name: value}, experts stacked back into "w1" and "w2"."""
-    model = Moe(init, None, hf_style=True)
+    model = Moe(init, None, hf_style=True).to(device)
     named = dict(model.named_parameters())
     muon_names = [n for n, p in named.items() if p.dim() == 2 and (stacked or not n.startswith("experts."))]
     matrices = [named[n] for n in muon_names]
@@ -83,7 +84,7 @@ def golden(init, stacked, ns_dtype):
                             adjust_lr_fn="original") if ns_dtype == "bf16" else None
     bufs = [torch.zeros_like(p) for p in matrices]
     for step in range(STEPS):
-        x, y = init[f"x{step}"], init[f"y{step}"]
+        x, y = init[f"x{step}"].to(device), init[f"y{step}"].to(device)
         for p in named.values():
             p.grad = None
         model(x, y, x, y, 1.0 / (GLOBAL_ROWS * D)).backward()
@@ -100,20 +101,20 @@ def golden(init, stacked, ns_dtype):
     return out
 
 
-def stacked_vs_one_process(rank, world_size, ep=1, stacked=True, ns_dtype="fp32"):
+def stacked_vs_one_process(rank, world_size, ep=1, stacked=True, ns_dtype="fp32", device="cpu"):
     """STEPS steps at dp = world_size (EP ep) against golden(): the largest difference of the experts,
     of the other Muon matrices (router, head) and of the AdamW params (norm, head bias), how far the
     experts moved, the optimizer's muon_params and the state kinds of w1 in its state_dict()."""
-    init, model, ddp, opt = build(world_size, ep, stacked, ns_dtype)
-    train(init, model, ddp, opt, rank, world_size, ep, 0, STEPS)
-    want = golden(init, stacked, ns_dtype)
+    init, model, ddp, opt = build(world_size, ep, stacked, ns_dtype, device)
+    train(init, model, ddp, opt, rank, world_size, ep, 0, STEPS, device)
+    want = golden(init, stacked, ns_dtype, device)
     first = 0 if ep == 1 else ddp.module.w1.device_mesh.get_local_rank() * (EXPERTS // ep)
     diff, moved = {}, []
     for n, p in ddp.module.named_parameters():
         expected = want[n].narrow(0, first, EXPERTS // ep) if n in ("w1", "w2") else want[n]
         diff[n] = (local(p) - expected).abs().max().item()
         if n in ("w1", "w2"):
-            initial = init[n].narrow(0, first, EXPERTS // ep)
+            initial = init[n].narrow(0, first, EXPERTS // ep).to(device)
             moved.append((expected - initial).abs().max().item())
     state = opt.state_dict()["state"] if ep == 1 else {}  # (DCP's layout does not describe EP > 1 yet)
     return {"expert_diff": max(diff["w1"], diff["w2"]), "matrix_diff": max(diff["router.weight"], diff["head.weight"]),

@@ -79,14 +79,14 @@ def reference_muon_step(params, bufs, *, lr, wd, momentum, nesterov, coefficient
 
 
 def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coefficients="torch", scale="original",
-                        nesterov=True, extra=1.0, clip=0.0, tp=1):
+                        nesterov=True, extra=1.0, clip=0.0, tp=1, device="cpu"):
     """With tp 2: fc1 column-parallel and fc2 row-parallel (torch's DTensor TP), each orthogonalized
-    whole (gathered over TP)."""
+    whole (gathered over TP). device "cuda": the model, the golden and the mesh on this rank's GPU."""
     torch.manual_seed(0)
-    model = MuonNet()
+    model = MuonNet().to(device)
     ref = copy.deepcopy(model)
     dp = world_size // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     me = mesh.get_local_rank("dp")
@@ -104,7 +104,7 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
     bufs = [torch.zeros_like(p) for p in matrices]
     norms, golden_norms = [], []
     for step in range(STEPS):
-        x, y = global_batch(step, dp)
+        x, y = (t.to(device) for t in global_batch(step, dp))
         ddp.zero_grad_buffer()
         F.mse_loss(ddp(x.chunk(dp)[me]), y.chunk(dp)[me]).backward()
         norms.append(opt.step().grad_norm)
@@ -127,7 +127,7 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in got.items()}
     names = muon_names(ref)
     diff = {n: (full[n] - want[n].detach()).abs().max().item() for n in want}
-    moved = {n: (want[n].detach() - dict(MuonNet().named_parameters())[n]).abs().max().item() for n in names}
+    moved = {n: (want[n].detach() - dict(MuonNet().to(device).named_parameters())[n]).abs().max().item() for n in names}
     return {"muon_diff": max(diff[n] for n in names), "adamw_diff": max(diff[n] for n in want if n not in names),
             "norm_diff": max(abs(a - b) for a, b in zip(norms, golden_norms)), "moved": min(moved.values()),
             "dtensors": sorted(n for n, p in got.items() if isinstance(p, DTensor))}

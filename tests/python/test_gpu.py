@@ -4,7 +4,8 @@ meshddp.DistributedDataParallel over torch's NCCL DeviceMesh, every bucket colle
 size 1 (MESHDDP_FORCE_COLLECTIVES=1, read by the C++ engine once, at its first collective, so it is
 set before anything runs), against the same model trained by torch alone on the same GPU:
   - plain DDP, gradients from nn.Linear and from meshddp.linear_with_grad_in_buffer, SGD + momentum;
-  - ZeRO-1 (meshddp.DistributedOptimizer, AdamW: the fused CUDA kernel) against torch.optim.AdamW.
+  - ZeRO-1 (meshddp.DistributedOptimizer, AdamW: the fused CUDA kernel) against torch.optim.AdamW;
+  - DDP over two DP dims ("dp", "cp") of a dp 1 x cp 1 x tp 1 NCCL mesh, in a spawned rank.
 Tolerance 1e-5 on the params after 10 steps: fp32 without TF32; the golden's AdamW is ATen's CUDA
 foreach path, ours the fused kernel (a few ulps per step apart, tests/optimizer/fused_step_test.cpp)."""
 
@@ -154,3 +155,15 @@ def test_two_ranks_on_cuda_tensors_over_gloo_match_torch():
         assert r["zero1"]["param_diff"] <= 1e-5, f"rank {rank}: ZeRO-1 differs by {r['zero1']['param_diff']}"
         assert r["zero1"]["skipped"] == [False] * 10
         assert r["zero1"]["reloaded_diff"] == 0.0
+
+
+def test_dp_x_cp_groups_on_nccl_match_one_process():
+    """A spawned rank on a dp 1 x cp 1 x tp 1 NCCL mesh (multi_dim_workers.py): DDP over ("dp", "cp") with
+    the collectives forced on the flattened group. At one rank the gradient is the one-process gradient
+    bit for bit (a sum over one rank, divided by 1), so plain SGD is exact; ZeRO-1's fused AdamW as above."""
+    import multiprocess
+
+    r = multiprocess.run(1, "multi_dim_workers.multi_dim_on_one_gpu", _backend="nccl")[0]
+    assert r["sgd"]["grad_diff"] == 0.0 and r["sgd"]["param_diff"] == 0.0, r["sgd"]
+    assert r["zero1"]["param_diff"] <= 1e-5, r["zero1"]
+    assert r["sgd"]["dp_ranks"] == [0] and r["sgd"]["tp_dim"] == "tp", r["sgd"]
