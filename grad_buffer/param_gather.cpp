@@ -52,20 +52,36 @@ std::vector<ParamGather*> launched_on_this_thread() {
   return out;
 }
 
+// Whether `schema` writes argument `i`'s values in place (Tensor(a!)); not the ops that change only
+// autograd metadata (requires_grad_, retain_grad, detach_).
+bool writes_values(const c10::FunctionSchema& schema, size_t i) {
+  const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+  if (alias == nullptr || !alias->isWrite()) return false;
+  const std::string& name = schema.name();
+  return name != "aten::requires_grad_" && name != "aten::retain_grad" && name != "aten::detach_";
+}
+
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const size_t num_args = op.schema().arguments().size();
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
   bool any_pending = false;
-  // "optim_grads_params": an argument in a released unit's storage gathers the unit first (Note
-  // [Sharded parameters], sharded_params.h); the mode stays on while any ShardedParams lives.
-  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
+  // "optim_grads_params": an argument in a released unit's storage gathers the unit first, and one the
+  // op writes in place is refused (Note [Sharded parameters], sharded_params.h); the mode stays on
+  // while any ShardedParams lives.
+  const char* name = schema.name().c_str();
+  const size_t first = stack->size() - num_args;
+  for (size_t i = first; i < stack->size(); ++i) {
     const c10::IValue& arg = (*stack)[i];
+    const bool written = writes_values(schema, i - first);
     if (arg.isTensor()) {
-      any_pending = ShardedParams::on_use(arg.toTensor()) || any_pending;
+      any_pending = ShardedParams::on_use(arg.toTensor(), name, written) || any_pending;
     } else if (arg.isTensorList()) {
-      for (const at::Tensor& t : arg.toTensorList().vec()) any_pending = ShardedParams::on_use(t) || any_pending;
+      for (const at::Tensor& t : arg.toTensorList().vec()) {
+        any_pending = ShardedParams::on_use(t, name, written) || any_pending;
+      }
     } else if (arg.isOptionalTensorList()) {
       for (const std::optional<at::Tensor>& t : arg.toOptionalTensorList().vec()) {
-        if (t.has_value()) any_pending = ShardedParams::on_use(*t) || any_pending;
+        if (t.has_value()) any_pending = ShardedParams::on_use(*t, name, written) || any_pending;
       }
     }
   }
