@@ -52,13 +52,16 @@ std::vector<ParamGather*> launched_on_this_thread() {
   return out;
 }
 
-// Whether `schema` writes argument `i`'s values in place (Tensor(a!)); not the ops that change only
-// autograd metadata (requires_grad_, retain_grad, detach_).
-bool writes_values(const c10::FunctionSchema& schema, size_t i) {
+// What `schema` does with argument `i`'s values: writes them in place (Tensor(a!)), not counting the
+// ops that change only autograd metadata (requires_grad_, retain_grad, detach_); only returns a view
+// of them (Tensor(a): detach, view, t), reading none; or reads them.
+ShardedParams::Access access_of(const c10::FunctionSchema& schema, size_t i) {
   const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
-  if (alias == nullptr || !alias->isWrite()) return false;
+  if (alias == nullptr) return ShardedParams::Access::kRead;
+  if (!alias->isWrite()) return ShardedParams::Access::kView;
   const std::string& name = schema.name();
-  return name != "aten::requires_grad_" && name != "aten::retain_grad" && name != "aten::detach_";
+  const bool metadata = name == "aten::requires_grad_" || name == "aten::retain_grad" || name == "aten::detach_";
+  return metadata ? ShardedParams::Access::kView : ShardedParams::Access::kWrite;
 }
 
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -72,7 +75,7 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   const size_t first = stack->size() - num_args;
   for (size_t i = first; i < stack->size(); ++i) {
     const c10::IValue& arg = (*stack)[i];
-    const bool written = writes_values(schema, i - first);
+    const ShardedParams::Access written = access_of(schema, i - first);
     if (arg.isTensor()) {
       any_pending = ShardedParams::on_use(arg.toTensor(), name, written) || any_pending;
     } else if (arg.isTensorList()) {

@@ -169,12 +169,13 @@ std::string ShardedParams::param_at(int64_t b, const at::Tensor& t) const {
   return "a tensor in the storage of " + buckets_[b].info.what;  // the bucket's padding
 }
 
-void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op) {
+void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Access access) {
   const int64_t u = buckets_[bucket].unit;
   const bool backward = torch::autograd::get_current_node() != nullptr;
   Unit& unit = units_[u];
   // Between steps: no collective that only this rank would launch (Note [Sharded parameters]).
   if (!backward && scopes_open_ == 0) {
+    if (access == Access::kView) return;                     // no values read
     if (unit.state == UnitState::kInFlight) wait_gather(u);  // launched by every rank (a prefetch)
     TORCH_CHECK(unit.state == UnitState::kGathered, "ShardedParams: ", op, " reads ", param_at(bucket, t),
                 " (FSDP unit '", unit.name,
@@ -295,7 +296,7 @@ int64_t ShardedParams::prefetch_hits() const {
   return prefetch_hits_;
 }
 
-bool ShardedParams::on_use(const at::Tensor& t, const char* op, bool written) {
+bool ShardedParams::on_use(const at::Tensor& t, const char* op, Access access) {
   ShardedParams* owner = nullptr;
   int64_t bucket = -1;
   {
@@ -314,22 +315,24 @@ bool ShardedParams::on_use(const at::Tensor& t, const char* op, bool written) {
   // Not under registry_mutex: a gather waits for the other ranks, which may be threads of this process.
   if (owner != nullptr) {
     std::lock_guard<std::mutex> lock(owner->mutex_);
-    TORCH_CHECK(!written, "ShardedParams: ", op, " writes ", owner->param_at(bucket, t), " (FSDP unit '",
-                owner->units_[owner->buckets_[bucket].unit].name, "') in place under data_parallel_sharding_strategy ",
+    TORCH_CHECK(access != Access::kWrite, "ShardedParams: ", op, " writes ", owner->param_at(bucket, t),
+                " (FSDP unit '", owner->units_[owner->buckets_[bucket].unit].name,
+                "') in place under data_parallel_sharding_strategy ",
                 "'optim_grads_params': its values are a gathered copy of the shards, so the write would be lost when ",
                 "the unit is released, and backward would gather the old values again. Change params through the ",
                 "DistributedOptimizer or a checkpoint load; compute a modified copy in forward instead (w * 2, not ",
                 "w.mul_(2)); or use 'optim'");
-    owner->use(bucket, t, op);
+    owner->use(bucket, t, op, access);
   }
   return true;
 }
 
-ShardedParams::UseScope::UseScope(ShardedParams* params) : params_(params) {
+ShardedParams::UseScope::UseScope(ShardedParams* params, bool forward) : params_(params), forward_(forward) {
   if (params_ == nullptr) return;
   c10::impl::tls_set_dispatch_key_included(kUseMode, true);  // and left on: Note [Sharded parameters]
   std::lock_guard<std::mutex> lock(params_->mutex_);
   ++params_->scopes_open_;
+  if (!forward_) return;
   for (Unit& unit : params_->units_) unit.grads_ready = 0;
   params_->used_in_forward_.assign(params_->units_.size(), false);
   params_->forward_use_order_.clear();
@@ -340,7 +343,7 @@ ShardedParams::UseScope::~UseScope() {
   {  // this forward's order of first uses: the next prefetches follow it (Note [Sharded parameters])
     std::lock_guard<std::mutex> lock(params_->mutex_);
     --params_->scopes_open_;
-    if (!params_->forward_use_order_.empty()) {
+    if (forward_ && !params_->forward_use_order_.empty()) {
       params_->order_ = params_->forward_use_order_;
       params_->position_.assign(params_->units_.size(), -1);
       for (size_t p = 0; p < params_->order_.size(); ++p)

@@ -36,7 +36,8 @@
 //   forward on some ranks) nothing says so, and a gather only some ranks launch hangs, or pairs with
 //   another collective and mixes up shards silently. So an op there that reads a released unit is
 //   refused naming the param and its unit; a unit still gathered (gather_all(), or a unit whose params
-//   got no gradient) is read as it is, and nothing is prefetched.
+//   got no gradient) is read as it is, and nothing is prefetched; a view (p.detach()) reads nothing.
+//   Reads every rank makes alike (the TP replica check) open a UseScope that is not a forward.
 //   Writes. A gathered unit is a copy of the shards: an op that writes a param in place (param.mul_()
 //   in forward, param.copy_() under NoGradGuard, a torch optimizer's step) would be lost when the
 //   unit is released, and backward would re-gather the old values (gradients of weights the forward
@@ -109,22 +110,28 @@ class ShardedParams {
 
   // Open for a forward (DistributedDataParallel::forward): turns the gather-on-use mode on for this
   // thread (it stays on: backward needs it too) and releases every unit when the forward ends.
+  // `forward` = false: for reads every rank makes alike outside a forward (the TP replica check):
+  // units are gathered and released as in a forward, but the forward's order and its backward's
+  // counts are left alone.
   class UseScope {
    public:
-    explicit UseScope(ShardedParams* params);
+    explicit UseScope(ShardedParams* params, bool forward = true);
     ~UseScope();
     UseScope(const UseScope&) = delete;
     UseScope& operator=(const UseScope&) = delete;
 
    private:
     ShardedParams* params_ = nullptr;
+    bool forward_ = true;
   };
 
+  // What an op does with a tensor argument's values.
+  enum class Access { kRead, kView, kWrite };
   // The dispatch-mode fallback's entry (param_gather.cpp): gathers `t`'s unit if `t` lives in a
   // released bucket of any live ShardedParams. Returns whether any ShardedParams is alive. Throws
-  // when `op` writes `t` (`written`) or reads it outside forward and backward while its unit is
-  // released (Note [Sharded parameters]).
-  static bool on_use(const at::Tensor& t, const char* op = "", bool written = false);
+  // when `op` writes `t` or reads it outside forward and backward while its unit is released; a view
+  // taken there gathers nothing (Note [Sharded parameters]).
+  static bool on_use(const at::Tensor& t, const char* op = "", Access access = Access::kRead);
 
  private:
   enum class UnitState { kReleased, kInFlight, kGathered };
@@ -151,7 +158,7 @@ class ShardedParams {
     int64_t numel = 0;
   };
   // mutex_ held below.
-  void use(int64_t bucket, const at::Tensor& t, const char* op);  // t lives in bucket's storage
+  void use(int64_t bucket, const at::Tensor& t, const char* op, Access access);  // t lives in bucket's storage
   // The param of bucket b whose elements hold t's first one, named for messages.
   std::string param_at(int64_t b, const at::Tensor& t) const;
   void launch_gather(int64_t unit);

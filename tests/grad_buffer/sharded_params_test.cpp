@@ -146,6 +146,7 @@ TEST(ShardedParams, AReadOfAReleasedUnitBetweenStepsIsRefusedNamingTheParamAndIt
     buffer.finish_grad_sync();
     buffer.param_buffer()->start_param_sync(/*async=*/false);
     const int64_t k = 2 * mesh.rank();
+    EXPECT_EQ(error_of([&] { (void)params[k].param.detach(); }), "(no error)") << "a view reads no values";
     EXPECT_THAT(error_of([&] { (void)params[k].param.sum(); }),
                 HasSubstr("aten::sum reads parameter 'layer" + std::to_string(k) + ".weight' (FSDP unit 'layer" +
                           std::to_string(k) + "') outside a forward through DistributedDataParallel"));
