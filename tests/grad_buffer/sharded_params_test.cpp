@@ -208,6 +208,27 @@ TEST(ShardedParams, EvalForwardsTwoForwardsBeforeABackwardAndATiedWeightGiveTheO
   });
 }
 
+// torch::autograd::grad (a gradient penalty, a Hessian-vector product) reads the saved params of
+// released units in backward too: the same gradients as under "optim", bit for bit.
+TEST(ShardedParams, AutogradGradGivesTheOptimStrategysGradients) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto run = [&](const char* name) {
+      auto params = make_layers();
+      GradBuffer buffer(params, mesh["dp"], strategy(name));
+      at::Tensor loss;
+      {
+        ShardedParams::UseScope scope(buffer.param_buffer()->sharded());
+        loss = forward(params, mesh.rank(), [](int64_t) {});
+      }
+      std::vector<at::Tensor> inputs;
+      for (const NamedParam& p : params) inputs.push_back(p.param);
+      return torch::autograd::grad({loss}, inputs);
+    };
+    const auto want = run(kShardOptim), got = run(kShardOptimGradsParams);
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(got[k], want[k])) << "layer " << k;
+  });
+}
+
 TEST(FsdpUnits, DefaultIsEachTopLevelModuleAndEachElementOfATopLevelList) {
   const FsdpUnits units = assign_fsdp_units(
       {"wte.weight", "blocks.0.attn.q.weight", "blocks.0.ln1.weight", "blocks.1.attn.q.weight", "ln_f.weight", "scale"},
