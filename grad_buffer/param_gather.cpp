@@ -52,20 +52,39 @@ std::vector<ParamGather*> launched_on_this_thread() {
   return out;
 }
 
+// What `schema` does with argument `i`'s values: writes them in place (Tensor(a!)), not counting the
+// ops that change only autograd metadata (requires_grad_, retain_grad, detach_); only returns a view
+// of them (Tensor(a): detach, view, t), reading none; or reads them.
+ShardedParams::Access access_of(const c10::FunctionSchema& schema, size_t i) {
+  const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+  if (alias == nullptr) return ShardedParams::Access::kRead;
+  if (!alias->isWrite()) return ShardedParams::Access::kView;
+  const std::string& name = schema.name();
+  const bool metadata = name == "aten::requires_grad_" || name == "aten::retain_grad" || name == "aten::detach_";
+  return metadata ? ShardedParams::Access::kView : ShardedParams::Access::kWrite;
+}
+
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const size_t num_args = op.schema().arguments().size();
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
   bool any_pending = false;
-  // "optim_grads_params": an argument in a released unit's storage gathers the unit first (Note
-  // [Sharded parameters], sharded_params.h); the mode stays on while any ShardedParams lives.
-  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
+  // "optim_grads_params": an argument in a released unit's storage gathers the unit first, and one the
+  // op writes in place is refused (Note [Sharded parameters], sharded_params.h); the mode stays on
+  // while any ShardedParams lives.
+  const char* name = schema.name().c_str();
+  const size_t first = stack->size() - num_args;
+  for (size_t i = first; i < stack->size(); ++i) {
     const c10::IValue& arg = (*stack)[i];
+    const ShardedParams::Access written = access_of(schema, i - first);
     if (arg.isTensor()) {
-      any_pending = ShardedParams::on_use(arg.toTensor()) || any_pending;
+      any_pending = ShardedParams::on_use(arg.toTensor(), name, written) || any_pending;
     } else if (arg.isTensorList()) {
-      for (const at::Tensor& t : arg.toTensorList().vec()) any_pending = ShardedParams::on_use(t) || any_pending;
+      for (const at::Tensor& t : arg.toTensorList().vec()) {
+        any_pending = ShardedParams::on_use(t, name, written) || any_pending;
+      }
     } else if (arg.isOptionalTensorList()) {
       for (const std::optional<at::Tensor>& t : arg.toOptionalTensorList().vec()) {
-        if (t.has_value()) any_pending = ShardedParams::on_use(*t) || any_pending;
+        if (t.has_value()) any_pending = ShardedParams::on_use(*t, name, written) || any_pending;
       }
     }
   }

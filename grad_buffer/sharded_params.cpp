@@ -54,6 +54,7 @@ ShardedParams::ShardedParams(const BucketLayout& layout, std::vector<NamedParam>
   position_.assign(units_.size(), -1);
   for (size_t u = 0; u < units_.size(); ++u) units_[u].name = std::move(unit_names[u]);
   for (int64_t unit : unit_of_param_) ++units_[unit].num_params;
+  places_.resize(params.size());
   c10::NoGradGuard no_grad;
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const BucketSpan& span = layout.buckets[b];
@@ -75,6 +76,7 @@ ShardedParams::ShardedParams(const BucketLayout& layout, std::vector<NamedParam>
       at::Tensor& param = params[i].param;
       at::Tensor view = state.full.narrow(0, slot.offset - span.begin, slot.numel).view(param.sizes());
       view.copy_(param.detach());
+      places_[i] = {params[i].name, static_cast<int64_t>(b), slot.offset - span.begin, slot.numel};
       param.set_data(view);  // same TensorImpl (modules, optimizers, autograd keep it), the bucket's storage
     }
     const c10d::ProcessGroup& group = *state.info.group;
@@ -157,9 +159,34 @@ void ShardedParams::release(int64_t u) {
   unit.grads_ready = 0;
 }
 
-void ShardedParams::use(int64_t u) {
+std::string ShardedParams::param_at(int64_t b, const at::Tensor& t) const {
+  const int64_t offset = t.storage_offset();
+  for (const ParamPlace& place : places_) {
+    if (place.bucket == b && place.offset <= offset && offset < place.offset + place.numel) {
+      return "parameter '" + place.name + "'";
+    }
+  }
+  return "a tensor in the storage of " + buckets_[b].info.what;  // the bucket's padding
+}
+
+void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Access access) {
+  const int64_t u = buckets_[bucket].unit;
   const bool backward = torch::autograd::get_current_node() != nullptr;
   Unit& unit = units_[u];
+  // Between steps: no collective that only this rank would launch (Note [Sharded parameters]).
+  if (!backward && scopes_open_ == 0) {
+    if (access == Access::kView) return;                     // no values read
+    if (unit.state == UnitState::kInFlight) wait_gather(u);  // launched by every rank (a prefetch)
+    TORCH_CHECK(unit.state == UnitState::kGathered, "ShardedParams: ", op, " reads ", param_at(bucket, t),
+                " (FSDP unit '", unit.name,
+                "') outside a forward through DistributedDataParallel and outside backward, while ",
+                "its unit is released (data_parallel_sharding_strategy 'optim_grads_params' keeps only this ",
+                "rank's shards between steps). Gathering it here would be a collective that only the ranks ",
+                "reading it launch: a hang, or shards mixed up with another collective. Run the module's forward ",
+                "through the wrapper, call ShardedParams::gather_all() on every rank before reading params, or ",
+                "read a checkpoint");
+    return;
+  }
   if (unit.state == UnitState::kGathered && current_ == u && !backward) return;  // the common case: no change
   if (!backward) {
     // Note [Sharded parameters]: a forward moving to unit u releases the others in use.
@@ -269,9 +296,9 @@ int64_t ShardedParams::prefetch_hits() const {
   return prefetch_hits_;
 }
 
-bool ShardedParams::on_use(const at::Tensor& t) {
+bool ShardedParams::on_use(const at::Tensor& t, const char* op, Access access) {
   ShardedParams* owner = nullptr;
-  int64_t unit = -1;
+  int64_t bucket = -1;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     if (registry().empty()) return false;
@@ -281,22 +308,31 @@ bool ShardedParams::on_use(const at::Tensor& t) {
       const auto it = params->bucket_of_storage_.find(storage);  // fixed at construction: no lock needed
       if (it == params->bucket_of_storage_.end()) continue;
       owner = params;
-      unit = params->buckets_[it->second].unit;
+      bucket = it->second;
       break;
     }
   }
   // Not under registry_mutex: a gather waits for the other ranks, which may be threads of this process.
   if (owner != nullptr) {
     std::lock_guard<std::mutex> lock(owner->mutex_);
-    owner->use(unit);
+    TORCH_CHECK(access != Access::kWrite, "ShardedParams: ", op, " writes ", owner->param_at(bucket, t),
+                " (FSDP unit '", owner->units_[owner->buckets_[bucket].unit].name,
+                "') in place under data_parallel_sharding_strategy ",
+                "'optim_grads_params': its values are a gathered copy of the shards, so the write would be lost when ",
+                "the unit is released, and backward would gather the old values again. Change params through the ",
+                "DistributedOptimizer or a checkpoint load; compute a modified copy in forward instead (w * 2, not ",
+                "w.mul_(2)); or use 'optim'");
+    owner->use(bucket, t, op, access);
   }
   return true;
 }
 
-ShardedParams::UseScope::UseScope(ShardedParams* params) : params_(params) {
+ShardedParams::UseScope::UseScope(ShardedParams* params, bool forward) : params_(params), forward_(forward) {
   if (params_ == nullptr) return;
   c10::impl::tls_set_dispatch_key_included(kUseMode, true);  // and left on: Note [Sharded parameters]
   std::lock_guard<std::mutex> lock(params_->mutex_);
+  ++params_->scopes_open_;
+  if (!forward_) return;
   for (Unit& unit : params_->units_) unit.grads_ready = 0;
   params_->used_in_forward_.assign(params_->units_.size(), false);
   params_->forward_use_order_.clear();
@@ -306,7 +342,8 @@ ShardedParams::UseScope::~UseScope() {
   if (params_ == nullptr) return;
   {  // this forward's order of first uses: the next prefetches follow it (Note [Sharded parameters])
     std::lock_guard<std::mutex> lock(params_->mutex_);
-    if (!params_->forward_use_order_.empty()) {
+    --params_->scopes_open_;
+    if (forward_ && !params_->forward_use_order_.empty()) {
       params_->order_ = params_->forward_use_order_;
       params_->position_.assign(params_->units_.size(), -1);
       for (size_t p = 0; p < params_->order_.size(); ++p)

@@ -30,6 +30,19 @@
 //   gradient this backward (GradBuffer's hook calls grad_ready()); a param that gets no gradient
 //   keeps its unit until the step. The step writes the new shards and releases every unit
 //   (start_param_sync()): after it no whole param exists, and the next forward gathers on use.
+//   Outside forward and backward. A gather is a collective: every rank of the bucket's group must
+//   launch it, in the same order. Inside a forward through DistributedDataParallel (a UseScope) or
+//   backward, every rank runs the same ops; between them (logging a param on rank 0, a raw module's
+//   forward on some ranks) nothing says so, and a gather only some ranks launch hangs, or pairs with
+//   another collective and mixes up shards silently. So an op there that reads a released unit is
+//   refused naming the param and its unit; a unit still gathered (gather_all(), or a unit whose params
+//   got no gradient) is read as it is, and nothing is prefetched; a view (p.detach()) reads nothing.
+//   Reads every rank makes alike (the TP replica check) open a UseScope that is not a forward.
+//   Writes. A gathered unit is a copy of the shards: an op that writes a param in place (param.mul_()
+//   in forward, param.copy_() under NoGradGuard, a torch optimizer's step) would be lost when the
+//   unit is released, and backward would re-gather the old values (gradients of weights the forward
+//   did not use). So such an op is refused naming the param, on a thread with the mode on; the
+//   shards change only through the DistributedOptimizer or a checkpoint load.
 //   Cost: every op on a thread with the mode on looks up its tensor arguments' storages (a hash
 //   lookup under a mutex), while a ShardedParams lives.
 //   Not here: the gradient path is ZeRO-2's unchanged (reduce-scatter per bucket, per micro-batch).
@@ -97,20 +110,28 @@ class ShardedParams {
 
   // Open for a forward (DistributedDataParallel::forward): turns the gather-on-use mode on for this
   // thread (it stays on: backward needs it too) and releases every unit when the forward ends.
+  // `forward` = false: for reads every rank makes alike outside a forward (the TP replica check):
+  // units are gathered and released as in a forward, but the forward's order and its backward's
+  // counts are left alone.
   class UseScope {
    public:
-    explicit UseScope(ShardedParams* params);
+    explicit UseScope(ShardedParams* params, bool forward = true);
     ~UseScope();
     UseScope(const UseScope&) = delete;
     UseScope& operator=(const UseScope&) = delete;
 
    private:
     ShardedParams* params_ = nullptr;
+    bool forward_ = true;
   };
 
+  // What an op does with a tensor argument's values.
+  enum class Access { kRead, kView, kWrite };
   // The dispatch-mode fallback's entry (param_gather.cpp): gathers `t`'s unit if `t` lives in a
-  // released bucket of any live ShardedParams. Returns whether any ShardedParams is alive.
-  static bool on_use(const at::Tensor& t);
+  // released bucket of any live ShardedParams. Returns whether any ShardedParams is alive. Throws
+  // when `op` writes `t` or reads it outside forward and backward while its unit is released; a view
+  // taken there gathers nothing (Note [Sharded parameters]).
+  static bool on_use(const at::Tensor& t, const char* op = "", Access access = Access::kRead);
 
  private:
   enum class UnitState { kReleased, kInFlight, kGathered };
@@ -130,8 +151,16 @@ class ShardedParams {
     UnitState state = UnitState::kReleased;
     bool prefetched = false;
   };
+  struct ParamPlace {  // where param i lives, to name it from a tensor in its bucket's storage
+    std::string name;
+    int64_t bucket = 0;
+    int64_t offset = 0;  // in the bucket's storage
+    int64_t numel = 0;
+  };
   // mutex_ held below.
-  void use(int64_t unit);
+  void use(int64_t bucket, const at::Tensor& t, const char* op, Access access);  // t lives in bucket's storage
+  // The param of bucket b whose elements hold t's first one, named for messages.
+  std::string param_at(int64_t b, const at::Tensor& t) const;
   void launch_gather(int64_t unit);
   void wait_gather(int64_t unit);
   void release(int64_t unit);
@@ -142,6 +171,8 @@ class ShardedParams {
   std::vector<BucketState> buckets_;
   std::vector<Unit> units_;
   std::vector<int64_t> unit_of_param_;
+  std::vector<ParamPlace> places_;
+  int64_t scopes_open_ = 0;  // UseScopes alive: a forward through the wrapper is running
   std::unordered_map<const void*, int64_t> bucket_of_storage_;
   mutable std::mutex mutex_;
   int64_t resident_ = 0;

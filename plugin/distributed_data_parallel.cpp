@@ -4,6 +4,7 @@
 #include "grad_buffer/param_buffer.h"
 #include "grad_buffer/param_gather.h"
 #include "grad_buffer/run_stats.h"
+#include "grad_buffer/sharded_params.h"
 #include "mesh/collectives.h"
 #include "mesh/pipeline_groups.h"
 #include "mesh/placement.h"
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <unordered_map>
@@ -504,6 +506,9 @@ void DdpEngine::maybe_check_tp_replicas() {
   if (step < 1 || (step - 1) % every != 0 || step == last_replica_check_) return;
   last_replica_check_ = step;
   if (ParamGather* gather = param_gather()) gather->wait_all();  // the params must be this step's
+  // "optim_grads_params": every rank reads every unit alike; gathered one at a time, then released.
+  std::optional<ShardedParams::UseScope> units;
+  if (ShardedParams* sharded = sharded_params()) units.emplace(sharded, /*forward=*/false);
   std::vector<NamedTensor> tensors;
   for (const auto& p : tp_replicated_) tensors.push_back({p.name, p.param});
   verify_tp_replicas_identical(*groups_.tp, tensors, step);

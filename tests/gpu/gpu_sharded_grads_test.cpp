@@ -14,6 +14,8 @@
 // Golden: torch::optim::AdamW on the whole batch on the same GPU; tolerance 1e-5 as tests/gpu/gpu_test.cpp
 // (GEMMs over different batch shapes sum in different orders; the fused kernel is a few ulps from ATen).
 #include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_buffer.h"
+#include "grad_buffer/sharded_params.h"
 #include "mesh/switches.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
@@ -86,6 +88,9 @@ Trained train(DeviceMesh& mesh, const char* strategy, int micro_batches) {
   torch::cuda::synchronize();
   out.device_allocs_after_warmup += c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc;
   out.shards_on_cuda = ddp.grad_buffer()->bucket_shard(0).is_cuda();
+  // "optim_grads_params" released every unit at the step: gathered on every rank before they are read.
+  const ParamBuffer* param_buffer = ddp.grad_buffer()->param_buffer();
+  if (ShardedParams* sharded = param_buffer ? param_buffer->sharded() : nullptr) sharded->gather_all();
   for (auto& p : model->parameters()) out.params.push_back(p.detach().cpu());
   return out;
 }
@@ -184,7 +189,8 @@ TEST(GpuShardedGrads, OptimGradsOverGlooWithCudaTensorsOnFourRanksIsOptimBitForB
     expect_close(sharded[r].params, golden, what);
     // Under ZeRO-3 the units move bucket edges, so Gloo may sum some elements in another order: the
     // golden's tolerance, not bit for bit.
-    expect_close(params_sharded[r].params, golden, "optim_grads_params on 4 ranks over Gloo, rank " + std::to_string(r));
+    expect_close(params_sharded[r].params, golden,
+                 "optim_grads_params on 4 ranks over Gloo, rank " + std::to_string(r));
   }
 }
 

@@ -129,6 +129,106 @@ TEST(ShardedParams, WrittenShardsReachTheNextForward) {
   });
 }
 
+// Between steps every unit is released. Rank 0 reading layer 0 while rank 1 reads layer 2 (logging)
+// would launch all-gathers the other rank pairs with its own: shards of two layers mixed, silently.
+// Refused, naming the param and its unit; after gather_all() on every rank the read is the values.
+TEST(ShardedParams, AReadOfAReleasedUnitBetweenStepsIsRefusedNamingTheParamAndItsUnit) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_layers();
+    std::vector<at::Tensor> initial;
+    for (const NamedParam& p : params) initial.push_back(p.param.detach().clone());
+    GradBuffer buffer(params, mesh["dp"], strategy(kShardOptimGradsParams));
+    ShardedParams* sharded = buffer.param_buffer()->sharded();
+    {
+      ShardedParams::UseScope scope(sharded);  // the mode is on in this thread from here on
+      torch::autograd::backward({forward(params, mesh.rank(), [](int64_t) {})});
+    }
+    buffer.finish_grad_sync();
+    buffer.param_buffer()->start_param_sync(/*async=*/false);
+    const int64_t k = 2 * mesh.rank();
+    EXPECT_EQ(error_of([&] { (void)params[k].param.detach(); }), "(no error)") << "a view reads no values";
+    EXPECT_THAT(error_of([&] { (void)params[k].param.sum(); }),
+                HasSubstr("aten::sum reads parameter 'layer" + std::to_string(k) + ".weight' (FSDP unit 'layer" +
+                          std::to_string(k) + "') outside a forward through DistributedDataParallel"));
+    sharded->gather_all();
+    EXPECT_TRUE(at::equal(params[k].param.detach().clone(), initial[k])) << "after gather_all() on every rank";
+  });
+}
+
+// A gathered unit is a copy of the shards: a param written in place inside forward (or between steps)
+// would lose the write at the release, and backward would use the old values. Refused, naming it.
+TEST(ShardedParams, AnInPlaceWriteToAParamIsRefusedNamingIt) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto params = make_layers();
+    GradBuffer buffer(params, mesh["dp"], strategy(kShardOptimGradsParams));
+    ShardedParams::UseScope scope(buffer.param_buffer()->sharded());
+    const std::string msg = error_of([&] {
+      forward(params, mesh.rank(), [&](int64_t k) {
+        if (k != 1) return;
+        c10::NoGradGuard no_grad;
+        params[1].param.mul_(2);  // e.g. a weight clamp inside forward
+      });
+    });
+    EXPECT_THAT(msg, HasSubstr("aten::mul_ writes parameter 'layer1.weight' (FSDP unit 'layer1') in place"));
+    EXPECT_THAT(msg, HasSubstr("Change params through the DistributedOptimizer or a checkpoint load"));
+  });
+}
+
+// What a user may do around the steps, with the "optim" strategy's gradients bit for bit: an eval
+// forward under NoGradGuard, a forward with no backward, two forwards before one backward, and a
+// weight read again by a later unit (layer 0's, tied: gathered again in forward and in backward).
+TEST(ShardedParams, EvalForwardsTwoForwardsBeforeABackwardAndATiedWeightGiveTheOptimStrategysGradients) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto run = [&](const char* name) {
+      auto params = make_layers();
+      GradBuffer buffer(params, mesh["dp"], strategy(name));
+      ShardedParams* sharded = buffer.param_buffer()->sharded();
+      auto tied_forward = [&] {
+        ShardedParams::UseScope scope(sharded);
+        return at::tanh(at::mm(at::tanh(at::mm(at::full({2, kDim}, 0.5), params[0].param)), params[1].param)).sum() +
+               forward(params, mesh.rank(), [](int64_t) {}) * at::mm(params[0].param, params[0].param).mean();
+      };
+      {
+        c10::NoGradGuard no_grad;
+        (void)tied_forward();  // eval
+      }
+      (void)tied_forward();  // a forward without backward
+      const at::Tensor first = tied_forward(), second = tied_forward();
+      torch::autograd::backward({first + 2 * second});
+      buffer.finish_grad_sync();
+      std::vector<at::Tensor> shards;
+      for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+        shards.push_back(buffer.bucket_shard(b).clone());
+      }
+      return shards;
+    };
+    const std::vector<at::Tensor> want = run(kShardOptim), got = run(kShardOptimGradsParams);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t b = 0; b < want.size(); ++b) EXPECT_TRUE(at::equal(got[b], want[b])) << "bucket " << b;
+  });
+}
+
+// torch::autograd::grad (a gradient penalty, a Hessian-vector product) reads the saved params of
+// released units in backward too: the same gradients as under "optim", bit for bit.
+TEST(ShardedParams, AutogradGradGivesTheOptimStrategysGradients) {
+  test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
+    auto run = [&](const char* name) {
+      auto params = make_layers();
+      GradBuffer buffer(params, mesh["dp"], strategy(name));
+      at::Tensor loss;
+      {
+        ShardedParams::UseScope scope(buffer.param_buffer()->sharded());
+        loss = forward(params, mesh.rank(), [](int64_t) {});
+      }
+      std::vector<at::Tensor> inputs;
+      for (const NamedParam& p : params) inputs.push_back(p.param);
+      return torch::autograd::grad({loss}, inputs);
+    };
+    const auto want = run(kShardOptim), got = run(kShardOptimGradsParams);
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(got[k], want[k])) << "layer " << k;
+  });
+}
+
 TEST(FsdpUnits, DefaultIsEachTopLevelModuleAndEachElementOfATopLevelList) {
   const FsdpUnits units = assign_fsdp_units(
       {"wte.weight", "blocks.0.attn.q.weight", "blocks.0.ln1.weight", "blocks.1.attn.q.weight", "ln_f.weight", "scale"},
