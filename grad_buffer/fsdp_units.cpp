@@ -1,6 +1,6 @@
 #include "grad_buffer/fsdp_units.h"
 
-#include "common/glob_match.h"
+#include "grad_buffer/glob_match.h"
 
 #include <c10/util/Exception.h>
 

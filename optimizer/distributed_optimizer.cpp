@@ -1,7 +1,7 @@
 #include "optimizer/distributed_optimizer.h"
 
-#include "common/glob_match.h"
 #include "common/grad_norm.h"
+#include "grad_buffer/glob_match.h"
 #include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/run_stats.h"
 #include "mesh/collectives.h"

@@ -1,6 +1,6 @@
 #include "tp/parallelize.h"
 
-#include "common/glob_match.h"
+#include "grad_buffer/glob_match.h"
 #include "mesh/placement.h"
 #include "tp/tp_layers.h"
 

@@ -1,6 +1,6 @@
 // Python bindings of what a training loop needs besides DDP and the optimizer: the LR schedule
 // (optimizer/lr_scheduler.h), the plain-DDP gradient norm and clipping (common/grad_norm.h), module-path
-// glob matching (common/glob_match.h) and the cross-rank settings check (mesh/config_fields.h).
+// glob matching (grad_buffer/glob_match.h) and the cross-rank settings check (mesh/config_fields.h).
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
