@@ -48,12 +48,21 @@ def run(world_size, fn_name, _backend="gloo", **kwargs):
     # The server never computes or communicates, so forking it is safe.
     mp.set_forkserver_preload(["torch", "torch.distributed", "meshddp", "workers"])
     with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.start_processes(_entry, args=(world_size, _free_port(), fn_name, out_dir, _backend, kwargs), nprocs=world_size,
-                               start_method="forkserver", join=True)
-        except Exception as e:
-            errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
-            raise AssertionError(f"{fn_name} on {world_size} ranks failed:\n" + "\n".join(errors)) from e
+        # The free port is found, then released before rank 0 listens on it: another process on the machine
+        # may take it in between (EADDRINUSE in init_process_group, before any work), so that alone is
+        # retried with another port.
+        for attempt in range(3):
+            try:
+                mp.start_processes(_entry, args=(world_size, _free_port(), fn_name, out_dir, _backend, kwargs),
+                                   nprocs=world_size, start_method="forkserver", join=True)
+                break
+            except Exception as e:
+                if "EADDRINUSE" in str(e) and attempt < 2:
+                    for f in os.listdir(out_dir):
+                        os.remove(os.path.join(out_dir, f))
+                    continue
+                errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
+                raise AssertionError(f"{fn_name} on {world_size} ranks failed:\n" + "\n".join(errors)) from e
         # A rank that ended itself with os._exit(0) (a peer dying on purpose) has no result: None.
         paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size)]
         return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
