@@ -143,18 +143,24 @@ Trained train_world_one_nccl(const char* strategy, int micro_batches) {
   return train(mesh, strategy, micro_batches);
 }
 
-}  // namespace
-
-TEST(GpuShardedGrads, OptimGradsWithNcclAtWorldSizeOneIsOptimBitForBitAndMatchesGolden) {
-  SKIP_WITHOUT_GPU();
+// `strategy` at world size 1 on NCCL, 1 and 2 micro-batches: bit for bit "optim"'s, and the golden.
+void expect_world_one_nccl_is_optim_and_golden(const char* strategy) {
   const auto golden = golden_on_gpu();
   for (int micro_batches : {1, 2}) {
-    const std::string what = "optim_grads, " + std::to_string(micro_batches) + " micro-batch(es), NCCL at world size 1";
-    const Trained sharded = train_world_one_nccl(kShardOptimGrads, micro_batches);
+    const std::string what =
+        std::string(strategy) + ", " + std::to_string(micro_batches) + " micro-batch(es), NCCL at world size 1";
+    const Trained sharded = train_world_one_nccl(strategy, micro_batches);
     EXPECT_TRUE(sharded.shards_on_cuda) << what;
     expect_identical(sharded.params, train_world_one_nccl(kShardOptim, micro_batches).params, what);
     expect_close(sharded.params, golden, what);
   }
+}
+
+}  // namespace
+
+TEST(GpuShardedGrads, OptimGradsWithNcclAtWorldSizeOneIsOptimBitForBitAndMatchesGolden) {
+  SKIP_WITHOUT_GPU();
+  expect_world_one_nccl_is_optim_and_golden(kShardOptimGrads);
 }
 
 // ZeRO-3 (Note [Sharded parameters], grad_buffer/sharded_params.h) on CUDA: each unit's storage is
@@ -162,15 +168,7 @@ TEST(GpuShardedGrads, OptimGradsWithNcclAtWorldSizeOneIsOptimBitForBitAndMatches
 // At one rank the units' bucket edges change no sum, so the params equal "optim"'s bit for bit.
 TEST(GpuShardedGrads, OptimGradsParamsWithNcclAtWorldSizeOneIsOptimBitForBitAndMatchesGolden) {
   SKIP_WITHOUT_GPU();
-  const auto golden = golden_on_gpu();
-  for (int micro_batches : {1, 2}) {
-    const std::string what =
-        "optim_grads_params, " + std::to_string(micro_batches) + " micro-batch(es), NCCL at world size 1";
-    const Trained sharded = train_world_one_nccl(kShardOptimGradsParams, micro_batches);
-    EXPECT_TRUE(sharded.shards_on_cuda) << what;
-    expect_identical(sharded.params, train_world_one_nccl(kShardOptim, micro_batches).params, what);
-    expect_close(sharded.params, golden, what);
-  }
+  expect_world_one_nccl_is_optim_and_golden(kShardOptimGradsParams);
 }
 
 TEST(GpuShardedGrads, OptimGradsOverGlooWithCudaTensorsOnFourRanksIsOptimBitForBitAndMatchesGolden) {
