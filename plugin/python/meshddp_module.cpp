@@ -188,7 +188,7 @@ PYBIND11_MODULE(_C, m) {
                (r.report.empty() ? "" : ", report='" + r.report + "'") + ")";
       });
 
-  py::class_<meshddp::ParamGather::ForwardScope>(m, "_ForwardScope");
+  py::class_<PythonDdp::ForwardScope>(m, "_ForwardScope");
 
   py::class_<PythonDdp, EngineHolder<PythonDdp>>(m, "_Ddp")
       .def(py::init([](const std::vector<std::pair<std::string, at::Tensor>>& params,
@@ -251,6 +251,15 @@ PYBIND11_MODULE(_C, m) {
       .def("main_grad", &PythonDdp::main_grad)
       .def("param_names", &PythonDdp::param_names)
       .def("grad_buffer_bytes", [](const PythonDdp& d) { return d.grad_buffer()->grad_buffer_bytes(); })
+      // "optim_grads_params" (ZeRO-3): the sharded params (python_ddp.h); gathers and releases are collectives.
+      .def("intercept_param_reads_in_this_thread", &PythonDdp::intercept_param_reads_in_this_thread)
+      .def("gather_all_params", &PythonDdp::gather_all_params, Release())
+      .def("release_all_params", &PythonDdp::release_all_params, Release())
+      .def("param_shard_pieces", &PythonDdp::param_shard_pieces)
+      .def("param_storage_bytes", &PythonDdp::param_storage_bytes)
+      .def("peak_param_storage_bytes", &PythonDdp::peak_param_storage_bytes)
+      .def("reset_peak_param_storage", &PythonDdp::reset_peak_param_storage)
+      .def("param_shard_bytes", &PythonDdp::param_shard_bytes)
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
       // Per bucket (is_expert, the size of the group it is sharded over, the size of its cross-instance
       // group or 0): how ZeRO-1 shards each bucket (grad_buffer/bucket_reduction.h), for tests.

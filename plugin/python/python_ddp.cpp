@@ -1,8 +1,11 @@
 #include "plugin/python/python_ddp.h"
 
 #include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/param_buffer.h"
 #include "grad_buffer/param_gather.h"
+#include "grad_buffer/sharded_params.h"
 #include "mesh/placement.h"
+#include "optimizer/shard_layout.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
@@ -50,7 +53,7 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   // After the settings agreed (DdpEngine's construction): every rank refuses alike.
   TORCH_CHECK(dtensors_.empty() || !this->config().shards_grads(), "meshddp.DistributedDataParallel: parameter '",
               dtensors_.empty() ? std::string() : dtensors_.front().name,
-              "' is a DTensor, which data_parallel_sharding_strategy '", kShardOptimGrads,
+              "' is a DTensor, which data_parallel_sharding_strategy '", this->config().sharding_strategy(),
               "' does not support yet: a DTensor's gradient is accumulated by autograd into its .grad, a DTensor ",
               "over the param's slot in the whole gradient buffer, and this strategy keeps only each bucket's ",
               "shard. Use '", kShardOptim, "' for tensor-parallel (DTensor) models, or the C++ ",
@@ -116,8 +119,70 @@ void PythonDdp::zero_grad_buffer() {
   for (size_t i = 0; i < dtensor_grads_.size(); ++i) dtensors_[i].leaf.mutable_grad() = dtensor_grads_[i];
 }
 
-std::unique_ptr<ParamGather::ForwardScope> PythonDdp::open_forward_scope() const {
-  return std::make_unique<ParamGather::ForwardScope>(param_gather());
+namespace {
+
+ShardedParams& sharded_or_throw(ShardedParams* sharded, const DdpConfig& config, const char* who) {
+  TORCH_CHECK(sharded != nullptr, "meshddp.DistributedDataParallel.", who, " needs data_parallel_sharding_strategy '",
+              kShardOptimGradsParams, "' (params sharded), but this wrapper's is '", config.sharding_strategy(),
+              "': its params are whole tensors");
+  return *sharded;
+}
+
+// Bytes of the whole params in the gradient buffer (trainable ones), for the strategies that keep them whole.
+int64_t whole_param_bytes(const GradBuffer& buffer) {
+  if (const ParamBuffer* params = buffer.param_buffer()) return params->bytes();
+  int64_t bytes = 0;
+  for (const NamedParam& p : buffer.params()) bytes += static_cast<int64_t>(p.param.nbytes());
+  return bytes;
+}
+
+}  // namespace
+
+void PythonDdp::intercept_param_reads_in_this_thread() {
+  if (ShardedParams* sharded = sharded_params()) ShardedParams::UseScope turn_on(sharded, /*forward=*/false);
+}
+
+void PythonDdp::gather_all_params() {
+  sharded_or_throw(sharded_params(), config(), "gather_all_params()").gather_all();
+}
+
+void PythonDdp::release_all_params() {
+  sharded_or_throw(sharded_params(), config(), "release_all_params()").release_all();
+}
+
+std::vector<std::tuple<std::string, int64_t, at::Tensor>> PythonDdp::param_shard_pieces() const {
+  const ShardedParams& sharded = sharded_or_throw(sharded_params(), config(), "param_shard_pieces()");
+  const GradBuffer& buffer = grad_buffer();
+  std::vector<std::tuple<std::string, int64_t, at::Tensor>> out;
+  for (const BucketShard& shard :
+       shard_buckets(buffer.layout(), buffer.groups().dp_rank(), buffer.groups().dp_size())) {
+    const at::Tensor& kept = sharded.bucket_shard(shard.bucket);
+    TORCH_INTERNAL_ASSERT(kept.numel() == shard.numel, "PythonDdp: bucket ", shard.bucket, "'s shard has ",
+                          kept.numel(), " elements, the layout's ", shard.numel);
+    for (const ShardSegment& seg : shard.segments) {
+      out.emplace_back(buffer.params()[seg.param].name, seg.param_offset, kept.narrow(0, seg.shard_offset, seg.numel));
+    }
+  }
+  return out;
+}
+
+int64_t PythonDdp::param_storage_bytes() const {
+  const ShardedParams* sharded = sharded_params();
+  return sharded ? sharded->resident_bytes() : whole_param_bytes(grad_buffer());
+}
+
+int64_t PythonDdp::peak_param_storage_bytes() const {
+  const ShardedParams* sharded = sharded_params();
+  return sharded ? sharded->peak_resident_bytes() : whole_param_bytes(grad_buffer());
+}
+
+void PythonDdp::reset_peak_param_storage() {
+  if (ShardedParams* sharded = sharded_params()) sharded->reset_peak();
+}
+
+int64_t PythonDdp::param_shard_bytes() const {
+  const ShardedParams* sharded = sharded_params();
+  return sharded ? sharded->shard_bytes() : whole_param_bytes(grad_buffer());
 }
 
 std::vector<std::string> PythonDdp::param_names() const {

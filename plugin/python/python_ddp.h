@@ -22,6 +22,7 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace torch::autograd {
@@ -63,11 +64,39 @@ class PythonDdp : public DdpEngine {
   void finish_grad_sync();
 
   // Around the Python module's forward: the check that the previous step's sync has finished, the
-  // param all-gather wait scope (distributed optimizer with overlap), and, with
-  // find_unused_parameters, marking the params the outputs cannot reach.
+  // scope the forward runs in, and, with find_unused_parameters, marking the params the outputs
+  // cannot reach. The scope is DdpEngine's ParamWaitScope, as in the C++ forward: the wait for
+  // pending param all-gathers (distributed optimizer with overlap), or under "optim_grads_params" the
+  // ShardedParams UseScope (each unit gathered on use, released after; Note [Sharded parameters]).
+  class ForwardScope {
+   public:
+    explicit ForwardScope(const PythonDdp& ddp) : scope_(ddp.param_wait_scope()) {}
+
+   private:
+    ParamWaitScope scope_;
+  };
   void check_before_forward() { before_forward(); }
-  std::unique_ptr<ParamGather::ForwardScope> open_forward_scope() const;
+  std::unique_ptr<ForwardScope> open_forward_scope() const { return std::make_unique<ForwardScope>(*this); }
   void mark_unused(const std::vector<at::Tensor>& outputs) const { after_forward(outputs); }
+
+  // -- "optim_grads_params" (ZeRO-3) from Python; every one throws under the other strategies --
+  // Turns the gather-on-use interception on for the calling thread (the constructing one), so that
+  // an op there that reads a released unit before the first forward is refused naming the param,
+  // not run on storage without bytes.
+  void intercept_param_reads_in_this_thread();
+  // Gathers every unit and keeps it until release_all_params() (to read every whole param at once:
+  // the Python state_dict()). Collective over DP: every rank calls both.
+  void gather_all_params();
+  void release_all_params();
+  // This rank's pieces of the params: (param name, first element in the flattened param, a view of
+  // the shard that holds them), for a load that writes whole values into the shards.
+  std::vector<std::tuple<std::string, int64_t, at::Tensor>> param_shard_pieces() const;
+  // Bytes of param storage this rank holds now, the most since construction or
+  // reset_peak_param_storage(), and the shards alone (ShardedParams::resident_bytes etc.).
+  int64_t param_storage_bytes() const;
+  int64_t peak_param_storage_bytes() const;
+  void reset_peak_param_storage();
+  int64_t param_shard_bytes() const;
 
   // Names of the trainable params in GradBuffer (bucket) order, after deduplication.
   std::vector<std::string> param_names() const;

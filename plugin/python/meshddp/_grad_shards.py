@@ -1,4 +1,5 @@
-"""The Python side of data_parallel_sharding_strategy='optim_grads' (ZeRO-2, docs/guide/sharding.md): no
+"""The Python side of data_parallel_sharding_strategy='optim_grads' (ZeRO-2, docs/guide/sharding.md) and
+'optim_grads_params' (ZeRO-3), which shards the gradients the same way: no
 rank holds a whole gradient, so `param.main_grad` (Megatron's and veScale's name for a param's slot in the
 flat buffer) has nothing to be a view of. Reading it raises an AttributeError that says why and what to use
 instead, rather than the bare "object has no attribute" (code that probes it with getattr(p, "main_grad",
@@ -12,13 +13,17 @@ import torch
 
 _SUBCLASSES = {}  # the param's original class -> its subclass with the refusing main_grad
 _NAME = "_meshddp_grad_shard_name"  # the param's module path, for the message
+_STRATEGY = "_meshddp_grad_shard_strategy"  # the wrapper's strategy, for the message
+_ZERO = {"optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 
 
-def no_whole_main_grad(what, name):
-    """The error for reading a whole gradient of param `name` under optim_grads (`what`: the expression)."""
+def no_whole_main_grad(what, name, strategy="optim_grads"):
+    """The error for reading a whole gradient of param `name` under `strategy` (optim_grads or
+    optim_grads_params; `what`: the expression)."""
     return AttributeError(
         f"meshddp.DistributedDataParallel: {what}: parameter '{name}' has no whole gradient under "
-        f"data_parallel_sharding_strategy='optim_grads' (ZeRO-2): after each bucket's reduce-scatter a rank keeps "
+        f"data_parallel_sharding_strategy='{strategy}' ({_ZERO.get(strategy, strategy)}): after each bucket's "
+        f"reduce-scatter a rank keeps "
         f"only its shard of the gradient, and param.grad is None after backward. meshddp.DistributedOptimizer "
         f"steps the shards; clip with DistributedOptimizerConfig(clip_grad_norm=...) and read the norm from "
         f"StepResult.grad_norm. To read whole gradients, use data_parallel_sharding_strategy='optim'")
@@ -30,20 +35,25 @@ class _RefusedMainGrad:
     def __get__(self, param, owner=None):
         if param is None:
             return self
-        raise no_whole_main_grad("param.main_grad", param.__dict__.get(_NAME, "?"))
+        raise no_whole_main_grad("param.main_grad", *_named(param))
 
     def __set__(self, param, value):
-        raise no_whole_main_grad("setting param.main_grad", param.__dict__.get(_NAME, "?"))
+        raise no_whole_main_grad("setting param.main_grad", *_named(param))
 
     def __delete__(self, param):
-        raise no_whole_main_grad("deleting param.main_grad", param.__dict__.get(_NAME, "?"))
+        raise no_whole_main_grad("deleting param.main_grad", *_named(param))
 
 
-def refuse_main_grad(param, name):
-    """Makes `param.main_grad` raise (see the module's docstring), naming `name`. A main_grad left by an
+def _named(param):
+    return param.__dict__.get(_NAME, "?"), param.__dict__.get(_STRATEGY, "optim_grads")
+
+
+def refuse_main_grad(param, name, strategy="optim_grads"):
+    """Makes `param.main_grad` raise (see the module's docstring), naming `name` and `strategy`. A main_grad left by an
     earlier wrapper (a view of a buffer that is gone) is dropped."""
     param.__dict__.pop("main_grad", None)
     param.__dict__[_NAME] = name
+    param.__dict__[_STRATEGY] = strategy
     cls = type(param)
     if "main_grad" in vars(cls) and isinstance(vars(cls)["main_grad"], _RefusedMainGrad):
         return
@@ -65,3 +75,4 @@ def allow_main_grad(param):
     if is_refusing(param):
         param.__class__ = type(param).__bases__[0]
         param.__dict__.pop(_NAME, None)
+        param.__dict__.pop(_STRATEGY, None)

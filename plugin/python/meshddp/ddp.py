@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _deprecated, _grad_shards, _groups, _guards
+from meshddp import _C, _deprecated, _grad_shards, _groups, _guards, _sharded_params
 from meshddp import compile as _compile
 
 
@@ -177,19 +177,16 @@ def _register_progress(groups, stuck_report_after, timeout):
 
 
 def _sharding_applied(config):
-    """The config with data_parallel_sharding_strategy applied (docs/guide/sharding.md): 'optim' and
-    'optim_grads' are use_distributed_optimizer (a copy with it set; the caller's config is left alone);
+    """The config with data_parallel_sharding_strategy applied (docs/guide/sharding.md): 'optim',
+    'optim_grads' and 'optim_grads_params' are use_distributed_optimizer (a copy with it set; the caller's
+    config is left alone);
     'no_shard' with use_distributed_optimizer is refused. Called after the ranks agreed on the config, so
     every rank decides alike."""
     strategy = config.data_parallel_sharding_strategy
     if strategy == "no_shard" and config.use_distributed_optimizer:
         raise _error("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True (the "
                      "'optim' strategy); set one of them")
-    if strategy == "optim_grads_params":
-        raise _error("data_parallel_sharding_strategy='optim_grads_params' is not supported from Python yet: the "
-                     "wrapper's params, main grads and state dicts are whole tensors, which this strategy does not "
-                     "keep. Use 'optim' from Python, or the C++ meshddp::DistributedDataParallel")
-    if strategy in ("optim", "optim_grads") and not config.use_distributed_optimizer:
+    if strategy in ("optim", "optim_grads", "optim_grads_params") and not config.use_distributed_optimizer:
         config = _C.DdpConfig(**{name: getattr(config, name) for name in config.field_names()})
         config.use_distributed_optimizer = True
     return config
@@ -300,9 +297,14 @@ class DistributedDataParallel(torch.nn.Module):
                                expert_dp_group=expert_dp_group, instance_group=instance_group,
                                cross_instance_group=cross_group, expert_instance_group=expert_instance_group,
                                pipeline_group=pipeline_group)
-        # optim_grads: no whole gradient buffer (grads are sharded after each bucket's reduce-scatter):
-        # param.main_grad is refused by name (meshddp/_grad_shards.py), param.grad is None after backward.
-        self._shards_grads = config.data_parallel_sharding_strategy == "optim_grads"
+        # optim_grads (and optim_grads_params): no whole gradient buffer (grads are sharded after each bucket's
+        # reduce-scatter): param.main_grad is refused by name (meshddp/_grad_shards.py), param.grad is None after
+        # backward. optim_grads_params: the params are shards too, gathered per unit on use (_sharded_params.py).
+        self._strategy = config.data_parallel_sharding_strategy
+        self._shards_grads = self._strategy in ("optim_grads", "optim_grads_params")
+        self._shards_params = self._strategy == "optim_grads_params"
+        if self._shards_params:
+            self._engine.intercept_param_reads_in_this_thread()
         grads = {}
         for name, p, _, _ in dtensors:
             grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
@@ -315,7 +317,7 @@ class DistributedDataParallel(torch.nn.Module):
                 continue
             engine_name = self._engine_names.get(name, name)
             if self._shards_grads:
-                _grad_shards.refuse_main_grad(p, name)
+                _grad_shards.refuse_main_grad(p, name, self._strategy)
             else:
                 _grad_shards.allow_main_grad(p)  # wrapped under optim_grads before: main_grad settable again
                 p.main_grad = grads[engine_name] if isinstance(p, DTensor) else self._engine.main_grad(engine_name)
@@ -374,6 +376,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.check_before_forward()
         compiling = _compile.is_compiling_callback(callback)
         _compile.refuse_compiled_autograd(compiling)
+        if self._shards_params and (compiling or _compile.may_run_compiled_code(self.module)):
+            raise _error("torch.compile is not supported under data_parallel_sharding_strategy='optim_grads_params': "
+                         "compiled kernels read the params' storage directly, without the dispatcher that gathers "
+                         "each FSDP unit on use, and would read released (empty) storage. Run the model eagerly, or "
+                         "use 'optim_grads'")
         if self._engine.pending_param_gathers() > 0 and (compiling or _compile.may_run_compiled_code(self.module)):
             self._engine.finish_param_gathers()
         scope = self._engine.open_forward_scope()
@@ -496,7 +503,13 @@ class DistributedDataParallel(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """The module's state_dict, after pending param all-gathers finish (ZeRO-1 with
         overlap_param_gather: right after step() the params are still being gathered; the module's
-        own state_dict() would read some of the previous step's values)."""
+        own state_dict() would read some of the previous step's values). Under
+        data_parallel_sharding_strategy='optim_grads_params' a collective over DP that returns whole copies
+        of the params (every unit gathered, copied, released: a transient whole model per rank), so that
+        the checkpoint is the same under every strategy (Note [Whole-param state dicts under
+        optim_grads_params], meshddp/_sharded_params.py)."""
+        if self._shards_params:
+            return _sharded_params.state_dict(self, *args, **kwargs)
         self._engine.finish_param_gathers()
         return self.module.state_dict(*args, **kwargs)
 
@@ -505,10 +518,14 @@ class DistributedDataParallel(torch.nn.Module):
         while a gradient sync is pending). With the distributed optimizer, pending param all-gathers
         finish first and the optimizer's fp32 master weights are refreshed from the loaded params
         before its next step (else the step would write the old weights back). assign=True is refused:
-        it would replace the params, which are views of meshddp's flat buffers."""
+        it would replace the params, which are views of meshddp's flat buffers. Under
+        data_parallel_sharding_strategy='optim_grads_params' each rank writes its shards of the given whole
+        tensors (not collective)."""
         if assign:
             raise _error("load_state_dict(assign=True) would replace the parameters, but each is a view of "
                          "meshddp's flat buffers; load with assign=False (the default: values copied in place)")
+        if self._shards_params:
+            return _sharded_params.load_state_dict(self, state_dict, strict=strict)
         self._engine.before_params_written("meshddp.DistributedDataParallel.load_state_dict")
         try:
             return self.module.load_state_dict(state_dict, strict=strict)
@@ -521,6 +538,10 @@ class DistributedDataParallel(torch.nn.Module):
         if local_metadata.get("assign_to_params_buffers", False):
             raise _error("load_state_dict(assign=True) would replace the parameters, but each is a view of "
                          "meshddp's flat buffers; load with assign=False (the default: values copied in place)")
+        if self._shards_params:
+            raise _error("loaded as a submodule (e.g. torch.compile(ddp).load_state_dict) under "
+                         "data_parallel_sharding_strategy='optim_grads_params', which keeps only shards of the params: "
+                         "call load_state_dict on the DistributedDataParallel itself, which writes the shards")
         self._engine.before_params_written("meshddp.DistributedDataParallel.load_state_dict")
         for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
             state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
@@ -530,12 +551,31 @@ class DistributedDataParallel(torch.nn.Module):
         buffer, shaped like the param's local tensor (fp32 with grad_reduce_in_fp32). Refused under
         data_parallel_sharding_strategy='optim_grads', which keeps no whole gradient."""
         if self._shards_grads:
-            raise _grad_shards.no_whole_main_grad(f"ddp.main_grad('{name}')", name)
+            raise _grad_shards.no_whole_main_grad(f"ddp.main_grad('{name}')", name, self._strategy)
         return self._engine.main_grad(self._engine_names.get(name, name))
 
     @property
     def config(self):
         return self._engine.config
+
+    def param_storage_bytes(self):
+        """Bytes of param storage this rank holds now (trainable params). Under
+        data_parallel_sharding_strategy='optim_grads_params' its shards plus the FSDP units in use or being
+        gathered (between steps: the shards alone, param_shard_bytes()); under the other strategies the
+        whole params (the flat param buffer with the distributed optimizer)."""
+        return self._engine.param_storage_bytes()
+
+    def peak_param_storage_bytes(self):
+        """The most param_storage_bytes() has been since construction or reset_peak_param_storage()."""
+        return self._engine.peak_param_storage_bytes()
+
+    def reset_peak_param_storage(self):
+        self._engine.reset_peak_param_storage()
+
+    def param_shard_bytes(self):
+        """Bytes of this rank's param shards under 'optim_grads_params' (1/DP of the padded buckets); the
+        whole params under the other strategies, which do not shard them."""
+        return self._engine.param_shard_bytes()
 
     def grad_buffer_bytes(self):
         """Bytes of the flat gradient buffers (the gradients' only long-lived home); under

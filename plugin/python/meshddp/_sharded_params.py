@@ -1,0 +1,72 @@
+"""The Python side of data_parallel_sharding_strategy='optim_grads_params' (ZeRO-3, docs/reference/sharding.md):
+the wrapper's state_dict() and load_state_dict() when a rank holds only its shards of the params.
+
+Note [Whole-param state dicts under optim_grads_params]
+  Each trainable param is a view of its bucket's storage, which has bytes only while its FSDP unit is in use
+  (Note [Sharded parameters], grad_buffer/sharded_params.h): outside a forward, reading it is refused naming
+  the param. So state_dict() gathers every unit (a collective over DP: every rank calls it, as DCP's save
+  does), clones each value and releases the units again: the dict holds whole tensors, the same keys, shapes
+  and values as under 'optim', and a checkpoint saved under one strategy loads under the other, at any DP
+  size (DCP reshards whole tensors itself). The cost is a transient copy of the whole model on every rank
+  while the dict lives (as FSDP's FULL_STATE_DICT without CPU offload). load_state_dict() writes into this
+  rank's shards only: each piece of a shard (a contiguous range of one flattened param, the layout's
+  segments) takes its range of the given whole tensor; the units are gathered from the shards on their next
+  use, and the optimizer's fp32 masters are refreshed from them before its next step."""
+
+import torch
+
+_WHO = "meshddp.DistributedDataParallel.load_state_dict"
+
+
+def _error(what):
+    return RuntimeError(f"{_WHO}: {what}")
+
+
+def state_dict(ddp, *args, **kwargs):
+    """The module's state_dict with every tensor a whole copy (see the Note). Collective over DP."""
+    ddp._engine.gather_all_params()
+    try:
+        with torch.no_grad():
+            out = ddp.module.state_dict(*args, **kwargs)
+            for key, value in out.items():
+                if isinstance(value, torch.Tensor):
+                    out[key] = value.detach().clone()
+            return out
+    finally:
+        ddp._engine.release_all_params()
+
+
+def load_state_dict(ddp, given, strict=True):
+    """Writes `given` (whole tensors by module path, as state_dict() gives them) into this rank's shards, the
+    frozen params and the buffers. Checks every key and shape before anything is written. Not collective."""
+    module = ddp.module
+    own = module.state_dict()  # views: they read nothing
+    missing = [k for k in own if k not in given]
+    unexpected = [k for k in given if k not in own]
+    if strict and (missing or unexpected):
+        raise _error(f"the state dict does not fit the module: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                     f"{' (and more)' if len(missing) > 8 or len(unexpected) > 8 else ''}; pass every parameter and "
+                     f"buffer of the module (strict=False to load only some)")
+    for key, value in given.items():
+        if key in own and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(own[key].shape)):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise _error(f"'{key}' has shape {shape} in the state dict but {tuple(own[key].shape)} in the module")
+    ddp._engine.before_params_written(_WHO)
+    sharded = set(ddp._engine.param_names())
+    aliases = {}  # a tied param's other names, for a dict that holds it under one of them only
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    names_of = {names[0]: names for names in aliases.values()}
+    try:
+        with torch.no_grad():
+            for name, offset, piece in ddp._engine.param_shard_pieces():
+                source = next((given[n] for n in names_of.get(name, [name]) if n in given), None)
+                if source is not None:
+                    flat = source.detach().reshape(-1)[offset:offset + piece.numel()]
+                    piece.copy_(flat.to(device=piece.device, dtype=piece.dtype))
+            for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                if name not in sharded and name in given:  # frozen params and buffers: whole on every rank
+                    tensor.copy_(given[name])
+    finally:
+        ddp._engine.notify_params_changed()  # also after a partial load: the masters are reloaded
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
