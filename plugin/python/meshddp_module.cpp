@@ -260,6 +260,7 @@ PYBIND11_MODULE(_C, m) {
       .def("peak_param_storage_bytes", &PythonDdp::peak_param_storage_bytes)
       .def("reset_peak_param_storage", &PythonDdp::reset_peak_param_storage)
       .def("param_shard_bytes", &PythonDdp::param_shard_bytes)
+      .def("fsdp_unit_names", &PythonDdp::fsdp_unit_names)
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
       // Per bucket (is_expert, the size of the group it is sharded over, the size of its cross-instance
       // group or 0): how ZeRO-1 shards each bucket (grad_buffer/bucket_reduction.h), for tests.

@@ -185,6 +185,13 @@ int64_t PythonDdp::param_shard_bytes() const {
   return sharded ? sharded->shard_bytes() : whole_param_bytes(grad_buffer());
 }
 
+std::vector<std::string> PythonDdp::fsdp_unit_names() const {
+  const ShardedParams& sharded = sharded_or_throw(sharded_params(), config(), "fsdp_unit_names()");
+  std::vector<std::string> names;
+  for (int64_t u = 0; u < sharded.num_units(); ++u) names.push_back(sharded.unit_name(u));
+  return names;
+}
+
 std::vector<std::string> PythonDdp::param_names() const {
   std::vector<std::string> names;
   for (const auto& p : grad_buffer()->params()) names.push_back(p.name);

@@ -97,6 +97,9 @@ class PythonDdp : public DdpEngine {
   int64_t peak_param_storage_bytes() const;
   void reset_peak_param_storage();
   int64_t param_shard_bytes() const;
+  // The FSDP units (DdpConfig::fsdp_unit_modules over the params' module paths), in the order of their
+  // first param: what the units are made of, by name.
+  std::vector<std::string> fsdp_unit_names() const;
 
   // Names of the trainable params in GradBuffer (bucket) order, after deduplication.
   std::vector<std::string> param_names() const;

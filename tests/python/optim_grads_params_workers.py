@@ -140,7 +140,8 @@ def _message(fn, kinds=(RuntimeError,)):
 
 
 def refusals(rank, world_size):
-    """The messages of what optim_grads_params refuses from Python (each caught: every rank goes on alike)."""
+    """The messages of what optim_grads_params refuses from Python (each caught: every rank goes on alike); and
+    the FSDP units of the default fsdp_unit_modules and of "blocks.*", by name."""
     ddp, opt = build(world_size, "optim_grads_params")
     train(ddp, opt, rank, world_size, range(1))
     weight = ddp.module.blocks[2].fc1.weight
@@ -151,6 +152,10 @@ def refusals(rank, world_size):
            "storage_bytes": weight.untyped_storage().nbytes()}
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     out["torch_optimizer"] = _message(sgd.step)
+    out["default_units"] = ddp._engine.fsdp_unit_names()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    out["block_units"] = meshddp.DistributedDataParallel(gpt(), mesh, config=meshddp.DdpConfig(
+        data_parallel_sharding_strategy="optim_grads_params", fsdp_unit_modules="blocks.*"))._engine.fsdp_unit_names()
     return out
 
 

@@ -64,6 +64,14 @@ def test_backward_gathers_the_released_units_it_reads():
         assert r["diff"] == 0.0, f"rank {rank}: one SGD step on the gradients differs from optim's by {r['diff']}"
 
 
+def test_units_are_the_python_modules_fsdp_unit_modules_names():
+    blocks = [f"blocks.{i}" for i in range(4)]
+    for r in multiprocess.run_once(2, "optim_grads_params_workers.refusals"):
+        # Default: each top-level child, each element of the top-level ModuleList (head.weight is wte's, tied).
+        assert r["default_units"] == ["wte", "wpe", *blocks, "ln_f"], r["default_units"]
+        assert r["block_units"] == ["(root)", *blocks], r["block_units"]
+
+
 def test_what_it_cannot_do_is_refused_naming_the_param():
     for r in multiprocess.run_once(2, "optim_grads_params_workers.refusals"):
         assert r["storage_bytes"] == 0, "between steps a released unit's storage must hold no bytes"
