@@ -51,29 +51,39 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
                 config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
   // After the settings agreed (DdpEngine's construction): every rank refuses alike.
-  TORCH_CHECK(dtensors_.empty() || !this->config().shards_grads(), "meshddp.DistributedDataParallel: parameter '",
+  TORCH_CHECK(dtensors_.empty() || !this->config().shards_params(), "meshddp.DistributedDataParallel: parameter '",
               dtensors_.empty() ? std::string() : dtensors_.front().name,
               "' is a DTensor, which data_parallel_sharding_strategy '", this->config().sharding_strategy(),
-              "' does not support yet: a DTensor's gradient is accumulated by autograd into its .grad, a DTensor ",
-              "over the param's slot in the whole gradient buffer, and this strategy keeps only each bucket's ",
-              "shard. Use '", kShardOptim, "' for tensor-parallel (DTensor) models, or the C++ ",
-              "meshddp::DistributedDataParallel with meshddp::parallelize (DP x TP under '", kShardOptimGrads, "')");
+              "' does not support from Python yet: a param there is a view of its unit's storage, released ",
+              "between uses, which a DTensor's local tensor does not follow. Use '", kShardOptimGrads,
+              "' for tensor-parallel (DTensor) models, or the C++ meshddp::DistributedDataParallel with ",
+              "meshddp::parallelize (DP x TP under '", kShardOptimGradsParams, "')");
   TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
               "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",
               dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",
               "buffer holds. Unused DTensor params still work without it: finish_grad_sync() reduces their zeros");
   for (const auto& d : dtensors_) {
     const int64_t index = index_in_buffer(buffer(), d);
-    buffer().zero_slot_every_step(index);  // the DTensor's AccumulateGrad adds into the slot, not ours
+    const bool shards_grads = this->config().shards_grads();
+    if (!shards_grads) buffer().zero_slot_every_step(index);  // the DTensor's AccumulateGrad adds into the slot
     auto relay = std::make_unique<Relay>();
     relay->accumulator = torch::autograd::impl::grad_accumulator(d.leaf);
     TORCH_INTERNAL_ASSERT(relay->accumulator, "no grad accumulator for DTensor parameter ", d.name);
     GradBuffer* grads = &buffer();
     const size_t which = relays_.size();
     relay->key = relay->accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, grads, index, which](const torch::autograd::variable_list& outputs,
-                                    const torch::autograd::variable_list&) {
+        [this, grads, index, which, shards_grads](const torch::autograd::variable_list& outputs,
+                                                  const torch::autograd::variable_list&) {
           const DtensorParam& d = dtensors_[which];
+          if (shards_grads) {  // the Python post-accumulate hook moved the gradient onto the local tensor
+            TORCH_CHECK(d.local.grad().defined() && !d.leaf.grad().defined(),
+                        "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient that ",
+                        "did not reach meshddp's buffer under data_parallel_sharding_strategy '", kShardOptimGrads,
+                        "': the wrapper's post-accumulate-grad hook on the param did not run (were the param's ",
+                        "hooks cleared?). Re-wrap the model");
+            grads->on_grad_accumulated(index);
+            return outputs;
+          }
           TORCH_CHECK(
               which < dtensor_grads_.size() && d.leaf.grad().is_same(dtensor_grads_[which]),
               "meshddp.DistributedDataParallel: DTensor parameter '", d.name, "' got a gradient while its ",

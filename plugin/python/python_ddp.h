@@ -15,6 +15,11 @@
 //   DTensor's AccumulateGrad node (C++, no Python) then reports the local param ready to the
 //   GradBuffer, which launches its bucket over DP. zero_grad_buffer() puts the DTensor grads back
 //   if something (torch's optimizer.zero_grad()) replaced them.
+//   Under optim_grads (ZeRO-2) there is no whole buffer for the DTensor .grad to wrap: .grad starts
+//   None, AccumulateGrad stores the new DTensor gradient, and a Python post-accumulate-grad hook on the
+//   DTensor (meshddp/_grad_shards.py, run by torch before the node's post-hooks) moves it, at the
+//   param's placements, onto the local tensor's .grad and sets the DTensor's .grad back to None; the
+//   post-hook then reports the local param, whose gradient the GradBuffer adds into its bucket's block.
 #pragma once
 
 #include "grad_buffer/param_gather.h"

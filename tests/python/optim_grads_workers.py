@@ -1,7 +1,7 @@
 """Rank functions for test_optim_grads.py: meshddp.DistributedDataParallel under
 data_parallel_sharding_strategy='optim_grads' (ZeRO-2) from Python, against 'optim' (ZeRO-1) at the same DP
 size and against one process (torch.optim.AdamW on the whole global batch), with and without gradient
-accumulation; the gradient storage it holds; its refusals; DCP checkpoints across the strategies."""
+accumulation; the gradient storage it holds; its refusals (DTensor models: test_tensor_parallel.py); DCP checkpoints across the strategies."""
 
 import os
 
@@ -132,23 +132,6 @@ def refusals(rank, world_size):
     except RuntimeError as e:
         out["torch_optimizer"] = str(e)
     return out
-
-
-def dtensor_refused(rank, world_size):
-    """A DTensor (tensor-parallel) model under optim_grads: every rank refuses at construction."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from workers import Block
-
-    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
-    model = Block()
-    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    try:
-        meshddp.DistributedDataParallel(model, mesh, "dp",
-                                        meshddp.DdpConfig(data_parallel_sharding_strategy="optim_grads"))
-    except RuntimeError as e:
-        return str(e)
-    return None
 
 
 def dcp_save(rank, world_size, directory):

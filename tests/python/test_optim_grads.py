@@ -64,12 +64,6 @@ def test_whole_gradients_are_refused_naming_the_param_and_what_to_use():
         assert "meshddp.DistributedOptimizer" in r["torch_optimizer"], r["torch_optimizer"]
 
 
-def test_a_dtensor_model_is_refused_at_construction_on_every_rank():
-    for message in multiprocess.run_once(2, "optim_grads_workers.dtensor_refused"):
-        assert message is not None, "a DTensor model was wrapped under optim_grads"
-        assert "fc1.weight" in message and "is a DTensor" in message and "'optim'" in message, message
-
-
 @pytest.mark.parametrize("save_size,load_size", [(2, 4), (4, 2)])
 def test_dcp_checkpoint_saved_under_one_strategy_resumes_under_the_other_at_another_dp_size(save_size, load_size):
     with tempfile.TemporaryDirectory() as directory:

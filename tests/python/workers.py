@@ -180,15 +180,19 @@ def full(p):
 def tp_vs_single(rank, world_size, dp, tp, optimizer):
     """The Block parallelized with torch TP (parallelize_module over the mesh's "tp" dim) and wrapped
     in meshddp DDP on a dp x tp mesh, against the same Block at 1x1 (one process, global batch).
-    optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer)."""
+    optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer) | zero2
+    (the same under data_parallel_sharding_strategy='optim_grads') | zero2_accum (zero2 with each rank's batch
+    in 2 micro-batches, the first under no_sync)."""
     torch.manual_seed(0)
     model = Block()
     golden = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    zero1 = optimizer == "zero1"
-    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(bucket_bytes=512,
-                                                                               use_distributed_optimizer=zero1))
+    zero1 = optimizer in ("zero1", "zero2", "zero2_accum")
+    strategy = "optim_grads" if optimizer.startswith("zero2") else "optim" if zero1 else "no_shard"
+    micro_batches = 2 if optimizer == "zero2_accum" else 1
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(
+        bucket_bytes=512, data_parallel_sharding_strategy=strategy))
     if zero1:
         opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
         opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
@@ -197,10 +201,14 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
         opt_golden = make_optimizer(optimizer, golden.parameters(), 0.01)
     dp_rank = mesh.get_local_rank("dp")
     grad_diff = None
+    grads_seen = False  # any param's .grad set after a backward (optim_grads keeps none)
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         x, y = batch(step, dp_rank, 0, 16, 8)
-        F.mse_loss(ddp(x), y).backward()
+        for m, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            ddp.set_requires_gradient_sync(m == micro_batches - 1)
+            (F.mse_loss(ddp(xm), ym) / micro_batches).backward()
+            grads_seen = grads_seen or any(p.grad is not None for p in ddp.parameters())
         ddp.finish_grad_sync()
         xs, ys = zip(*(batch(step, r, 0, 16, 8) for r in range(dp)))
         opt_golden.zero_grad()
@@ -214,6 +222,8 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
     return {
         "grad_diff": grad_diff,
         "param_diff": max_diff([full(p) for p in ddp.parameters()], list(golden.parameters())),
+        "params": [full(p).detach().clone() for p in ddp.parameters()],
+        "grads_seen": grads_seen,
         "dtensor_params": sorted(n for n, p in ddp.named_parameters() if isinstance(p, DTensor)),
         "grad_bytes": ddp.grad_buffer_bytes(),
     }
@@ -267,7 +277,7 @@ def tp_group_checks(rank, world_size, dp, tp):
 
 
 def tp_suite(rank, world_size, dp, tp):
-    out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1")}
+    out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1", "zero2", "zero2_accum")}
     out["wrong_mesh"] = tp_wrong_mesh_error(rank, world_size, dp, tp)
     out["tp_group"] = tp_group_checks(rank, world_size, dp, tp)
     return out

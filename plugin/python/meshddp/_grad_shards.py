@@ -76,3 +76,33 @@ def allow_main_grad(param):
         param.__class__ = type(param).__bases__[0]
         param.__dict__.pop(_NAME, None)
         param.__dict__.pop(_STRATEGY, None)
+
+
+def hand_dtensor_grad_to(param, local, owner):
+    """optim_grads with a DTensor param (torch TP): no whole gradient buffer exists for its .grad to be a
+    DTensor over (Note [DTensor parameters], python_ddp.h), so each new DTensor gradient autograd stores
+    in `param.grad` is moved, after accumulation, onto the local tensor the engine holds (`local.grad`),
+    at the param's own placements (a Partial gradient is reduced over TP first, as DTensor's in-place add
+    does under 'optim'), and `param.grad` is set back to None. The engine's post-hook on the same
+    AccumulateGrad node runs next (torch runs tensor post-accumulate hooks first) and adds `local.grad`
+    into its bucket's block. `owner`: the wrapper, held weakly; once it is gone the hook does nothing.
+    Returns the hook's handle."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    owner_ref = weakref.ref(owner)
+
+    def move_to_local(p):
+        if owner_ref() is None or p.grad is None:
+            return
+        grad = p.grad
+        with torch.no_grad():
+            if isinstance(grad, DTensor):
+                if tuple(grad.placements) != tuple(p.placements):
+                    grad = grad.redistribute(p.device_mesh, p.placements)
+                grad = grad.to_local()
+            local.grad = grad
+        p.grad = None
+
+    return param.register_post_accumulate_grad_hook(move_to_local)

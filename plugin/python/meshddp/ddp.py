@@ -306,10 +306,15 @@ class DistributedDataParallel(torch.nn.Module):
         if self._shards_params:
             self._engine.intercept_param_reads_in_this_thread()
         grads = {}
-        for name, p, _, _ in dtensors:
-            grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
-                                             run_check=False, shape=p.shape, stride=p.stride())
-        self._engine.set_dtensor_grads(list(grads.values()))
+        self._dtensor_grad_hooks = []
+        for name, p, local, _ in dtensors:
+            if self._shards_grads:  # each new DTensor gradient handed to the engine by its local shard
+                self._dtensor_grad_hooks.append(_grad_shards.hand_dtensor_grad_to(p, local, self))
+            else:
+                grads[name] = DTensor.from_local(self._engine.main_grad(name), p.device_mesh, p.placements,
+                                                 run_check=False, shape=p.shape, stride=p.stride())
+        if not self._shards_grads:
+            self._engine.set_dtensor_grads(list(grads.values()))
         # param.main_grad, as Megatron and veScale read it: the param's slot in the flat buffer (fp32 with
         # grad_reduce_in_fp32); for a DTensor param the DTensor over its slot (its .grad).
         for name, p in module.named_parameters():
