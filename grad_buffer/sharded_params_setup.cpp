@@ -22,9 +22,6 @@ void GradBuffer::check_shardable_param(const NamedParam& p, bool expert) const {
   if (config_.shard_policy != kByteRangeShards) {
     refuse("shard_policy 'whole_param'", "use 'optim_grads' with whole_param (Muon steps whole matrices there)");
   }
-  if (config_.num_distributed_optimizer_instances != 1) {
-    refuse("num_distributed_optimizer_instances > 1", "use 'optim_grads' for hierarchical instances");
-  }
 }
 
 }  // namespace meshddp

@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 using namespace meshddp;
 using namespace meshddp::test;
@@ -452,27 +453,63 @@ TEST(ExpertParallel, TwoOptimizerInstancesShardExpertBucketsWithinTheInstanceAnd
   }
 }
 
+// optim_grads_params in two optimizer instances: each instance holds the params sharded over its own
+// ranks (dense buckets over its D/K = 2, expert ones over its expert-DP / K), gathered within it; the
+// gradient shards are all-reduced across the instances as under optim. At EP 2 and EP 1 (expert units
+// sharded as dense ones) the params match one process and the optim strategy's run bit for bit.
+TEST(ExpertParallel, ShardedParamsInTwoOptimizerInstancesMatchOneProcessAndOptim) {
+  for (int64_t ep : {2, 1}) {
+    const std::vector<Named> optim = expect_matches_golden(Optim::kAdamW, /*zero1=*/true, ep, 2, kShardOptim);
+    const std::vector<Named> zero3 =
+        expect_matches_golden(Optim::kAdamW, /*zero1=*/true, ep, 2, kShardOptimGradsParams);
+    for (int64_t rank = 0; rank < kDp; ++rank) {
+      for (const auto& [name, want] : optim[rank]) {
+        EXPECT_TRUE(torch::equal(zero3[rank].at(name), want))
+            << name << " on rank " << rank << " at ep " << ep << ": max |diff| to optim "
+            << (zero3[rank].at(name) - want).abs().max();
+      }
+    }
+    run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, 0, /*instances=*/2, kShardOptimGradsParams);
+      const ShardedParams* sharded = r.ddp->grad_buffer()->param_buffer()->sharded();
+      const GradBuffer& buffer = *r.ddp->grad_buffer();
+      for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+        const int64_t within = buffer.bucket_reduction(b).expert ? kDp / ep / 2 : kDp / 2;
+        EXPECT_EQ(sharded->bucket_shard(b).numel(), buffer.layout().buckets[b].numel() / within)
+            << "bucket " << b << " at ep " << ep;
+      }
+    });
+  }
+}
+
 TEST(ExpertParallel, CheckpointWithExpertsInTwoInstancesResumesAtAnotherLayout) {
-  // Saved at EP 2 in 2 instances (instance 0 writes every shard, expert ones too), loaded flat at EP 2
-  // and EP 4, and at EP 1 in 2 instances: each continues as the golden does.
+  // Saved at EP 2 in 2 instances (instance 0 writes every shard, expert ones too), under optim and under
+  // optim_grads_params, loaded flat at EP 2 and EP 4, and at EP 1 in 2 instances, each under the other
+  // strategy too: each continues as the golden does.
   const std::string dir = fresh_dir("expert-instances-ckpt");
   const GoldenRun want = golden(Optim::kAdamW, 3);
-  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    Rank r = make_rank(mesh, /*ep=*/2, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2);
-    for (int step = 0; step < 2; ++step) train_step(r, mesh, step, nullptr);
-    save_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir, 2);
-  });
-  for (const auto& [ep, instances] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {4, 1}, {1, 2}}) {
-    const std::string at = " (ep " + std::to_string(ep) + ", " + std::to_string(instances) + " instance(s))";
+  for (const char* saved_under : {kShardOptim, kShardOptimGradsParams}) {
+    const char* other = std::string(saved_under) == kShardOptim ? kShardOptimGradsParams : kShardOptim;
+    remove_dir(dir);
     run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/5, instances);
-      const LoadedCheckpoint loaded =
-          load_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir);
-      EXPECT_EQ(loaded.step, 2);
-      expect_close(params_of(r), want.params[1], "loaded param" + at, mesh.rank(), 1);
-      train_step(r, mesh, 2, nullptr);
-      expect_close(params_of(r), want.params[2], "param after resuming" + at, mesh.rank(), 2);
+      Rank r = make_rank(mesh, /*ep=*/2, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2, saved_under);
+      for (int step = 0; step < 2; ++step) train_step(r, mesh, step, nullptr);
+      save_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir, 2);
     });
+    for (const auto& [ep, instances, strategy] :
+         std::vector<std::tuple<int64_t, int64_t, const char*>>{{2, 1, saved_under}, {4, 1, other}, {1, 2, other}}) {
+      const std::string at = " (saved under " + std::string(saved_under) + "; ep " + std::to_string(ep) + ", " +
+                             std::to_string(instances) + " instance(s), " + strategy + ")";
+      run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+        Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/5, instances, strategy);
+        const LoadedCheckpoint loaded =
+            load_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir);
+        EXPECT_EQ(loaded.step, 2);
+        expect_close(params_of(r), want.params[1], "loaded param" + at, mesh.rank(), 1);
+        train_step(r, mesh, 2, nullptr);
+        expect_close(params_of(r), want.params[2], "param after resuming" + at, mesh.rank(), 2);
+      });
+    }
   }
   remove_dir(dir);
 }
