@@ -440,11 +440,6 @@ void DdpEngine::broadcast_initial_state(const InitState& s) {
 }
 
 void DdpEngine::lay_out_gradient_buffer(const InitState& s) {
-  TORCH_CHECK(!config_.shards_params() || (config_.virtual_pipeline_size == 1 && !groups_.has_pipeline()),
-              "DistributedDataParallel: data_parallel_sharding_strategy '", kShardOptimGradsParams,
-              "' does not support pipeline stages or chunks yet (virtual_pipeline_size ", config_.virtual_pipeline_size,
-              ", a pipeline of ", groups_.pipeline ? groups_.pipeline->getSize() : 1, " stage(s)); use '",
-              kShardOptimGrads, "' (gradients and optimizer state sharded) or '", kShardOptim, "'");
   buffer_ = std::make_unique<GradBuffer>(s.named, groups_, static_cast<GradBufferConfig>(config_));
   // A norm or a step must then cover every chunk of this rank (grad_buffer/run_stats.h).
   declare_pipeline_chunks(buffer_.get(), config_.virtual_pipeline_size);

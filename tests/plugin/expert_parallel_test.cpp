@@ -18,6 +18,7 @@
 #include "grad_buffer/bucket_layout.h"
 #include "grad_buffer/bucket_reduction.h"
 #include "grad_buffer/grad_buffer.h"
+#include "grad_buffer/sharded_params.h"
 #include "mesh/placement.h"
 #include "optimizer/distributed_optimizer.h"
 #include "plugin/distributed_data_parallel.h"
@@ -34,6 +35,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 using namespace meshddp;
 using namespace meshddp::test;
@@ -183,7 +185,9 @@ struct Rank {
   int64_t ep = 1;
 };
 
-Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t perturb = 0, int64_t instances = 1) {
+// `strategy`: DdpConfig::data_parallel_sharding_strategy ("" = from `zero1`).
+Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t perturb = 0, int64_t instances = 1,
+               const char* strategy = "") {
   Rank r;
   r.ep = ep;
   const int64_t d = mesh.coordinate("dp");
@@ -195,6 +199,7 @@ Rank make_rank(DeviceMesh& mesh, int64_t ep, Optim optim, bool zero1, uint64_t p
   config.use_distributed_optimizer = zero1;
   config.expert_parallel_size = ep;
   config.num_distributed_optimizer_instances = instances;
+  config.data_parallel_sharding_strategy = strategy;
   r.ddp = std::make_unique<DistributedDataParallel<MoeToyImpl>>(r.model.ptr(), mesh, std::vector<std::string>{"dp"},
                                                                 config);
   if (zero1) {
@@ -245,24 +250,34 @@ double train_step(Rank& r, const DeviceMesh& mesh, int64_t step, Named* grads) {
 }
 
 Named params_of(const Rank& r) {
+  // optim_grads_params: every unit gathered (a collective: every rank reads at once), then released.
+  const ParamBuffer* param_buffer = r.ddp->grad_buffer()->param_buffer();
+  ShardedParams* sharded = param_buffer ? param_buffer->sharded() : nullptr;
+  if (sharded) sharded->gather_all();
   Named out;
   for (auto& item : r.model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  if (sharded) sharded->release_all();
   return out;
 }
 
-void expect_matches_golden(Optim optim, bool zero1, int64_t ep = 2, int64_t instances = 1) {
+// Returns each rank's params after the last step.
+std::vector<Named> expect_matches_golden(Optim optim, bool zero1, int64_t ep = 2, int64_t instances = 1,
+                                         const char* strategy = "") {
   const GoldenRun want = golden(optim, kSteps);
+  std::vector<Named> final_params(kDp);
   run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    Rank r = make_rank(mesh, ep, optim, zero1, /*perturb=*/0, instances);
+    Rank r = make_rank(mesh, ep, optim, zero1, /*perturb=*/0, instances, strategy);
     EXPECT_EQ(r.ddp->grad_buffer()->groups().expert_dp->getSize(), kDp / ep);
     for (int step = 0; step < kSteps; ++step) {
       Named grads;
       const double norm = train_step(r, mesh, step, &grads);
       if (!zero1) expect_close(grads, want.grads[step], "gradient", mesh.rank(), step);
       EXPECT_NEAR(norm, want.norms[step], kAtol + kRtol * want.norms[step]) << "grad norm at step " << step;
-      expect_close(params_of(r), want.params[step], "param", mesh.rank(), step);
+      final_params[mesh.rank()] = params_of(r);
+      expect_close(final_params[mesh.rank()], want.params[step], "param", mesh.rank(), step);
     }
   });
+  return final_params;
 }
 
 }  // namespace
@@ -277,6 +292,36 @@ TEST(ExpertParallel, DistributedOptimizerSgdShardsExpertBucketsOverExpertDpAndMa
 
 TEST(ExpertParallel, DistributedOptimizerAdamWMatchesOneProcessAtDp4WithEp2) {
   expect_matches_golden(Optim::kAdamW, /*zero1=*/true);
+}
+
+// optim_grads_params (ZeRO-3) with experts: each expert is an FSDP unit of its own ("experts.<e>", the
+// default units), whose buckets are sharded and gathered over the expert-DP group (2 ranks), the dense
+// units' over DP (4). The params after each step match one process (kAtol) and, after the last, the
+// optim strategy's bit for bit (dp 4 SGD without accumulation: the same reduce-scatters, the same param
+// values in every op). Gathering an expert bucket over DP would mix the two EP ranks' experts.
+TEST(ExpertParallel, ShardedParamsGatherExpertUnitsOverExpertDpAndMatchOneProcessAndOptim) {
+  const std::vector<Named> optim = expect_matches_golden(Optim::kSgd, /*zero1=*/true, /*ep=*/2, 1, kShardOptim);
+  const std::vector<Named> zero3 =
+      expect_matches_golden(Optim::kSgd, /*zero1=*/true, /*ep=*/2, 1, kShardOptimGradsParams);
+  for (int64_t rank = 0; rank < kDp; ++rank) {
+    ASSERT_EQ(zero3[rank].size(), optim[rank].size());
+    for (const auto& [name, want] : optim[rank]) {
+      EXPECT_TRUE(torch::equal(zero3[rank].at(name), want))
+          << name << " on rank " << rank << ": max |diff| to optim " << (zero3[rank].at(name) - want).abs().max();
+    }
+  }
+  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+    Rank r = make_rank(mesh, /*ep=*/2, Optim::kSgd, /*zero1=*/true, 0, 1, kShardOptimGradsParams);
+    const ShardedParams* sharded = r.ddp->grad_buffer()->param_buffer()->sharded();
+    const GradBuffer& buffer = *r.ddp->grad_buffer();
+    for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+      const bool expert = buffer.bucket_reduction(b).expert;
+      const std::string& unit = sharded->unit_name(sharded->unit_of_bucket(b));
+      EXPECT_EQ(unit.rfind("experts.", 0) == 0, expert) << "bucket " << b << " of unit " << unit;
+      EXPECT_EQ(sharded->bucket_shard(b).numel(), buffer.layout().buckets[b].numel() / (expert ? 2 : kDp))
+          << "bucket " << b << " of unit " << unit;
+    }
+  });
 }
 
 TEST(ExpertParallel, ExpertParamsLiveInBuffersAndBucketsOfTheirOwn) {
@@ -408,27 +453,63 @@ TEST(ExpertParallel, TwoOptimizerInstancesShardExpertBucketsWithinTheInstanceAnd
   }
 }
 
+// optim_grads_params in two optimizer instances: each instance holds the params sharded over its own
+// ranks (dense buckets over its D/K = 2, expert ones over its expert-DP / K), gathered within it; the
+// gradient shards are all-reduced across the instances as under optim. At EP 2 and EP 1 (expert units
+// sharded as dense ones) the params match one process and the optim strategy's run bit for bit.
+TEST(ExpertParallel, ShardedParamsInTwoOptimizerInstancesMatchOneProcessAndOptim) {
+  for (int64_t ep : {2, 1}) {
+    const std::vector<Named> optim = expect_matches_golden(Optim::kAdamW, /*zero1=*/true, ep, 2, kShardOptim);
+    const std::vector<Named> zero3 =
+        expect_matches_golden(Optim::kAdamW, /*zero1=*/true, ep, 2, kShardOptimGradsParams);
+    for (int64_t rank = 0; rank < kDp; ++rank) {
+      for (const auto& [name, want] : optim[rank]) {
+        EXPECT_TRUE(torch::equal(zero3[rank].at(name), want))
+            << name << " on rank " << rank << " at ep " << ep << ": max |diff| to optim "
+            << (zero3[rank].at(name) - want).abs().max();
+      }
+    }
+    run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, 0, /*instances=*/2, kShardOptimGradsParams);
+      const ShardedParams* sharded = r.ddp->grad_buffer()->param_buffer()->sharded();
+      const GradBuffer& buffer = *r.ddp->grad_buffer();
+      for (int64_t b = 0; b < static_cast<int64_t>(buffer.layout().buckets.size()); ++b) {
+        const int64_t within = buffer.bucket_reduction(b).expert ? kDp / ep / 2 : kDp / 2;
+        EXPECT_EQ(sharded->bucket_shard(b).numel(), buffer.layout().buckets[b].numel() / within)
+            << "bucket " << b << " at ep " << ep;
+      }
+    });
+  }
+}
+
 TEST(ExpertParallel, CheckpointWithExpertsInTwoInstancesResumesAtAnotherLayout) {
-  // Saved at EP 2 in 2 instances (instance 0 writes every shard, expert ones too), loaded flat at EP 2
-  // and EP 4, and at EP 1 in 2 instances: each continues as the golden does.
+  // Saved at EP 2 in 2 instances (instance 0 writes every shard, expert ones too), under optim and under
+  // optim_grads_params, loaded flat at EP 2 and EP 4, and at EP 1 in 2 instances, each under the other
+  // strategy too: each continues as the golden does.
   const std::string dir = fresh_dir("expert-instances-ckpt");
   const GoldenRun want = golden(Optim::kAdamW, 3);
-  run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-    Rank r = make_rank(mesh, /*ep=*/2, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2);
-    for (int step = 0; step < 2; ++step) train_step(r, mesh, step, nullptr);
-    save_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir, 2);
-  });
-  for (const auto& [ep, instances] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {4, 1}, {1, 2}}) {
-    const std::string at = " (ep " + std::to_string(ep) + ", " + std::to_string(instances) + " instance(s))";
+  for (const char* saved_under : {kShardOptim, kShardOptimGradsParams}) {
+    const char* other = std::string(saved_under) == kShardOptim ? kShardOptimGradsParams : kShardOptim;
+    remove_dir(dir);
     run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
-      Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/5, instances);
-      const LoadedCheckpoint loaded =
-          load_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir);
-      EXPECT_EQ(loaded.step, 2);
-      expect_close(params_of(r), want.params[1], "loaded param" + at, mesh.rank(), 1);
-      train_step(r, mesh, 2, nullptr);
-      expect_close(params_of(r), want.params[2], "param after resuming" + at, mesh.rank(), 2);
+      Rank r = make_rank(mesh, /*ep=*/2, Optim::kAdamW, /*zero1=*/true, /*perturb=*/0, /*instances=*/2, saved_under);
+      for (int step = 0; step < 2; ++step) train_step(r, mesh, step, nullptr);
+      save_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir, 2);
     });
+    for (const auto& [ep, instances, strategy] :
+         std::vector<std::tuple<int64_t, int64_t, const char*>>{{2, 1, saved_under}, {4, 1, other}, {1, 2, other}}) {
+      const std::string at = " (saved under " + std::string(saved_under) + "; ep " + std::to_string(ep) + ", " +
+                             std::to_string(instances) + " instance(s), " + strategy + ")";
+      run_on_mesh({kDp, 1}, {"dp", "tp"}, [&](DeviceMesh& mesh) {
+        Rank r = make_rank(mesh, ep, Optim::kAdamW, /*zero1=*/true, /*perturb=*/5, instances, strategy);
+        const LoadedCheckpoint loaded =
+            load_checkpoint(TrainingState{&*r.model, r.ddp.get(), r.zero.get(), nullptr}, dir);
+        EXPECT_EQ(loaded.step, 2);
+        expect_close(params_of(r), want.params[1], "loaded param" + at, mesh.rank(), 1);
+        train_step(r, mesh, 2, nullptr);
+        expect_close(params_of(r), want.params[2], "param after resuming" + at, mesh.rank(), 2);
+      });
+    }
   }
   remove_dir(dir);
 }
