@@ -147,6 +147,12 @@ class PipelineStage(_TorchPipelineStage):
             raise _error(f"PipelineStage: submodule must be a meshddp.DistributedDataParallel "
                          f"(wrap the stage's module first), got {type(submodule).__name__}; for a module without "
                          f"meshddp use torch.distributed.pipelining.PipelineStage")
+        if submodule._shards_params:
+            raise _error("PipelineStage: its DistributedDataParallel uses data_parallel_sharding_strategy="
+                         "'optim_grads_params', which meshddp.pipelining does not support yet (torch's stage runs "
+                         "shape inference and split backward passes that the gather-on-use of sharded params is not "
+                         "tested under); use 'optim_grads' for pipeline stages, or C++ pipeline chunks under "
+                         "'optim_grads_params'")
         if grad_reduction not in ("mean", "sum"):
             raise _error(f"PipelineStage: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         super().__init__(submodule, *args, **kwargs)
