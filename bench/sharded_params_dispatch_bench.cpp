@@ -6,6 +6,9 @@
 //   off         the mode off on this thread (what any op costs without ZeRO-3)
 //   activation  the mode on, ZeRO-3 alive, arguments that are no param (most ops of a forward)
 //   param       the mode on, one argument a view of a param of the unit in use (a layer's matmul)
+//   lookup      ShardedParams::on_use() alone on a tensor that is no param (the storage lookup every
+//               argument of every op makes; the rest of `activation - off` is the boxed fallback itself)
+//   lookup_threads  `lookup` on --threads threads at once, CPU ns per call of the slower thread
 //   threads     `activation` on --threads threads at once (each with the mode on; rank threads in
 //               tests, or autograd's device threads), CPU ns per op of the slower thread
 // One process, a group of one (no collective runs): what is timed is the lookup and the fallback, not
@@ -109,28 +112,38 @@ int main(int argc, char** argv) {
     results["activation"].push_back(ns_per_op(ops, [&] { (void)at::add(x, y); }));
     const at::Tensor w = params[0].param.detach();  // gathers unit layer0: the unit in use
     results["param"].push_back(ns_per_op(ops, [&] { (void)at::add(w, y); }));
-    std::vector<double> per_thread(static_cast<size_t>(threads));
-    std::vector<std::thread> pool;
-    for (int64_t t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        c10::NoGradGuard no_grad_here;
-        meshddp::ShardedParams::UseScope here(sharded);
-        const at::Tensor a = at::randn({kNumel}), b = at::randn({kNumel});
-        per_thread[static_cast<size_t>(t)] = ns_per_op(ops, [&] { (void)at::add(a, b); });
-      });
-    }
-    for (std::thread& t : pool) t.join();
-    results["threads"].push_back(*std::max_element(per_thread.begin(), per_thread.end()));
+    results["lookup"].push_back(ns_per_op(ops, [&] { (void)meshddp::ShardedParams::on_use(x, "bench"); }));
+    // Each thread's CPU ns per op of `op` run on --threads threads at once; the slower thread's.
+    const auto on_threads = [&](const std::function<void(const at::Tensor&, const at::Tensor&)>& op) {
+      std::vector<double> per_thread(static_cast<size_t>(threads));
+      std::vector<std::thread> pool;
+      for (int64_t t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+          c10::NoGradGuard no_grad_here;
+          meshddp::ShardedParams::UseScope here(sharded);
+          const at::Tensor a = at::randn({kNumel}), b = at::randn({kNumel});
+          per_thread[static_cast<size_t>(t)] = ns_per_op(ops, [&] { op(a, b); });
+        });
+      }
+      for (std::thread& t : pool) t.join();
+      return *std::max_element(per_thread.begin(), per_thread.end());
+    };
+    results["lookup_threads"].push_back(
+        on_threads([](const at::Tensor& a, const at::Tensor&) { (void)meshddp::ShardedParams::on_use(a, "bench"); }));
+    results["threads"].push_back(on_threads([](const at::Tensor& a, const at::Tensor& b) { (void)at::add(a, b); }));
   }
-  std::printf("# sharded_params_dispatch_bench: at::add of two %lld-float tensors, %lld ops x %lld reps, %lld "
-              "sharded buckets, %lld threads in 'threads' (%u hardware threads)\n",
-              static_cast<long long>(kNumel), static_cast<long long>(ops), static_cast<long long>(reps),
-              static_cast<long long>(num_params), static_cast<long long>(threads), std::thread::hardware_concurrency());
+  std::printf(
+      "# sharded_params_dispatch_bench: at::add of two %lld-float tensors, %lld ops x %lld reps, %lld "
+      "sharded buckets, %lld threads in the *threads scenarios (%u hardware threads)\n",
+      static_cast<long long>(kNumel), static_cast<long long>(ops), static_cast<long long>(reps),
+      static_cast<long long>(num_params), static_cast<long long>(threads), std::thread::hardware_concurrency());
   std::printf("scenario,best_ns_per_op,median_ns_per_op,median_minus_off_ns\n");
   const double off = median(results["off"]);
-  for (const char* name : {"off", "activation", "param", "threads"}) {
+  for (const char* name : {"off", "activation", "param", "threads", "lookup", "lookup_threads"}) {
     const std::vector<double>& r = results[name];
-    std::printf("%s,%.1f,%.1f,%.1f\n", name, *std::min_element(r.begin(), r.end()), median(r), median(r) - off);
+    const bool op = std::string(name).rfind("lookup", 0) != 0;  // a lookup alone is no op: nothing to subtract
+    std::printf("%s,%.1f,%.1f,%s\n", name, *std::min_element(r.begin(), r.end()), median(r),
+                op ? std::to_string(median(r) - off).c_str() : "-");
   }
   return 0;
 }
