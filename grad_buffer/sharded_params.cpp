@@ -39,7 +39,7 @@ struct StorageIndex {
     ShardedParams* owner;
     int64_t bucket;
   };
-  std::vector<Entry> entries;  // sorted by storage; never empty (no live ShardedParams: no index)
+  std::vector<Entry> entries;  // sorted by storage (no live ShardedParams: no index at all)
 
   const Entry* find(const void* storage) const {
     const auto it = std::lower_bound(entries.begin(), entries.end(), storage, [](const Entry& e, const void* s) {
