@@ -47,9 +47,8 @@ TEST(ShardedParamsIndex, AThreadInheritingTheModeFindsABufferBuiltAfterItsLastLo
   test::run_on_mesh({1}, {"dp"}, [](DeviceMesh& mesh) {
     auto first_params = make_params("first"), second_params = make_params("second");
     const auto first = make_buffer(first_params, mesh);
-    {
-      ShardedParams::UseScope scope(first->param_buffer()->sharded());
-    }                                      // the mode on in this thread, and left on
+    // A scope turns the mode on in this thread, and leaves it on.
+    (void)ShardedParams::UseScope(first->param_buffer()->sharded());
     const at::ThreadLocalState inherited;  // what the autograd engine hands its device threads
 
     std::promise<void> looked_up, second_built;
