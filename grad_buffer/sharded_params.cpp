@@ -10,6 +10,10 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
 #include <utility>
 
 namespace meshddp {
@@ -19,12 +23,67 @@ namespace {
 // hooks], param_gather.h); its fallback calls ShardedParams::on_use().
 constexpr c10::DispatchKey kUseMode = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
-// Every live ShardedParams. A global list, not a thread-local one: backward may run on the autograd
-// engine's device threads, which inherit the dispatch mode but not this thread's variables.
+// Note [Finding a bucket's storage without a lock]
+// Every op on a thread with the mode on asks, for each tensor argument, whether its StorageImpl is a
+// live ShardedParams' bucket (on_use()). The answer changes only when a ShardedParams is built or
+// destroyed, so the live buckets are published as an immutable index sorted by StorageImpl, with a
+// generation number bumped at each publication. A thread keeps its own reference to the index it last
+// read and compares generations (one atomic load) before each lookup; registry_mutex is taken only to
+// pick up a newer index. The index itself is global, the reference per thread: the autograd engine's
+// device threads inherit the dispatch mode but not this thread's variables, and read the index the
+// same way (their first lookup, or the first after a change, picks it up). As before, a ShardedParams
+// must not be destroyed while another thread runs ops on its params.
+struct StorageIndex {
+  struct Entry {
+    const void* storage;
+    ShardedParams* owner;
+    int64_t bucket;
+  };
+  std::vector<Entry> entries;  // sorted by storage (no live ShardedParams: no index at all)
+
+  const Entry* find(const void* storage) const {
+    const auto it = std::lower_bound(entries.begin(), entries.end(), storage, [](const Entry& e, const void* s) {
+      return std::less<const void*>()(e.storage, s);
+    });
+    return it != entries.end() && it->storage == storage ? &*it : nullptr;
+  }
+};
+
+// Every live ShardedParams' buckets, under registry_mutex. A global list, not a thread-local one (above).
 std::mutex registry_mutex;
-std::vector<ShardedParams*>& registry() {
-  static std::vector<ShardedParams*> live;
+std::map<ShardedParams*, std::vector<StorageIndex::Entry>>& registry() {
+  static std::map<ShardedParams*, std::vector<StorageIndex::Entry>> live;
   return live;
+}
+std::shared_ptr<const StorageIndex> published_index;  // under registry_mutex; null when none is live
+std::atomic<uint64_t> index_generation{0};            // written under registry_mutex
+thread_local std::shared_ptr<const StorageIndex> thread_index;
+thread_local uint64_t thread_index_generation = 0;
+
+// registry_mutex held: publishes the index of registry()'s buckets.
+void publish_index_locked() {
+  std::shared_ptr<StorageIndex> index;
+  if (!registry().empty()) {
+    index = std::make_shared<StorageIndex>();
+    for (const auto& [owner, entries] : registry())
+      index->entries.insert(index->entries.end(), entries.begin(), entries.end());
+    std::sort(index->entries.begin(), index->entries.end(),
+              [](const StorageIndex::Entry& a, const StorageIndex::Entry& b) {
+                return std::less<const void*>()(a.storage, b.storage);
+              });
+  }
+  published_index = std::move(index);
+  index_generation.fetch_add(1, std::memory_order_release);
+}
+
+// The index this thread reads (Note [Finding a bucket's storage without a lock]); null: no ShardedParams lives.
+const StorageIndex* current_index() {
+  if (index_generation.load(std::memory_order_acquire) != thread_index_generation) {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    thread_index = published_index;
+    thread_index_generation = index_generation.load(std::memory_order_relaxed);
+  }
+  return thread_index.get();
 }
 
 void release_storage(const at::Tensor& full) {
@@ -93,15 +152,18 @@ ShardedParams::ShardedParams(const BucketLayout& layout, std::vector<NamedParam>
     release_all_locked();
     peak_ = resident_;  // counted from here: construction holds each param whole once, as the module did
   }
+  std::vector<StorageIndex::Entry> entries;
+  for (const auto& [storage, bucket] : bucket_of_storage_) entries.push_back({storage, this, bucket});
   std::lock_guard<std::mutex> lock(registry_mutex);
-  registry().push_back(this);
+  registry()[this] = std::move(entries);
+  publish_index_locked();
 }
 
 ShardedParams::~ShardedParams() {
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    auto& live = registry();
-    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+    registry().erase(this);
+    publish_index_locked();
   }
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<InFlightCollective> in_flight;
@@ -297,21 +359,13 @@ int64_t ShardedParams::prefetch_hits() const {
 }
 
 bool ShardedParams::on_use(const at::Tensor& t, const char* op, Access access) {
-  ShardedParams* owner = nullptr;
-  int64_t bucket = -1;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    if (registry().empty()) return false;
-    if (!t.defined() || !t.has_storage()) return true;
-    const void* storage = t.storage().unsafeGetStorageImpl();
-    for (ShardedParams* params : registry()) {
-      const auto it = params->bucket_of_storage_.find(storage);  // fixed at construction: no lock needed
-      if (it == params->bucket_of_storage_.end()) continue;
-      owner = params;
-      bucket = it->second;
-      break;
-    }
-  }
+  // No lock: Note [Finding a bucket's storage without a lock].
+  const StorageIndex* index = current_index();
+  if (index == nullptr) return false;
+  if (!t.defined() || !t.has_storage()) return true;
+  const StorageIndex::Entry* entry = index->find(t.storage().unsafeGetStorageImpl());
+  ShardedParams* owner = entry != nullptr ? entry->owner : nullptr;
+  const int64_t bucket = entry != nullptr ? entry->bucket : -1;
   // Not under registry_mutex: a gather waits for the other ranks, which may be threads of this process.
   if (owner != nullptr) {
     std::lock_guard<std::mutex> lock(owner->mutex_);

@@ -205,6 +205,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "# gradient storage on rank %lld: %lld bytes (%s), peak RSS %ld KiB\n",
                    static_cast<long long>(mesh.rank()), static_cast<long long>(ddp.grad_buffer()->grad_buffer_bytes()),
                    ddp.config().sharding_strategy().c_str(), usage.ru_maxrss);
+      if (zero1) {  // what the memory model counts per rank (docs/guide/sharding.md), after the last step
+        const meshddp::MemoryReport m = zero1->memory();
+        std::fprintf(stderr,
+                     "# memory on rank %lld: params %lld, grads %lld, optimizer state %lld, fp32 masters %lld, "
+                     "total %lld bytes\n",
+                     static_cast<long long>(mesh.rank()), static_cast<long long>(m.param_buffer_bytes),
+                     static_cast<long long>(m.grad_buffer_bytes), static_cast<long long>(m.optimizer_state_bytes),
+                     static_cast<long long>(m.master_weight_bytes), static_cast<long long>(m.total()));
+      }
       // optim_grads_params: the shards and the units in use; the most held at once since construction.
       const meshddp::ParamBuffer* params = ddp.grad_buffer()->param_buffer();
       if (const meshddp::ShardedParams* sharded = params ? params->sharded() : nullptr) {
