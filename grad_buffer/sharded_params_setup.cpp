@@ -20,9 +20,6 @@ void GradBuffer::check_shardable_param(const NamedParam& p, bool expert) const {
                 what, " yet (parameter ", describe_param_name(p), "); ", instead);
   };
   if (expert) refuse("expert (MoE) params", "use 'optim_grads' (gradients and optimizer state sharded)");
-  if (config_.shard_policy != kByteRangeShards) {
-    refuse("shard_policy 'whole_param'", "use 'optim_grads' with whole_param (Muon steps whole matrices there)");
-  }
   if (config_.num_distributed_optimizer_instances != 1) {
     refuse("num_distributed_optimizer_instances > 1", "use 'optim_grads' for hierarchical instances");
   }
