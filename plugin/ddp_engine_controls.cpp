@@ -17,16 +17,15 @@ namespace meshddp {
 // Note [A module outliving its ZeRO-3 wrapper]
 //   Under "optim_grads_params" the module's params are views of the units' bucket storages, which hold
 //   no bytes while released (Note [Sharded parameters]); once the wrapper (and its ShardedParams) is
-//   gone, nothing could gather them, and a read would fail in torch with "storage of size 0", naming
-//   nothing. So the destructor gathers every unit and points each param at a plain copy of its whole
-//   value: the module is left as it was before wrapping, with the trained values. This is a collective
-//   in a destructor. SPMD code destroys its wrapper at the same point on every rank (the end of a
-//   scope, of training), which is what makes it safe; a wrapper destroyed on some ranks only would
-//   wait in its gather (a hang reported by the group's timeout, then the params are left released).
-//   The one common case of that is an exception unwinding one rank: there the destructor gathers
-//   nothing (std::uncaught_exceptions()), the params hold no bytes, and the exception is what the user
-//   sees. The other ways out, refusing every later read with a clear message, would need a registry
-//   that outlives the wrapper and the dispatch mode kept on for good; a copy taken at every step would
+//   gone, nothing could gather them, and a read would fail naming nothing (torch's "storage of size 0",
+//   or a segfault on a raw read: seen in the test of this). So the destructor gathers every unit and points each param
+//   at a plain copy of its whole value: the module is left as it was before wrapping, with the trained values. This is
+//   a collective in a destructor. SPMD code destroys its wrapper at the same point on every rank (the end of a scope,
+//   of training), which is what makes it safe; a wrapper destroyed on some ranks only would wait in its gather (a hang
+//   reported by the group's timeout, then the params are left released). The one common case of that is an exception
+//   unwinding one rank: there the destructor gathers nothing (std::uncaught_exceptions()), the params hold no bytes,
+//   and the exception is what the user sees. The other ways out, refusing every later read with a clear message, would
+//   need a registry that outlives the wrapper and the dispatch mode kept on for good; a copy taken at every step would
 //   cost the whole params' memory that ZeRO-3 exists to save.
 DdpEngine::~DdpEngine() {
   ShardedParams* sharded = buffer_ ? sharded_params() : nullptr;

@@ -255,8 +255,9 @@ TEST(ShardedParams, WholeParamShardsKeepEveryParamWholeInItsOwnersShard) {
     std::vector<at::Tensor> initial;
     for (const NamedParam& p : params) initial.push_back(p.param.detach().clone());
     GradBufferConfig config = strategy(kShardOptimGradsParams);
-    config.bucket_bytes = 2 * kDim * kDim * 4;  // two layers a bucket: each rank owns one of them
-    config.fsdp_unit_modules = "model";         // matches no module: one (root) unit, buckets of two layers
+    // Three layers a bucket (a byte range would cut the middle one in two), then one: each rank owns two.
+    config.bucket_bytes = 3 * kDim * kDim * 4;
+    config.fsdp_unit_modules = "model";  // matches no module: one (root) unit, buckets of several layers
     config.shard_policy = kWholeParamShards;
     GradBuffer buffer(params, mesh["dp"], config);
     ShardedParams* sharded = buffer.param_buffer()->sharded();

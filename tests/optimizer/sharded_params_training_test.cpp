@@ -73,8 +73,8 @@ SkipRun train_with_a_poisoned_step(const std::string& strategy, float value) {
     const std::vector<at::Tensor> after = rank_state(rank);
     ASSERT_EQ(after.size(), before.size());
     for (size_t i = 0; i < before.size(); ++i) {
-      EXPECT_TRUE(at::equal(after[i], before[i])) << "rank " << mesh.rank() << ": state tensor " << i
-                                                  << " changed in the skipped step";
+      EXPECT_TRUE(at::equal(after[i], before[i]))
+          << "rank " << mesh.rank() << ": state tensor " << i << " changed in the skipped step";
     }
     rank.train(kPoisonedStep + 1, kLastStep);
     EXPECT_EQ(rank.opt->steps_taken(), kCleanSteps + (kLastStep - kPoisonedStep - 1)) << "rank " << mesh.rank();
