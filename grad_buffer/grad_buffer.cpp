@@ -170,7 +170,6 @@ GradBuffer::GradBuffer(std::vector<NamedParam> params, SyncGroups groups, GradBu
     TORCH_CHECK(!tied || !shards_grads_, "GradBuffer: parameter ", describe_param_name(p),
                 " is tied across pipeline stages, which data_parallel_sharding_strategy '", config_.sharding_strategy(),
                 "' does not support yet (its embedding-group sum needs the whole bucket); use '", kShardOptim, "'");
-    if (config_.shards_params()) check_shardable_param(p, expert);
     specs.push_back(ParamSpec{p.name, p.param.numel(), p.param.scalar_type(),
                               main_grad_dtype_of(p.param, config_.grad_reduce_in_fp32), p.param.device(),
                               placement.is_partial_grad(), expert, tied, p.param.sizes().vec()});

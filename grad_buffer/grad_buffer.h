@@ -263,9 +263,8 @@ class GradBuffer {
   void flush_microbatch();                 // mutex NOT held: launch the rest, complete all, reset for the next
   void reset_microbatch_state();
   // sharded_params_setup.cpp, "optim_grads_params": the FSDP units of params_ (config's
-  // fsdp_unit_modules), and the refusal of what the strategy does not support, naming the param.
+  // fsdp_unit_modules).
   FsdpUnits fsdp_units() const;
-  void check_shardable_param(const NamedParam& p, bool expert) const;
   std::string bucket_description(int64_t b) const;
   void check_collective_sequence(int64_t b, c10d::ProcessGroup& group, const char* kind);  // debug mode
   // Debug mode, "optim_grads": every rank ends the step after as many micro-batch reductions.

@@ -245,12 +245,12 @@ void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Acc
                 "its unit is released (data_parallel_sharding_strategy 'optim_grads_params' keeps only this ",
                 "rank's shards between steps). Gathering it here would be a collective that only the ranks ",
                 "reading it launch: a hang, or shards mixed up with another collective. Run the module's forward ",
-                "through the wrapper, call ShardedParams::gather_all() on every rank before reading params, or ",
-                "read a checkpoint");
+                "through the wrapper, read params inside DistributedDataParallel::gather_full_params() (called on ",
+                "every rank), or read a checkpoint");
     return;
   }
   if (unit.state == UnitState::kGathered && current_ == u && !backward) return;  // the common case: no change
-  if (!backward) {
+  if (!backward && holds_ == 0) {
     // Note [Sharded parameters]: a forward moving to unit u releases the others in use.
     for (int64_t other = 0; other < num_units(); ++other) {
       if (other != u && units_[other].state == UnitState::kGathered) release(other);
@@ -285,6 +285,36 @@ int64_t ShardedParams::next_unit(int64_t u, bool backward) const {
 void ShardedParams::release_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   release_all_locked();
+  if (holds_ > 0) gather_all_locked();  // inside gather_full_params(): the new shards, whole
+}
+
+void ShardedParams::release_after_use() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (holds_ == 0) release_all_locked();
+}
+
+void ShardedParams::hold_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++holds_;
+  gather_all_locked();
+}
+
+void ShardedParams::end_hold() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(holds_ > 0, "ShardedParams: end_hold() without hold_all()");
+  if (--holds_ == 0) release_all_locked();
+}
+
+void ShardedParams::leave_whole(const std::vector<at::Tensor>& params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gather_all_locked();
+  const c10::impl::ExcludeDispatchKeyGuard no_use(kUseMode);  // the copies are plain tensors
+  c10::NoGradGuard no_grad;
+  for (const at::Tensor& param : params) {
+    if (!param.has_storage() || bucket_of_storage_.count(param.storage().unsafeGetStorageImpl()) == 0) continue;
+    param.set_data(param.detach().clone());
+  }
+  release_all_locked();
 }
 
 void ShardedParams::release_all_locked() {
@@ -294,6 +324,10 @@ void ShardedParams::release_all_locked() {
 
 void ShardedParams::gather_all() {
   std::lock_guard<std::mutex> lock(mutex_);
+  gather_all_locked();
+}
+
+void ShardedParams::gather_all_locked() {
   for (int64_t u = 0; u < num_units(); ++u) {
     if (units_[u].state == UnitState::kReleased) launch_gather(u);
   }
@@ -306,7 +340,7 @@ void ShardedParams::gather_all() {
 void ShardedParams::grad_ready(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   Unit& unit = units_[unit_of_param_[param]];
-  if (++unit.grads_ready < unit.num_params) return;
+  if (++unit.grads_ready < unit.num_params || holds_ > 0) return;
   release(unit_of_param_[param]);  // its last gradient of this backward: no op of it is left
   if (current_ == unit_of_param_[param]) current_ = -1;
 }
@@ -405,7 +439,7 @@ ShardedParams::UseScope::~UseScope() {
     }
   }
   try {
-    params_->release_all();
+    params_->release_after_use();
   } catch (...) {  // a failed gather: the forward's own error is the one to see
   }
 }

@@ -38,6 +38,15 @@
 //   refused naming the param and its unit; a unit still gathered (gather_all(), or a unit whose params
 //   got no gradient) is read as it is, and nothing is prefetched; a view (p.detach()) reads nothing.
 //   Reads every rank makes alike (the TP replica check) open a UseScope that is not a forward.
+//   Whole params on purpose. DistributedDataParallel::gather_full_params() (every rank calls it) holds
+//   every unit gathered (hold_all()): forwards and backwards inside it release nothing, a step's
+//   release_all() gathers the new shards at once, and the scope's end releases every unit. A module
+//   outliving its wrapper: the wrapper's destructor gathers every unit and points each param at a plain
+//   copy (leave_whole()), or the params would hold no bytes once this object is gone (Note [A module
+//   outliving its ZeRO-3 wrapper], plugin/ddp_engine_controls.cpp, says why a copy and when not).
+//   Whole matrices (shard_policy "whole_param"): the layout only re-places params within their buckets
+//   so that each rank's equal (padded) shard holds whole params (Note [Whole-param ownership]); the
+//   shards, the gathers and the units are the same as for byte ranges.
 //   Writes. A gathered unit is a copy of the shards: an op that writes a param in place (param.mul_()
 //   in forward, param.copy_() under NoGradGuard, a torch optimizer's step) would be lost when the
 //   unit is released, and backward would re-gather the old values (gradients of weights the forward
@@ -92,6 +101,14 @@ class ShardedParams {
   void release_all();
   // Gathers every unit and keeps it until the next release (to read every whole param at once).
   void gather_all();
+  // DistributedDataParallel::gather_full_params(): gathers every unit and keeps every one whole, through
+  // forwards and backwards, until as many end_hold() as hold_all() were called; then releases them.
+  // A release_all() in between (a step wrote new shards, a load) gathers the new values again.
+  void hold_all();
+  void end_hold();
+  // For a module outliving its wrapper: gathers every unit and points each of `params` (tensors in
+  // these buckets' storages) at a plain copy of its whole value (Note [Sharded parameters]).
+  void leave_whole(const std::vector<at::Tensor>& params);
   // Called once a param's gradient of this backward is in (GradBuffer's hook): releases its unit
   // when it was the unit's last.
   void grad_ready(int64_t param);
@@ -168,6 +185,8 @@ class ShardedParams {
   void wait_gather(int64_t unit);
   void release(int64_t unit);
   void release_all_locked();
+  void gather_all_locked();
+  void release_after_use();  // a UseScope's end: every unit, unless held (hold_all())
   void note_resident();
   int64_t next_unit(int64_t u, bool backward) const;  // the unit to prefetch after u, or -1
 
@@ -176,6 +195,7 @@ class ShardedParams {
   std::vector<int64_t> unit_of_param_;
   std::vector<ParamPlace> places_;
   int64_t scopes_open_ = 0;  // UseScopes alive: a forward through the wrapper is running
+  int64_t holds_ = 0;        // hold_all() not yet ended: every unit stays gathered
   std::unordered_map<const void*, int64_t> bucket_of_storage_;
   mutable std::mutex mutex_;
   int64_t resident_ = 0;

@@ -1,5 +1,5 @@
 // GradBuffer's construction under the "optim_grads_params" sharding strategy (ZeRO-3): the FSDP units
-// of its params and the refusal of what the strategy does not support yet. Part of GradBuffer
+// of its params. Part of GradBuffer
 // (grad_buffer.h); the sharded params themselves are ShardedParams' (Note [Sharded parameters]).
 #include "grad_buffer/grad_buffer.h"
 
@@ -12,16 +12,6 @@ FsdpUnits GradBuffer::fsdp_units() const {
   names.reserve(params_.size());
   for (const NamedParam& p : params_) names.push_back(p.name);
   return assign_fsdp_units(names, config_.fsdp_unit_modules);
-}
-
-void GradBuffer::check_shardable_param(const NamedParam& p, bool expert) const {
-  const auto refuse = [&](const char* what, const char* instead) {
-    TORCH_CHECK(false, "GradBuffer: data_parallel_sharding_strategy '", kShardOptimGradsParams, "' does not support ",
-                what, " yet (", expert ? "expert " : "", "parameter ", describe_param_name(p), "); ", instead);
-  };
-  if (config_.shard_policy != kByteRangeShards) {
-    refuse("shard_policy 'whole_param'", "use 'optim_grads' with whole_param (Muon steps whole matrices there)");
-  }
 }
 
 }  // namespace meshddp

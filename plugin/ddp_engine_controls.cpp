@@ -8,11 +8,37 @@
 #include "plugin/distributed_data_parallel.h"
 #include "plugin/module_ownership.h"
 
+#include <exception>
 #include <utility>
+#include <vector>
 
 namespace meshddp {
 
-DdpEngine::~DdpEngine() = default;
+// Note [A module outliving its ZeRO-3 wrapper]
+//   Under "optim_grads_params" the module's params are views of the units' bucket storages, which hold
+//   no bytes while released (Note [Sharded parameters]); once the wrapper (and its ShardedParams) is
+//   gone, nothing could gather them, and a read would fail naming nothing (torch's "storage of size 0",
+//   or a segfault on a raw read: seen in the test of this). So the destructor gathers every unit and points each param
+//   at a plain copy of its whole value: the module is left as it was before wrapping, with the trained values. This is
+//   a collective in a destructor. SPMD code destroys its wrapper at the same point on every rank (the end of a scope,
+//   of training), which is what makes it safe; a wrapper destroyed on some ranks only would wait in its gather (a hang
+//   reported by the group's timeout, then the params are left released). The one common case of that is an exception
+//   unwinding one rank: there the destructor gathers nothing (std::uncaught_exceptions()), the params hold no bytes,
+//   and the exception is what the user sees. The other ways out, refusing every later read with a clear message, would
+//   need a registry that outlives the wrapper and the dispatch mode kept on for good; a copy taken at every step would
+//   cost the whole params' memory that ZeRO-3 exists to save.
+DdpEngine::~DdpEngine() {
+  ShardedParams* sharded = buffer_ ? sharded_params() : nullptr;
+  if (sharded == nullptr || std::uncaught_exceptions() > 0) return;
+  try {
+    std::vector<at::Tensor> params;
+    for (const NamedParam& p : unique_params_) params.push_back(p.param);
+    sharded->leave_whole(params);
+  } catch (const std::exception& e) {
+    TORCH_WARN("DistributedDataParallel: gathering the params whole at the wrapper's destruction failed (", e.what(),
+               "); the module's params are left released (no bytes): read a checkpoint instead");
+  }
+}
 DdpEngine::DdpEngine(DdpEngine&&) noexcept = default;
 DdpEngine& DdpEngine::operator=(DdpEngine&&) noexcept = default;
 
@@ -50,6 +76,24 @@ DdpEngine::NoSyncGuard::~NoSyncGuard() { buffer_.set_is_last_microbatch(previous
 
 ShardedParams* DdpEngine::sharded_params() const {
   return buffer_->param_buffer() ? buffer_->param_buffer()->sharded() : nullptr;
+}
+
+DdpEngine::FullParamsScope::FullParamsScope(ShardedParams* sharded) : sharded_(sharded) {
+  if (sharded_) sharded_->hold_all();
+}
+
+DdpEngine::FullParamsScope::~FullParamsScope() {
+  if (sharded_ == nullptr) return;
+  try {
+    sharded_->end_hold();
+  } catch (const std::exception& e) {  // a failed wait for a gather: the scope's own error is the one to see
+    TORCH_WARN("DistributedDataParallel::gather_full_params: releasing the units failed: ", e.what());
+  }
+}
+
+DdpEngine::FullParamsScope DdpEngine::gather_full_params() {
+  if (ParamGather* gather = param_gather()) gather->wait_all();  // "optim": the step's all-gather in flight
+  return FullParamsScope(sharded_params());
 }
 
 struct DdpEngine::ParamWaitScope::Open {

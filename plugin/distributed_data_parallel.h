@@ -108,6 +108,10 @@ class DdpEngine {
             c10::intrusive_ptr<c10d::ProcessGroup> data_parallel_group = {});
   // Virtual: a pipeline holds its chunks, of different module types, as std::unique_ptr<DdpEngine>,
   // and deleting one must destroy the DistributedDataParallel<M> around it (its module) too.
+  // Under "optim_grads_params" it is collective: it gathers every unit and leaves the module's params
+  // whole (plain tensors), so every rank destroys its wrapper at the same point, as SPMD code does;
+  // not while an exception unwinds it (Note [A module outliving its ZeRO-3 wrapper],
+  // plugin/ddp_engine_controls.cpp).
   virtual ~DdpEngine();
   DdpEngine(DdpEngine&&) noexcept;
   DdpEngine& operator=(DdpEngine&&) noexcept;
@@ -178,6 +182,27 @@ class DdpEngine {
     bool previous_;
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*buffer_); }
+
+  // Every param whole, to read (an evaluation outside a forward through the wrapper, logging, an
+  // export): FSDP's summon_full_params. Under "optim_grads_params" it is collective: every rank of the
+  // mesh calls it at the same point, between steps. Each FSDP unit is all-gathered at once and stays
+  // whole until the scope ends (forwards and backwards inside it keep it; a step inside it gathers
+  // the new values), when every unit is released again. Read-only: an in-place write to a param is
+  // refused as outside it (change params through the DistributedOptimizer or a checkpoint load).
+  // Under the other strategies the params are whole already: with the distributed optimizer it waits
+  // for the param all-gather in flight (as DistributedOptimizer::finish_param_sync()), else nothing.
+  // Scopes nest. The wrapper must outlive the scope.
+  class FullParamsScope {
+   public:
+    explicit FullParamsScope(ShardedParams* sharded);
+    ~FullParamsScope();
+    FullParamsScope(const FullParamsScope&) = delete;
+    FullParamsScope& operator=(const FullParamsScope&) = delete;
+
+   private:
+    ShardedParams* sharded_ = nullptr;
+  };
+  [[nodiscard]] FullParamsScope gather_full_params();
 
   // The synced gradient of a trainable parameter by module path (fp32 with grad_reduce_in_fp32).
   at::Tensor main_grad(const std::string& name) const;

@@ -2,7 +2,7 @@
 // grad_buffer/sharded_params.h), on real Gloo groups (ranks as threads): a rank holds its param shards
 // plus the units in use (never the whole params between units, nor after a step), backward re-gathers
 // the units it reads and gives the "optim" strategy's gradients bit for bit, written shards reach the
-// next forward; the FSDP units (a pure function of the names) and the refusals.
+// next forward; the FSDP units (a pure function of the names), the refusals and whole-param shards.
 #include "grad_buffer/fsdp_units.h"
 #include "grad_buffer/grad_buffer.h"
 #include "tests/support/error_of.h"
@@ -247,14 +247,34 @@ TEST(FsdpUnits, PatternsPickTheShortestMatchingModulePathAndTheRestIsTheRoot) {
               HasSubstr("fsdp_unit_modules = 'blocks.*,,wte' has an empty pattern"));
 }
 
-TEST(ShardedParams, UnsupportedSettingsAreRefusedNamingTheParamAndWhatToUse) {
+// shard_policy "whole_param" (Muon): every param lies whole inside one rank's shard of its bucket, and the
+// rank that owns it keeps its values in its param shard (the shard the optimizer steps: no gather).
+TEST(ShardedParams, WholeParamShardsKeepEveryParamWholeInItsOwnersShard) {
   test::run_on_mesh({2}, {"dp"}, [](DeviceMesh& mesh) {
     auto params = make_layers();
+    std::vector<at::Tensor> initial;
+    for (const NamedParam& p : params) initial.push_back(p.param.detach().clone());
     GradBufferConfig config = strategy(kShardOptimGradsParams);
+    // Three layers a bucket (a byte range would cut the middle one in two), then one: each rank owns two.
+    config.bucket_bytes = 3 * kDim * kDim * 4;
+    config.fsdp_unit_modules = "model";  // matches no module: one (root) unit, buckets of several layers
     config.shard_policy = kWholeParamShards;
-    const std::string msg = error_of([&] { GradBuffer buffer(params, mesh["dp"], config); });
-    EXPECT_THAT(msg, HasSubstr("'optim_grads_params' does not support shard_policy 'whole_param' yet (parameter "
-                               "'layer0.weight')"));
-    EXPECT_THAT(msg, HasSubstr("use 'optim_grads' with whole_param"));
+    GradBuffer buffer(params, mesh["dp"], config);
+    ShardedParams* sharded = buffer.param_buffer()->sharded();
+    ASSERT_NE(sharded, nullptr);
+    const BucketLayout& layout = buffer.layout();
+    int64_t owned = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSlot& slot = layout.slots[i];
+      const BucketSpan& span = layout.buckets[slot.bucket];
+      const int64_t shard = span.numel() / 2, begin = slot.offset - span.begin;
+      const int64_t owner = begin / shard;
+      EXPECT_EQ((begin + slot.numel - 1) / shard, owner) << params[i].name << " straddles two ranks' shards";
+      if (owner != mesh.rank()) continue;
+      ++owned;
+      const at::Tensor in_shard = sharded->bucket_shard(slot.bucket).narrow(0, begin - owner * shard, slot.numel);
+      EXPECT_TRUE(at::equal(in_shard.view(initial[i].sizes()), initial[i])) << params[i].name;
+    }
+    EXPECT_EQ(owned, kLayers / 2) << "rank " << mesh.rank() << " owns half the layers";
   });
 }

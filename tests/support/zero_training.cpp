@@ -109,6 +109,7 @@ ZeroRank::ZeroRank(DeviceMesh& mesh_, const ZeroScenario& s, uint64_t init_seed)
   config.bucket_bytes = s.bucket_bytes;
   config.grad_reduce_in_fp32 = s.bf16;
   config.num_distributed_optimizer_instances = s.instances;
+  config.data_parallel_sharding_strategy = s.strategy;
   ddp = std::make_unique<DistributedDataParallel<MlpImpl>>(model.ptr(), mesh, "dp", config);
   opt = std::make_unique<DistributedOptimizer>(ddp->grad_buffer(), zero_optimizer_config(s));
   if (s.schedule) {
@@ -139,6 +140,7 @@ std::vector<StepResult> ZeroRank::train(int first_step, int last_step) {
 
 std::vector<torch::Tensor> ZeroRank::params() {
   opt->finish_param_sync();
+  auto whole = ddp->gather_full_params();
   std::vector<torch::Tensor> out;
   for (auto& p : model->parameters()) out.push_back(p.detach().to(torch::kFloat).clone());
   return out;

@@ -31,6 +31,7 @@ struct ZeroScenario {
   std::optional<LrScheduleConfig> schedule = {};  // drives both the golden's and the ZeRO-1 optimizer
   FusedStep fused_step = FusedStep::kAuto;        // kAlways: the fused kernels on CPU (fused_step_test)
   int64_t instances = 1;                          // DdpConfig::num_distributed_optimizer_instances
+  std::string strategy = "optim";                 // DdpConfig::data_parallel_sharding_strategy
 };
 
 // lr 1e-2, AdamW betas (0.9, 0.999) eps 1e-8 weight decay 0.1; SGD momentum 0.9 weight decay 0.01;
@@ -45,7 +46,8 @@ std::vector<torch::Tensor> train_zero_golden(const ZeroScenario& s, std::vector<
 struct ZeroRank {
   ZeroRank(DeviceMesh& mesh, const ZeroScenario& s, uint64_t init_seed);
   std::vector<StepResult> train(int first_step, int last_step);
-  std::vector<torch::Tensor> params();  // fp32 copies, after finish_param_sync()
+  // fp32 copies, after finish_param_sync() (under "optim_grads_params" every unit gathered for the read)
+  std::vector<torch::Tensor> params();
 
   const ZeroScenario scenario;
   DeviceMesh& mesh;
