@@ -27,7 +27,7 @@ const char* usage() {
 
 [[noreturn]] void usage_and_exit(const char* prog, const std::string& bad) { exit_with_usage(prog, bad, usage()); }
 
-// --preset gpt1b: issue 10's "~1B-parameter bf16 transformer" at world size 1 on one 80 GB GPU.
+// --preset gpt1b: the ~1B-parameter bf16 transformer at world size 1 on one 80 GB GPU.
 // 18 blocks of hidden 2048: 18 x (12 h^2 + 13 h) = 906.4M, + token and position embeddings (65.5M +
 // 2.1M) + the untied LM head (65.5M) = 1,039,622,144 params. Memory with SGD momentum, every
 // candidate alive at once: local and meshddp hold param + grad + momentum in bf16 = 6 B/param =

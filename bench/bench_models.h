@@ -1,6 +1,6 @@
 // The models ddp_bench trains, behind one interface so that every candidate (local, meshddp*,
-// reducer_*, naive) runs any of them: a deep MLP stack (issue 6's model) and a GPT-style decoder
-// (issue 10's ~1B-parameter bf16 transformer). Models and data only: no DDP, no timing here.
+// reducer_*, naive) runs any of them: a deep MLP stack and a GPT-style decoder
+// (the ~1B-parameter bf16 transformer preset). Models and data only: no DDP, no timing here.
 #pragma once
 
 #include <torch/torch.h>

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Analytic cost model of one meshddp data-parallel step (issue 6).
+"""Analytic cost model of one meshddp data-parallel step.
 
 Per bucket, in launch order: bucket b becomes ready when the backward pass has produced its last
 gradient (r_b); collectives run one after another in bucket order on the DP group (meshddp launches

@@ -1,4 +1,4 @@
-// meshddp benchmark (issue 6): the candidates side by side in one run, on the same model, data and
+// meshddp benchmark: the candidates side by side in one run, on the same model, data and
 // ranks, interleaved per repetition (the order rotates every repetition, a barrier before each
 // step), warm-up then N repetitions; medians of the step time (per step, the max over ranks) and of
 // each phase (per step, the mean over ranks).
@@ -7,7 +7,7 @@
 //   meshddp         meshddp DDP, bucketed all-reduce overlapped with backward; its layers write their
 //                   gradients into the flat buffer (meshddp::linear_with_grad_in_buffer; no zeroing pass)
 //   meshddp_autograd the same with torch's Linear and gradient_accumulation_fusion off: gradients added
-//                   into the buffer by autograd after a zeroing pass (meshddp before issue 14)
+//                   into the buffer by autograd after a zeroing pass (meshddp before in-place gradient writes)
 //   meshddp_no_overlap  the same with overlap_grad_reduce=false (every bucket launched in finish_grad_sync)
 //   meshddp_zero1   meshddp DDP + ZeRO-1 DistributedOptimizer (reduce-scatter, sharded optimizer, all-gather)
 //   reducer_view    c10d::Reducer from the same LibTorch, set up as torch's DDP does, gradient_as_bucket_view=true
@@ -26,9 +26,9 @@
 // (with fp32 masters for bf16 params), and meshddp_fp32_grads, which steps fp32 masters. With
 // --dtype bf16 the others keep bf16 params, grads and optimizer state: the same arithmetic as local.
 //
-// Models (bench/bench_models.h; --model): mlp, a deep MLP stack (the default, issue 6's runs), or gpt,
+// Models (bench/bench_models.h; --model): mlp, a deep MLP stack (the default), or gpt,
 // a GPT-style decoder (--layers --hidden --heads --seq --vocab; --batch sequences per rank).
-// --preset gpt1b is issue 10's ~1B-parameter bf16 transformer (set_preset in bench/bench_flags.cpp).
+// --preset gpt1b is the ~1B-parameter bf16 transformer (set_preset in bench/bench_flags.cpp).
 //
 // --mode main   the candidates, plus per-parameter gradient-ready times, standalone collective times
 //               (every bucket size, and a size sweep for the cost model's alpha/beta) and memory
@@ -102,7 +102,7 @@ std::unique_ptr<Candidate> make_candidate(bench::Bench& bench, const std::string
   if (name == "meshddp_zero1_instances") {
     return bench.make_meshddp(name, mb, {.zero1 = true, .instances = bench.flags.optimizer_instances}, nullptr);
   }
-  // before issue 14: torch's Linear, gradients added by autograd, zeroing pass
+  // before in-place gradient writes: torch's Linear, gradients added by autograd, zeroing pass
   if (name == "meshddp_autograd") return bench.make_meshddp(name, mb, {.grads_in_buffer = false}, nullptr);
   if (name == "meshddp_fp32_grads") return bench.make_meshddp(name, mb, {.fp32_grads = true}, nullptr);
   if (name == "meshddp_zero1_fp32_grads")

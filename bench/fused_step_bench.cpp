@@ -1,6 +1,6 @@
 // The fused optimizer pass (optimizer/fused_step.h) against today's ATen paths on one flat fp32
 // shard of N elements, for the decision in docs/reference/gpu.md (which path DistributedOptimizer uses where)
-// and issue 10's GPU figures. Per N it times, best of --reps after --warmup:
+// and the GPU figures (docs/reference/gpu.md). Per N it times, best of --reps after --warmup:
 //   foreach   DistributedOptimizer's foreach AdamW sequence + the bf16 cast-copy of the master
 //   aten_fused  at::_fused_adamw_ + the cast-copy (CUDA only: ATen has no CPU fused AdamW kernel here)
 //   fused     fused_adamw_step writing the bf16 param in the same pass

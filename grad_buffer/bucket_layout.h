@@ -18,7 +18,7 @@
 //   bf16): whole cache lines and vector loads for the optimizer kernels, and the shard boundaries of
 //   one buffer never depend on another buffer. Cost: < kAlignmentElems per param plus
 //   < dp_size * kAlignmentElems per bucket. Without it, params are packed densely (no padding).
-// - Reduction groups (issue 23): a param's gradient is reduced over the ranks that hold a replica of
+// - Reduction groups (expert parallelism): a param's gradient is reduced over the ranks that hold a replica of
 //   it. Dense params: the DP (x CP) group; expert (MoE) params: the expert-data-parallel group
 //   (mesh/reduction_groups.h). They live in buffers of their own (BufferKey::expert), so a bucket never
 //   mixes groups, and an expert bucket is padded to a multiple of expert_dp_size * kAlignmentElems

@@ -202,7 +202,7 @@ for s in "${stages[@]}"; do
     mlp=(--layers 16 --hidden 4096 --batch 16 --reps 20); [ "$small" = 1 ] && mlp=(--layers 2 --hidden 64 --batch 8 --reps 2 --warmup 1)
     step ddp_bench_mlp 240 "${ddp_env[@]}" "$build/bench/ddp_bench" --device "$device" "${mlp[@]}" --collective-reps 0 \
       --json "$out/ddp_bench_mlp.json"
-    { ratio "$out/ddp_bench_gpt1b.json" meshddp local 1.02   # issue 10's figure
+    { ratio "$out/ddp_bench_gpt1b.json" meshddp local 1.02   # the ~1B preset's goal
       ratio "$out/ddp_bench_gpt1b.json" meshddp_fp32_grads local
       ratio "$out/ddp_bench_gpt1b_forced.json" meshddp local 1.02
       ratio "$out/ddp_bench_gpt1b_forced.json" meshddp_zero1 local

@@ -1,4 +1,4 @@
-"""Checkpoints are untrusted input (issue 20), through the tools a user runs: a 2-rank checkpoint of
+"""Checkpoints are untrusted input, through the tools a user runs: a 2-rank checkpoint of
 examples/02_dp_x_tp_gpt, damaged or edited, is refused with `error: <file>: <what is wrong>` and exit
 1 by meshddp-consolidate (the engine's reader; no traceback, no output file) and by `--resume` (exit 1, the
 value named; torchrun adds its own traceback of the child's exit). The edits a tool could make consistently (a re-signed manifest, a rewritten header)

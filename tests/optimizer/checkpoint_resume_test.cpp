@@ -94,7 +94,7 @@ TEST(CheckpointResume, ADamagedLatestIsANamedErrorNotAFreshStart) {
   remove_dir(first);
 }
 
-// An adversary's `latest` (issue 20's attack): every one is refused naming the file on every rank,
+// An adversary's `latest`: every one is refused naming the file on every rank,
 // in seconds. Before: a FIFO blocked every rank in open() forever; a 1 TiB sparse file was read
 // whole (std::bad_alloc, SIGABRT); "" was ignored (a run picked by the lineage instead); a
 // directory, "../x/step-2", a NUL or a CRLF got a less exact message or none.

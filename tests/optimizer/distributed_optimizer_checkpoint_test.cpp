@@ -295,7 +295,7 @@ TEST(Checkpoint, KeepLastKeepsTheNewestStepsAndNeverOverwritesLatest) {
   remove_dir(dir);
 }
 
-// --- The files are untrusted input (issue 20): the manifest is checked field by field, pieces
+// --- The files are untrusted input: the manifest is checked field by field, pieces
 // are tied to their place by checksums, headers are compared with the manifest.
 namespace {
 
@@ -455,7 +455,7 @@ TEST(Checkpoint, PiecesSwappedBetweenRanksRelabelledOrGivenAnotherDtypeAreRefuse
 }
 
 // The piece checksum ties the bytes to the tensor's dtype, global shape, sharded dim and TP size
-// too (issue 20's attack: `dim` 0 -> 1 re-signed read row chunks as column chunks, silently).
+// too (an outside attack: `dim` 0 -> 1 re-signed read row chunks as column chunks, silently).
 TEST(CheckpointManifest, APieceChecksumCoversItsTensorsDtypeShapeDimAndTpSize) {
   ManifestTensor t;
   t.dtype = "F32";

@@ -1,4 +1,4 @@
-// Expert parallel (issue 23): expert (MoE) params reduced over the expert-data-parallel group, dense
+// Expert parallel: expert (MoE) params reduced over the expert-data-parallel group, dense
 // params over DP, against the golden: the same model trained in one process, all experts local, on
 // the whole global batch.
 //
