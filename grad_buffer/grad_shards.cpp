@@ -100,8 +100,11 @@ void GradBuffer::build_grad_shards() {
 
 void GradBuffer::acquire_bucket_storage(int64_t b) {
   const BucketSpan& span = layout_.buckets[b];
+  // Only buckets launched before b: at its own launch (no gradient arrived) b is already counted in
+  // next_bucket_, and completing it first would wait for a collective not launched yet.
   while (storage_pool_.free_blocks(span.buffer) == 0 &&
-         storage_pool_.allocated_blocks(span.buffer) >= kBucketsInFlight && next_to_complete_ < next_bucket_) {
+         storage_pool_.allocated_blocks(span.buffer) >= kBucketsInFlight &&
+         next_to_complete_ < std::min(next_bucket_, b)) {
     complete_bucket(next_to_complete_++);
   }
   Bucket& bucket = buckets_[b];

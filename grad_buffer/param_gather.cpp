@@ -72,6 +72,7 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   // op writes in place is refused (Note [Sharded parameters], sharded_params.h); the mode stays on
   // while any ShardedParams lives.
   const char* name = schema.name().c_str();
+  const ShardedParams::OpScope one_op;  // its arguments' units are kept together
   const size_t first = stack->size() - num_args;
   for (size_t i = first; i < stack->size(); ++i) {
     const c10::IValue& arg = (*stack)[i];

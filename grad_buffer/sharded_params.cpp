@@ -231,6 +231,18 @@ std::string ShardedParams::param_at(int64_t b, const at::Tensor& t) const {
   return "a tensor in the storage of " + buckets_[b].info.what;  // the bucket's padding
 }
 
+namespace {
+std::atomic<uint64_t> ops_begun{0};  // OpScope ids, unique across threads
+thread_local uint64_t current_op = 0;
+}  // namespace
+
+// Ops a kernel runs inside another op (addmm expanding its bias) share the outermost op's id: they must
+// not release the units of its other arguments either.
+ShardedParams::OpScope::OpScope() : previous_(current_op) {
+  if (current_op == 0) current_op = ++ops_begun;
+}
+ShardedParams::OpScope::~OpScope() { current_op = previous_; }
+
 void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Access access) {
   const int64_t u = buckets_[bucket].unit;
   const bool backward = torch::autograd::get_current_node() != nullptr;
@@ -249,11 +261,14 @@ void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Acc
                 "every rank), or read a checkpoint");
     return;
   }
+  unit.op = current_op;
   if (unit.state == UnitState::kGathered && current_ == u && !backward) return;  // the common case: no change
   if (!backward && holds_ == 0) {
-    // Note [Sharded parameters]: a forward moving to unit u releases the others in use.
+    // Note [Sharded parameters]: a forward moving to unit u releases the others in use, but not the
+    // units of this op's other arguments (OpScope).
     for (int64_t other = 0; other < num_units(); ++other) {
-      if (other != u && units_[other].state == UnitState::kGathered) release(other);
+      const bool same_op = current_op != 0 && units_[other].op == current_op;
+      if (other != u && !same_op && units_[other].state == UnitState::kGathered) release(other);
     }
   }
   if (unit.state == UnitState::kReleased) launch_gather(u);

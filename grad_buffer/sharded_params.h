@@ -19,7 +19,8 @@
 //   autograd engine carries the thread's dispatch state into backward (GraphTask's ThreadLocalState),
 //   so backward's ops that read saved params gather them the same way (tested: the backward of a
 //   released unit reads gathered values, sharded_params_test.cpp).
-//   Order. In forward, using unit u releases every other gathered unit (a forward moves from unit to
+//   Order. In forward, using unit u releases every other gathered unit but those of the same op's other
+//   arguments (OpScope: a tied weight with its own bias) (a forward moves from unit to
 //   unit; a unit used again later, such as an embedding tied to the output layer, is gathered again)
 //   and prefetches the unit after u: its all-gathers are launched, and waited for only when an op
 //   reads it. "After" follows the order of first uses that the last forward through a UseScope
@@ -152,6 +153,19 @@ class ShardedParams {
   // when `op` writes `t` or reads it outside forward and backward while its unit is released; a view
   // taken there gathers nothing (Note [Sharded parameters]).
   static bool on_use(const at::Tensor& t, const char* op = "", Access access = Access::kRead);
+  // Open by that fallback around one op's arguments: the units its arguments live in are all kept
+  // while it runs (a forward moving to the unit of one argument does not release another argument's:
+  // a tied weight and its own bias, `w_a + w_b` across two blocks); ops run inside it share its id.
+  class OpScope {
+   public:
+    OpScope();
+    ~OpScope();
+    OpScope(const OpScope&) = delete;
+    OpScope& operator=(const OpScope&) = delete;
+
+   private:
+    uint64_t previous_;
+  };
 
  private:
   enum class UnitState { kReleased, kInFlight, kGathered };
@@ -170,6 +184,7 @@ class ShardedParams {
     int64_t grads_ready = 0;  // this backward
     UnitState state = UnitState::kReleased;
     bool prefetched = false;
+    uint64_t op = 0;  // the OpScope that last used it (0: none)
   };
   struct ParamPlace {  // where param i lives, to name it from a tensor in its bucket's storage
     std::string name;

@@ -27,9 +27,14 @@ namespace meshddp {
 //   and the exception is what the user sees. The other ways out, refusing every later read with a clear message, would
 //   need a registry that outlives the wrapper and the dispatch mode kept on for good; a copy taken at every step would
 //   cost the whole params' memory that ZeRO-3 exists to save.
+//   Not from Python: a Python wrapper is destroyed when its last reference goes or when the cyclic garbage
+//   collector runs, at different points on different ranks (seen: a destructor's gather paired with
+//   another rank's next collective, Gloo aborting on the size mismatch). PythonDdp turns the gather off;
+//   its module's params are left without bytes, and wrapping them again is refused naming the param
+//   (meshddp/ddp.py). Python code reads whole params through ddp.state_dict() before dropping the wrapper.
 DdpEngine::~DdpEngine() {
   ShardedParams* sharded = buffer_ ? sharded_params() : nullptr;
-  if (sharded == nullptr || std::uncaught_exceptions() > 0) return;
+  if (sharded == nullptr || !leave_params_whole_at_destruction_ || std::uncaught_exceptions() > 0) return;
   try {
     std::vector<at::Tensor> params;
     for (const NamedParam& p : unique_params_) params.push_back(p.param);

@@ -110,8 +110,8 @@ class DdpEngine {
   // and deleting one must destroy the DistributedDataParallel<M> around it (its module) too.
   // Under "optim_grads_params" it is collective: it gathers every unit and leaves the module's params
   // whole (plain tensors), so every rank destroys its wrapper at the same point, as SPMD code does;
-  // not while an exception unwinds it (Note [A module outliving its ZeRO-3 wrapper],
-  // plugin/ddp_engine_controls.cpp).
+  // not while an exception unwinds it, nor for the Python wrapper (Note [A module outliving its ZeRO-3
+  // wrapper], plugin/ddp_engine_controls.cpp).
   virtual ~DdpEngine();
   DdpEngine(DdpEngine&&) noexcept;
   DdpEngine& operator=(DdpEngine&&) noexcept;
@@ -249,6 +249,9 @@ class DdpEngine {
   ShardedParams* sharded_params() const;
   // The whole GradBuffer, for subclasses that feed it gradients of their own (plugin/python/).
   GradBuffer& buffer() { return *buffer_; }
+  // "optim_grads_params": whether the destructor gathers the params whole (a collective). Off for a
+  // wrapper destroyed when a garbage collector decides (Python), which ranks do not do alike.
+  bool leave_params_whole_at_destruction_ = true;
 
  private:
   // The expert-data-parallel group and its global ranks (for messages); made by init() only when

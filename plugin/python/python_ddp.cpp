@@ -50,6 +50,7 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
     : DdpEngine(with_placements(std::move(params), dtensors, groups), std::move(buffers), groups, dp_global_ranks,
                 config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
+  leave_params_whole_at_destruction_ = false;  // destroyed by Python's GC: Note [A module outliving its ZeRO-3 wrapper]
   // After the settings agreed (DdpEngine's construction): every rank refuses alike.
   TORCH_CHECK(dtensors_.empty() || !this->config().shards_params(), "meshddp.DistributedDataParallel: parameter '",
               dtensors_.empty() ? std::string() : dtensors_.front().name,

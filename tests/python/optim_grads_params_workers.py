@@ -241,3 +241,55 @@ def checkpoint_resume(rank, world_size, directory):
     pairs = list(out.values())
     loaded = max_diff(pairs[0].pop("after_load"), pairs[1].pop("after_load"))
     return {"pairs": out, "optim_vs_sharded_checkpoint": loaded}
+
+
+class TwoUnitsInOneOp(torch.nn.Module):
+    """Ops whose arguments live in two FSDP units: an LM head tied to the embedding with its own bias (BERT's;
+    units 'wte' and 'head'), and `body.weight + other.weight` (units 'body' and 'other')."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, DIM)
+        self.body = torch.nn.Linear(DIM, DIM)
+        self.other = torch.nn.Linear(DIM, DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.wte(ids)))
+        return self.head(F.linear(h, self.body.weight + self.other.weight))
+
+
+def one_op_reading_two_units(rank, world_size):
+    """TwoUnitsInOneOp under optim_grads_params vs optim: the params after STEPS AdamW steps (0: bit for bit)."""
+    out = {}
+    for strategy in ("optim", "optim_grads_params"):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        ddp = meshddp.DistributedDataParallel(TwoUnitsInOneOp(), mesh, config=meshddp.DdpConfig(
+            bucket_bytes=4096, data_parallel_sharding_strategy=strategy))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=LR))
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS):
+            ddp.zero_grad_buffer()
+            ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+            loss_of(ddp(ids), ids).backward()
+            opt.step()
+        opt.finish_param_sync()
+        out[strategy] = [v for v in ddp.state_dict().values()]
+    return max((a - b).abs().max().item() for a, b in zip(out["optim"], out["optim_grads_params"]))
+
+
+def dropped_wrapper(rank, world_size):
+    """The wrapped module's own state_dict() between steps, and wrapping its module again after the wrapper
+    is dropped: the messages (each refused on every rank)."""
+    ddp, opt = build(world_size, "optim_grads_params")
+    train(ddp, opt, rank, world_size, range(1))
+    out = {"module_state_dict": _message(lambda: ddp.module.state_dict())}
+    module = ddp.module
+    del ddp, opt
+    import gc
+    gc.collect()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    out["rewrap"] = _message(lambda: meshddp.DistributedDataParallel(module, mesh))
+    return out

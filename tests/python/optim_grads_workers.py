@@ -112,6 +112,31 @@ def against_optim_and_one_process(rank, world_size, micro_batches):
             "grads_seen": sharded["grads_seen"], "strategy": ddp.config.data_parallel_sharding_strategy}
 
 
+class DeepLastUnused(Deep):
+    """Deep whose last layer takes no part: the first bucket (the last params) gets no gradient, while the
+    later buckets fill the pool's blocks."""
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def first_bucket_without_gradient(rank, world_size):
+    """optim_grads vs optim when the first bucket gets no gradient (launched with zeros at finish_grad_sync,
+    with every block of the pool in use by later buckets): the params after STEPS steps."""
+    out = {}
+    for strategy in ("optim", "optim_grads"):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        ddp = meshddp.DistributedDataParallel(DeepLastUnused(), mesh, config=meshddp.DdpConfig(
+            bucket_bytes=4096, data_parallel_sharding_strategy=strategy))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=LR))
+        train(ddp, opt, rank, world_size, range(STEPS))
+        out[strategy] = params_of(ddp)
+    return max_diff(out["optim"], out["optim_grads"])
+
+
 def refusals(rank, world_size):
     """The messages of what optim_grads refuses from Python (each caught, so every rank goes on alike)."""
     ddp, opt = build(world_size, "optim_grads")

@@ -51,6 +51,13 @@ def test_matches_optim_and_one_process_at_dp_two(micro_batches):
             f"buffer ({optim_bytes}): the whole buffer stayed resident?")
 
 
+def test_a_first_bucket_without_gradient_is_launched_with_zeros_as_under_optim():
+    # Before: its launch at finish_grad_sync took a pool block by completing the oldest bucket, itself
+    # (an internal assert, "bucket 0 completed before its launch").
+    for rank, diff in enumerate(multiprocess.run_once(2, "optim_grads_workers.first_bucket_without_gradient")):
+        assert diff == 0.0, f"rank {rank}: optim_grads differs from optim by {diff} with an unused last layer"
+
+
 def test_whole_gradients_are_refused_naming_the_param_and_what_to_use():
     for r in multiprocess.run_once(2, "optim_grads_workers.refusals"):
         assert r["is_parameter"]

@@ -88,6 +88,19 @@ def test_what_it_cannot_do_is_refused_naming_the_param():
         assert r["pipeline_stage"] is not None and "'optim_grads'" in r["pipeline_stage"], r["pipeline_stage"]
 
 
+def test_an_op_reading_two_units_keeps_both_and_equals_optim():
+    # Before: gathering one argument's unit released the other's (a tied head with its own bias, w_a + w_b):
+    # torch's "data is not allocated yet", or a crash.
+    for rank, diff in enumerate(multiprocess.run_once(2, "optim_grads_params_workers.one_op_reading_two_units")):
+        assert diff == 0.0, f"rank {rank}: optim_grads_params differs from optim by {diff}"
+
+
+def test_the_module_state_dict_and_a_dropped_wrappers_module_are_refused_naming_the_param():
+    for r in multiprocess.run_once(2, "optim_grads_params_workers.dropped_wrapper"):
+        assert r["module_state_dict"] is not None and "ddp.state_dict()" in r["module_state_dict"], r
+        assert r["rewrap"] is not None and "holds no bytes" in r["rewrap"] and "parameter '" in r["rewrap"], r
+
+
 def test_a_dtensor_model_is_refused_at_construction_on_every_rank():
     for message in multiprocess.run_once(2, "optim_grads_params_workers.dtensor_refused"):
         assert message is not None, "a DTensor model was wrapped under optim_grads_params"

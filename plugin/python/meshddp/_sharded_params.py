@@ -40,7 +40,11 @@ def load_state_dict(ddp, given, strict=True):
     """Writes `given` (whole tensors by module path, as state_dict() gives them) into this rank's shards, the
     frozen params and the buffers. Checks every key and shape before anything is written. Not collective."""
     module = ddp.module
-    own = module.state_dict()  # views: they read nothing
+    module._meshddp_views_only = True  # shapes only: refuse_released_in_state_dict lets it through
+    try:
+        own = module.state_dict()  # views: they read nothing
+    finally:
+        module._meshddp_views_only = False
     missing = [k for k in own if k not in given]
     unexpected = [k for k in given if k not in own]
     if strict and (missing or unexpected):
@@ -70,3 +74,39 @@ def load_state_dict(ddp, given, strict=True):
     finally:
         ddp._engine.notify_params_changed()  # also after a partial load: the masters are reloaded
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _released(value):
+    return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().nbytes() == 0
+
+
+def refuse_released_in_state_dict(module):
+    """A post-hook on the wrapped module's state_dict(): under optim_grads_params `ddp.module.state_dict()`
+    called directly would hold views of released storage (no bytes: torch.save writes no values, and the
+    load fails later), so it raises naming the first such key and ddp.state_dict(), which gathers."""
+
+    def check(mod, out, prefix, local_metadata):
+        if getattr(mod, "_meshddp_views_only", False):
+            return
+        for key, value in out.items():
+            if key.startswith(prefix) and _released(value):
+                raise RuntimeError(
+                    f"meshddp.DistributedDataParallel: the wrapped module's state_dict() holds '{key}' while its FSDP "
+                    f"unit is released (data_parallel_sharding_strategy='optim_grads_params' keeps only this rank's "
+                    f"shards between steps), so it has no values to save. Call ddp.state_dict() on every rank (it "
+                    f"gathers the units and returns whole copies), or use data_parallel_sharding_strategy='optim'")
+
+    return module.register_state_dict_post_hook(check)
+
+
+def refuse_params_without_bytes(module):
+    """Wrapping a module whose params hold no bytes: those of a module whose optim_grads_params wrapper was
+    dropped (Note [A module outliving its ZeRO-3 wrapper], plugin/ddp_engine_controls.cpp)."""
+    for name, p in module.named_parameters():
+        local = getattr(p, "_local_tensor", p)
+        if _released(local):
+            raise RuntimeError(
+                f"meshddp.DistributedDataParallel: parameter '{name}' holds no bytes: it belonged to an FSDP unit of a "
+                f"wrapper under data_parallel_sharding_strategy='optim_grads_params' that was dropped while the unit "
+                f"was released (from Python the wrapper does not gather the params back when it goes). Load the "
+                f"values from a checkpoint (or ddp.state_dict() taken before dropping the wrapper) into a new model")

@@ -264,6 +264,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         _check_wrappable(module)
         _guards.refuse_torch_ddp_inside(module)
+        _sharded_params.refuse_params_without_bytes(module)
         params, dtensors = [], []
         self._engine_names = {}  # module path -> the engine's name, where they differ (EP DTensor shards)
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
@@ -305,6 +306,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._shards_params = self._strategy == "optim_grads_params"
         if self._shards_params:
             self._engine.intercept_param_reads_in_this_thread()
+            _sharded_params.refuse_released_in_state_dict(module)
         grads = {}
         self._dtensor_grad_hooks = []
         for name, p, local, _ in dtensors:
