@@ -139,7 +139,10 @@ def worker(args):
     report["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report["step_ms"] = 1e3 * statistics.mean(times[1:] if len(times) > 1 else times)
     report["last_loss"] = losses[-1]
-    print("BENCH " + json.dumps(report), flush=True)
+    # One write (print writes the end of line apart): the ranks share the pipe, and two reports on one line
+    # were seen.
+    sys.stdout.write("BENCH " + json.dumps(report) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
