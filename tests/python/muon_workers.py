@@ -192,3 +192,26 @@ def muon_resumable(rank, world_size, first, last, save_dir=None, load_dir=None):
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
     return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def muon_under_each_sharding_strategy(rank, world_size):
+    """Muon on whole_param shards under optim, optim_grads and optim_grads_params (each rank's shard holds
+    whole matrices under all three): each run's params after STEPS steps (from ddp.state_dict(), whole under
+    every strategy), as the largest difference from the optim run's."""
+    params = {}
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        ddp = meshddp.DistributedDataParallel(MuonNet(), mesh, config=meshddp.DdpConfig(
+            bucket_bytes=8192, data_parallel_sharding_strategy=strategy, shard_policy="whole_param"))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
+            kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS))
+        for step in range(STEPS):
+            x, y = global_batch(step, world_size)
+            ddp.zero_grad_buffer()
+            F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+            opt.step()
+        opt.finish_param_sync()
+        params[strategy] = ddp.state_dict()
+    return {s: max((params[s][n] - p).abs().max().item() for n, p in params["optim"].items())
+            for s in ("optim_grads", "optim_grads_params")}

@@ -46,6 +46,13 @@ def test_whole_param_adamw_equals_byte_range_and_overlapped_gather_is_bit_identi
         assert r["overlap_identical"], f"rank {rank}: the overlapped param gather changed the result"
 
 
+def test_muon_steps_whole_matrices_under_optim_grads_and_optim_grads_params_as_under_optim():
+    # Each rank's shard holds whole matrices under every strategy (no gather for Newton-Schulz): the same
+    # arithmetic as optim's, so bit for bit.
+    for rank, diffs in enumerate(run_once(2, "muon_workers.muon_under_each_sharding_strategy")):
+        assert diffs == {"optim_grads": 0.0, "optim_grads_params": 0.0}, (rank, diffs)
+
+
 def test_muon_settings_are_keywords_and_in_repr():
     import meshddp
 
