@@ -54,10 +54,27 @@ std::string matched_unit(const std::string& name, const std::vector<std::string>
   return kRootFsdpUnit;
 }
 
+// Whether `pattern` matches some module path (a dotted prefix short of a param's own name) of `names`.
+bool matches_a_module(const std::string& pattern, const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
+      if (glob_match(pattern, name.substr(0, dot))) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 FsdpUnits assign_fsdp_units(const std::vector<std::string>& param_names, const std::string& patterns) {
   const std::vector<std::string> globs = split_patterns(patterns);
+  for (const std::string& glob : globs) {
+    if (matches_a_module(glob, param_names)) continue;
+    const std::string example = param_names.empty() ? std::string("(no params)") : default_unit(param_names.front());
+    TORCH_WARN("DdpConfig: fsdp_unit_modules pattern '", glob, "' matches no module path of the model (the dotted ",
+               "prefixes of its parameter names, e.g. '", example, "'), so no unit is made from it: the params it was ",
+               "meant for stay in the root unit, gathered whole together. Fix the pattern (globs: 'blocks.*')");
+  }
   FsdpUnits units;
   for (const std::string& name : param_names) {
     const std::string unit = globs.empty() ? default_unit(name) : matched_unit(name, globs);

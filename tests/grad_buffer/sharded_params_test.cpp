@@ -247,6 +247,20 @@ TEST(FsdpUnits, PatternsPickTheShortestMatchingModulePathAndTheRestIsTheRoot) {
               HasSubstr("fsdp_unit_modules = 'blocks.*,,wte' has an empty pattern"));
 }
 
+// A pattern that matches no module path is warned about, naming it (the units are made without it).
+TEST(FsdpUnits, APatternMatchingNoModuleIsWarnedAboutByName) {
+  struct Captured : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  } captured;
+  const c10::WarningUtils::WarningHandlerGuard guard(&captured);
+  const FsdpUnits units = assign_fsdp_units({"wte.weight", "blocks.0.fc.weight", "blocks.1.fc.weight"}, "blocks.*,wtx");
+  EXPECT_EQ(units.names, (std::vector<std::string>{kRootFsdpUnit, "blocks.0", "blocks.1"}));
+  ASSERT_EQ(captured.messages.size(), 1u);
+  EXPECT_THAT(captured.messages[0], HasSubstr("pattern 'wtx' matches no module path"));
+  EXPECT_THAT(captured.messages[0], HasSubstr("e.g. 'wte'"));
+}
+
 // shard_policy "whole_param" (Muon): every param lies whole inside one rank's shard of its bucket, and the
 // rank that owns it keeps its values in its param shard (the shard the optimizer steps: no gather).
 TEST(ShardedParams, WholeParamShardsKeepEveryParamWholeInItsOwnersShard) {
@@ -257,7 +271,7 @@ TEST(ShardedParams, WholeParamShardsKeepEveryParamWholeInItsOwnersShard) {
     GradBufferConfig config = strategy(kShardOptimGradsParams);
     // Three layers a bucket (a byte range would cut the middle one in two), then one: each rank owns two.
     config.bucket_bytes = 3 * kDim * kDim * 4;
-    config.fsdp_unit_modules = "model";  // matches no module: one (root) unit, buckets of several layers
+    config.fsdp_unit_modules = "model";  // matches no module (a warning): one (root) unit, buckets of several layers
     config.shard_policy = kWholeParamShards;
     GradBuffer buffer(params, mesh["dp"], config);
     ShardedParams* sharded = buffer.param_buffer()->sharded();
