@@ -133,12 +133,13 @@ def muon_vs_one_process(rank, world_size, golden="torch", ns_dtype="bf16", coeff
             "dtensors": sorted(n for n, p in got.items() if isinstance(p, DTensor))}
 
 
-def train(world_size, rank, shard_policy, kind, overlap, steps=STEPS):
+def train(world_size, rank, shard_policy, kind, overlap, steps=STEPS, strategy="optim"):
+    """This rank's whole params (ddp.state_dict(): whole under every strategy) after `steps` steps."""
     torch.manual_seed(0)
     model = MuonNet()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     ddp = meshddp.DistributedDataParallel(model, mesh, config=meshddp.DdpConfig(
-        bucket_bytes=8192, use_distributed_optimizer=True, shard_policy=shard_policy))
+        bucket_bytes=8192, data_parallel_sharding_strategy=strategy, shard_policy=shard_policy))
     opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
         kind=kind, lr=LR, weight_decay=WD, groups=ADAMW_GROUPS, overlap_param_gather=overlap))
     for step in range(steps):
@@ -147,7 +148,7 @@ def train(world_size, rank, shard_policy, kind, overlap, steps=STEPS):
         F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         opt.step()
     opt.finish_param_sync()
-    return [p.detach().clone() for p in ddp.module.parameters()]
+    return [v.detach().clone() for v in ddp.state_dict().values()]
 
 
 def policies_and_overlap(rank, world_size):
@@ -196,22 +197,9 @@ def muon_resumable(rank, world_size, first, last, save_dir=None, load_dir=None):
 
 def muon_under_each_sharding_strategy(rank, world_size):
     """Muon on whole_param shards under optim, optim_grads and optim_grads_params (each rank's shard holds
-    whole matrices under all three): each run's params after STEPS steps (from ddp.state_dict(), whole under
-    every strategy), as the largest difference from the optim run's."""
-    params = {}
-    for strategy in ("optim", "optim_grads", "optim_grads_params"):
-        torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        ddp = meshddp.DistributedDataParallel(MuonNet(), mesh, config=meshddp.DdpConfig(
-            bucket_bytes=8192, data_parallel_sharding_strategy=strategy, shard_policy="whole_param"))
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
-            kind="muon", lr=LR, weight_decay=WD, groups=ADAMW_GROUPS))
-        for step in range(STEPS):
-            x, y = global_batch(step, world_size)
-            ddp.zero_grad_buffer()
-            F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
-            opt.step()
-        opt.finish_param_sync()
-        params[strategy] = ddp.state_dict()
-    return {s: max((params[s][n] - p).abs().max().item() for n, p in params["optim"].items())
+    whole matrices under all three): the largest difference of each run's params after STEPS steps from the
+    optim run's."""
+    optim = train(world_size, rank, "whole_param", "muon", False)
+    return {s: max((a - b).abs().max().item()
+                   for a, b in zip(train(world_size, rank, "whole_param", "muon", False, strategy=s), optim))
             for s in ("optim_grads", "optim_grads_params")}
