@@ -1,6 +1,7 @@
 #include "grad_buffer/param_gather.h"
 
 #include "grad_buffer/sharded_params.h"
+#include "grad_buffer/tensor_subclass_values.h"
 #include "mesh/collectives.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -8,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <utility>
 
@@ -57,11 +59,30 @@ std::vector<ParamGather*> launched_on_this_thread() {
 // of them (Tensor(a): detach, view, t), reading none; or reads them.
 ShardedParams::Access access_of(const c10::FunctionSchema& schema, size_t i) {
   const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
-  if (alias == nullptr) return ShardedParams::Access::kRead;
+  if (alias == nullptr) {
+    // x.view_as(p) and its kin read only p's sizes (DTensor.to_local() is local.view_as(local); torch's pipelining
+    // finds a param's autograd node with p.view_as(p)), as torch.zeros_like(p) and the other factories do.
+    const std::string& name = schema.name();
+    const bool like = i == 0 && name.size() > 5 && name.compare(name.size() - 5, 5, "_like") == 0;
+    const bool sizes_only =
+        like || (i == 1 && (name == "aten::view_as" || name == "aten::expand_as" || name == "aten::reshape_as"));
+    return sizes_only ? ShardedParams::Access::kView : ShardedParams::Access::kRead;
+  }
   if (!alias->isWrite()) return ShardedParams::Access::kView;
   const std::string& name = schema.name();
   const bool metadata = name == "aten::requires_grad_" || name == "aten::retain_grad" || name == "aten::detach_";
   return metadata ? ShardedParams::Access::kView : ShardedParams::Access::kWrite;
+}
+
+std::atomic<TensorValuesOf> subclass_values{nullptr};  // Note [Tensor subclasses under the param modes]
+
+// `t`, or for a tensor subclass the tensor holding its values (its storage is the one a bucket may own).
+at::Tensor values_of(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(c10::DispatchKey::Python)) return t;
+  const TensorValuesOf lookup = subclass_values.load(std::memory_order_acquire);
+  if (lookup == nullptr) return t;
+  at::Tensor inner = lookup(t);
+  return inner.defined() ? inner : t;
 }
 
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -78,14 +99,14 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     const c10::IValue& arg = (*stack)[i];
     const ShardedParams::Access written = access_of(schema, i - first);
     if (arg.isTensor()) {
-      any_pending = ShardedParams::on_use(arg.toTensor(), name, written) || any_pending;
+      any_pending = ShardedParams::on_use(values_of(arg.toTensor()), name, written) || any_pending;
     } else if (arg.isTensorList()) {
       for (const at::Tensor& t : arg.toTensorList().vec()) {
-        any_pending = ShardedParams::on_use(t, name, written) || any_pending;
+        any_pending = ShardedParams::on_use(values_of(t), name, written) || any_pending;
       }
     } else if (arg.isOptionalTensorList()) {
       for (const std::optional<at::Tensor>& t : arg.toOptionalTensorList().vec()) {
-        if (t.has_value()) any_pending = ShardedParams::on_use(*t, name, written) || any_pending;
+        if (t.has_value()) any_pending = ShardedParams::on_use(values_of(*t), name, written) || any_pending;
       }
     }
   }
@@ -96,9 +117,9 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
       const c10::IValue& arg = (*stack)[i];
       if (arg.isTensor()) {
-        gather->wait_if_pending(arg.toTensor());
+        gather->wait_if_pending(values_of(arg.toTensor()));
       } else if (arg.isTensorList()) {
-        for (const at::Tensor& t : arg.toTensorList().vec()) gather->wait_if_pending(t);
+        for (const at::Tensor& t : arg.toTensorList().vec()) gather->wait_if_pending(values_of(t));
       }
     }
     any_pending = any_pending || gather->pending() > 0;
@@ -111,6 +132,8 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
 }
 
 }  // namespace
+
+void set_tensor_subclass_values(TensorValuesOf lookup) { subclass_values.store(lookup, std::memory_order_release); }
 
 TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&wait_for_params_fallback>());

@@ -6,6 +6,7 @@
 #include "grad_buffer/grad_buffer.h"
 #include "grad_buffer/param_buffer.h"
 #include "grad_buffer/param_gather.h"
+#include "grad_buffer/tensor_subclass_values.h"
 #include "mesh/collective_progress.h"
 #include "mesh/launch_round.h"
 #include "mesh/pipeline_groups.h"
@@ -23,6 +24,7 @@
 #include "plugin/tp_dim.h"
 #include "tp/linear_with_grad_in_buffer.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -97,10 +99,26 @@ void install_terminate_report() {
   if (previous != report_terminate) previous_terminate_handler = previous;
 }
 
+// The tensor holding a DTensor's values, its `_local_tensor`, for the param dispatch mode (Note [Tensor
+// subclasses under the param modes], grad_buffer/tensor_subclass_values.h); undefined for anything else.
+at::Tensor subclass_local_tensor(const at::Tensor& t) {
+  if (_Py_IsFinalizing()) return {};
+  py::gil_scoped_acquire gil;
+  py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  PyObject* local = wrapped ? PyObject_GetAttrString(wrapped.ptr(), "_local_tensor") : nullptr;
+  if (local == nullptr) {
+    PyErr_Clear();
+    return {};
+  }
+  const py::object holder = py::reinterpret_steal<py::object>(local);
+  return THPVariable_Check(local) ? THPVariable_Unpack(local) : at::Tensor();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   install_terminate_report();
+  meshddp::set_tensor_subclass_values(&subclass_local_tensor);
   m.def(
       "linear_with_grad_in_buffer",
       [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

@@ -51,14 +51,6 @@ PythonDdp::PythonDdp(std::vector<NamedTensor> params, std::vector<NamedTensor> b
                 config, std::move(data_parallel_group)),
       dtensors_(std::move(dtensors)) {
   leave_params_whole_at_destruction_ = false;  // destroyed by Python's GC: Note [A module outliving its ZeRO-3 wrapper]
-  // After the settings agreed (DdpEngine's construction): every rank refuses alike.
-  TORCH_CHECK(dtensors_.empty() || !this->config().shards_params(), "meshddp.DistributedDataParallel: parameter '",
-              dtensors_.empty() ? std::string() : dtensors_.front().name,
-              "' is a DTensor, which data_parallel_sharding_strategy '", this->config().sharding_strategy(),
-              "' does not support from Python yet: a param there is a view of its unit's storage, released ",
-              "between uses, which a DTensor's local tensor does not follow. Use '", kShardOptimGrads,
-              "' for tensor-parallel (DTensor) models, or the C++ meshddp::DistributedDataParallel with ",
-              "meshddp::parallelize (DP x TP under '", kShardOptimGradsParams, "')");
   TORCH_CHECK(dtensors_.empty() || !config.find_unused_parameters,
               "meshddp.DistributedDataParallel: find_unused_parameters is not supported for DTensor parameters (",
               dtensors_.front().name, "): the autograd graph reaches their DTensor, not the local tensor the ",

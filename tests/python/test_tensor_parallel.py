@@ -11,9 +11,14 @@ What the cases check:
   parallelize_module on a 2x2 mesh vs the same block at 1x1, with torch SGD, torch AdamW and meshddp's ZeRO-1
   (5e-7; measured <= 6e-8), and under data_parallel_sharding_strategy='optim_grads' (ZeRO-2: each new DTensor
   gradient moved onto its local shard, reduce-scattered per bucket; param.grad None after backward)
+  and 'optim_grads_params' (ZeRO-3: the local shards of the DTensor params sharded again over DP, gathered per
+  unit on use, read back through the collective ddp.state_dict())
 - test_tensor_parallel.py::test_optim_grads_equals_optim_bit_for_bit_under_torch_tp: the ZeRO-2 run's params
   are the ZeRO-1 run's bit for bit (each bucket's reduce-scatter is the same; the shard is 0 + it); with 2
   micro-batches (each reduce-scattered and summed in the shard) within ACCUM_TOL of them (measured: printed)
+- test_tensor_parallel.py::test_optim_grads_params_equals_optim_bit_for_bit_under_torch_tp: the same for
+  ZeRO-3, whose param storage after the last step is its shards alone, whose state_dict() holds DTensors at
+  the params' placements, and whose load_state_dict() of that dict writes back the same values
 """
 
 import pytest
@@ -28,7 +33,7 @@ def suite():
     return multiprocess.run_once(4, "tp_suite", dp=2, tp=2)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "zero1", "zero2", "zero2_accum"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "zero1", "zero2", "zero2_accum", "zero3", "zero3_accum"])
 def test_torch_tp_2x2_matches_1x1(optimizer):
     for rank, results in enumerate(suite()):
         r = results[optimizer]
@@ -48,6 +53,22 @@ def test_optim_grads_equals_optim_bit_for_bit_under_torch_tp():
         print(f"[rank {rank}: optim_grads with 2 micro-batches vs optim with 1: {accum:.3g}]")
         assert accum <= ACCUM_TOL, f"rank {rank}: optim_grads with 2 micro-batches differs from optim by {accum}"
         assert not results["zero2_accum"]["grads_seen"], f"rank {rank}: param.grad set under optim_grads"
+
+
+def test_optim_grads_params_equals_optim_bit_for_bit_under_torch_tp():
+    for rank, results in enumerate(suite()):
+        zero1, zero3 = results["zero1"], results["zero3"]
+        assert not zero3["grads_seen"], f"rank {rank}: param.grad must be None after backward under optim_grads_params"
+        for i, (a, b) in enumerate(zip(zero1["params"], zero3["params"])):
+            assert a.equal(b), f"rank {rank}: param {i} differs between optim and optim_grads_params by {(a - b).abs().max()}"
+        accum = max((a - b).abs().max().item() for a, b in zip(zero1["params"], results["zero3_accum"]["params"]))
+        print(f"[rank {rank}: optim_grads_params with 2 micro-batches vs optim with 1: {accum:.3g}]")
+        assert accum <= ACCUM_TOL, f"rank {rank}: optim_grads_params with 2 micro-batches differs from optim by {accum}"
+        held, shards, whole = zero3["param_bytes"]
+        assert held == shards, f"rank {rank}: {held} bytes of param storage held after the step, its shards are {shards}"
+        assert shards < whole, f"rank {rank}: shards of {shards} bytes for {whole} bytes of local params"
+        assert zero3["dtensors_in_state_dict"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], zero3
+        assert zero3["reloaded_equal"], f"rank {rank}: load_state_dict(state_dict()) changed the params"
 
 
 def test_a_dtensor_on_another_mesh_of_the_tp_size_is_an_error_naming_the_param():

@@ -180,21 +180,24 @@ def full(p):
 def tp_vs_single(rank, world_size, dp, tp, optimizer):
     """The Block parallelized with torch TP (parallelize_module over the mesh's "tp" dim) and wrapped
     in meshddp DDP on a dp x tp mesh, against the same Block at 1x1 (one process, global batch).
-    optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer) | zero2
-    (the same under data_parallel_sharding_strategy='optim_grads') | zero2_accum (zero2 with each rank's batch
-    in 2 micro-batches, the first under no_sync)."""
+    optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer) | zero1_overlap
+    (its param all-gathers overlapped with the next forward, each DTensor op waiting for its bucket) | zero2
+    (the same under data_parallel_sharding_strategy='optim_grads') | zero3 ('optim_grads_params': the local
+    shards of the DTensor params sharded again over DP, gathered per unit on use) | zero2_accum, zero3_accum
+    (each rank's batch in 2 micro-batches, the first under no_sync)."""
     torch.manual_seed(0)
     model = Block()
     golden = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    zero1 = optimizer in ("zero1", "zero2", "zero2_accum")
-    strategy = "optim_grads" if optimizer.startswith("zero2") else "optim" if zero1 else "no_shard"
-    micro_batches = 2 if optimizer == "zero2_accum" else 1
+    zero1 = optimizer.startswith("zero")
+    strategy = {"zero1": "optim", "zero2": "optim_grads", "zero3": "optim_grads_params"}.get(optimizer[:5], "no_shard")
+    micro_batches = 2 if optimizer.endswith("_accum") else 1
     ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(
         bucket_bytes=512, data_parallel_sharding_strategy=strategy))
     if zero1:
-        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(kind="adamw", lr=0.01, weight_decay=0.01))
+        opt = meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(
+            kind="adamw", lr=0.01, weight_decay=0.01, overlap_param_gather=optimizer == "zero1_overlap"))
         opt_golden = torch.optim.AdamW(golden.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
     else:
         opt = make_optimizer(optimizer, ddp.parameters(), 0.01)
@@ -219,14 +222,24 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
         opt_golden.step()
     if zero1:
         opt.finish_param_sync()
-    return {
-        "grad_diff": grad_diff,
-        "param_diff": max_diff([full(p) for p in ddp.parameters()], list(golden.parameters())),
-        "params": [full(p).detach().clone() for p in ddp.parameters()],
-        "grads_seen": grads_seen,
-        "dtensor_params": sorted(n for n, p in ddp.named_parameters() if isinstance(p, DTensor)),
-        "grad_bytes": ddp.grad_buffer_bytes(),
-    }
+    out = {"grads_seen": grads_seen, "grad_diff": grad_diff, "grad_bytes": ddp.grad_buffer_bytes(),
+           "dtensor_params": sorted(n for n, p in ddp.named_parameters() if isinstance(p, DTensor))}
+    if strategy == "optim_grads_params":  # the params hold only shards: read through the collective state_dict()
+        local_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in ddp.module.parameters())
+        out["param_bytes"] = (ddp.param_storage_bytes(), ddp.param_shard_bytes(), local_bytes)
+        state = ddp.state_dict()
+        params = [full(state[name]) for name, _ in ddp.module.named_parameters()]
+        out["dtensors_in_state_dict"] = sorted(k for k, v in state.items() if isinstance(v, DTensor))
+        ddp.load_state_dict(state)  # DTensor values: each rank writes the DP shards of its own TP shard
+        reloaded = ddp.state_dict()
+        ddp.load_state_dict({k: full(v) for k, v in state.items()})  # whole tensors: each rank cuts its TP shard
+        out["reloaded_equal"] = all(full(a).equal(full(b)) for s in (reloaded, ddp.state_dict())
+                                    for a, b in zip(s.values(), state.values()))
+    else:
+        params = [full(p) for p in ddp.parameters()]
+    out["param_diff"] = max_diff(params, list(golden.parameters()))
+    out["params"] = [p.detach().clone() for p in params]
+    return out
 
 
 def ddp_suite(rank, world_size, checkpoint_dir):
@@ -277,7 +290,8 @@ def tp_group_checks(rank, world_size, dp, tp):
 
 
 def tp_suite(rank, world_size, dp, tp):
-    out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in ("sgd", "adamw", "zero1", "zero2", "zero2_accum")}
+    cases = ("sgd", "adamw", "zero1", "zero1_overlap", "zero2", "zero2_accum", "zero3", "zero3_accum")
+    out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in cases}
     out["wrong_mesh"] = tp_wrong_mesh_error(rank, world_size, dp, tp)
     out["tp_group"] = tp_group_checks(rank, world_size, dp, tp)
     return out

@@ -14,6 +14,7 @@ Note [Whole-param state dicts under optim_grads_params]
   use, and the optimizer's fp32 masters are refreshed from them before its next step."""
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _WHO = "meshddp.DistributedDataParallel.load_state_dict"
 
@@ -60,13 +61,20 @@ def load_state_dict(ddp, given, strict=True):
     aliases = {}  # a tied param's other names, for a dict that holds it under one of them only
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    names_of = {names[0]: names for names in aliases.values()}
+    module_name = {engine: name for name, engine in ddp._engine_names.items()}  # expert DTensors: engine names
     try:
         with torch.no_grad():
-            for name, offset, piece in ddp._engine.param_shard_pieces():
-                source = next((given[n] for n in names_of.get(name, [name]) if n in given), None)
+            # Every param's values as the engine holds them (a DTensor's: its local shard), made in the same
+            # order on every rank (a DTensor given at other placements is redistributed: a collective over TP).
+            local = {}
+            for name, p in module.named_parameters():
+                source = next((given[n] for n in aliases[id(p)] if n in given), None)
                 if source is not None:
-                    flat = source.detach().reshape(-1)[offset:offset + piece.numel()]
+                    local[name] = _local_values(source.detach(), p)
+            for name, offset, piece in ddp._engine.param_shard_pieces():
+                source = local.get(module_name.get(name, name))
+                if source is not None:
+                    flat = source.reshape(-1)[offset:offset + piece.numel()]
                     piece.copy_(flat.to(device=piece.device, dtype=piece.dtype))
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 if name not in sharded and name in given:  # frozen params and buffers: whole on every rank
@@ -74,6 +82,18 @@ def load_state_dict(ddp, given, strict=True):
     finally:
         ddp._engine.notify_params_changed()  # also after a partial load: the masters are reloaded
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _local_values(source, param):
+    """What `param`'s engine tensor holds of `source`, a whole tensor or a DTensor: for a DTensor param its local
+    shard at the param's placements (a whole tensor is cut locally, as distribute_tensor without a source rank)."""
+    if not isinstance(param, DTensor):
+        return source.full_tensor() if isinstance(source, DTensor) else source
+    if isinstance(source, DTensor):
+        if source.device_mesh == param.device_mesh and source.placements == param.placements:
+            return source.to_local()
+        return source.redistribute(param.device_mesh, param.placements).to_local()
+    return distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 def _released(value):
