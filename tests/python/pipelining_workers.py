@@ -163,10 +163,19 @@ def golden_of(wrapped, schedule, dp_size, pp_size):
     """The golden's params after STEPS steps and its last step's grads, for this rank's chunks (`wrapped`), in
     train()'s (stage index, parameter) order."""
     ref, ref_grads = golden(dp_size)
+    blocks = blocks_of(wrapped, schedule, pp_size)
+    return params_of(ref, blocks), [ref_grads[2 * b + k] for b in blocks for k in (0, 1)]
+
+
+def blocks_of(wrapped, schedule, pp_size):
+    """The indices of the MLP's blocks in this rank's chunks (`wrapped`), in order."""
     per_stage = LAYERS // (pp_size * SCHEDULES[schedule][1])
-    blocks = [b for index, _ in wrapped for b in range(index * per_stage, (index + 1) * per_stage)]
-    params = [getattr(ref[b].fc, name).detach() for b in blocks for name in ("weight", "bias")]
-    return params, [ref_grads[2 * b + k] for b in blocks for k in (0, 1)]
+    return [b for index, _ in wrapped for b in range(index * per_stage, (index + 1) * per_stage)]
+
+
+def params_of(model, blocks):
+    """The params of `model`'s `blocks` (whole model), in train()'s order."""
+    return [getattr(model[b].fc, name).detach() for b in blocks for name in ("weight", "bias")]
 
 
 def versus_optim(rank, world_size, schedule="1F1B"):

@@ -268,8 +268,8 @@ class PipelineStage(_TorchPipelineStage):
                          f"(several schedule.step() calls before one optimizer step accumulate)")
         if ddp._shards_grads:
             raise _error(f"PipelineStage {self.stage_index}: schedule.step() again before the optimizer step, on "
-                         f"gradients already synced, under data_parallel_sharding_strategy='optim_grads': that keeps "
-                         f"only this rank's shard of each gradient, so the synced gradients cannot be set aside and "
+                         f"gradients already synced, under data_parallel_sharding_strategy='{ddp._strategy}': that "
+                         f"keeps only this rank's shard of each gradient, so the synced gradients cannot be set aside and "
                          f"added back. Give one schedule.step() all of the optimizer step's micro-batches "
                          f"(n_microbatches), or use data_parallel_sharding_strategy='optim' to accumulate across "
                          f"schedule.step() calls")
