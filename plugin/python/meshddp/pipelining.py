@@ -16,6 +16,9 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   stage) was added to the stale slot, then overwritten by the next micro-batch's backward. Each gradient
   goes into its own input of its node (torch sums them into input 0), through the engine directly
   (torch.autograd.backward's shape check cannot read a compiled module's node).
+- chunks under data_parallel_sharding_strategy='optim_grads_params' (params gathered per unit on use): the
+  split backward finds the params' autograd nodes through views that read no values (Note [Split backward
+  under optim_grads_params]).
 - compiled stages under a split backward: the input pass keeps the graph of a compiled module's
   output alive for the weight pass (Note [Compiled stages under a split backward]).
 - perform_reduce_grad (the schedule's REDUCE_GRAD action, after the chunk's last backward) and
@@ -269,8 +272,8 @@ class PipelineStage(_TorchPipelineStage):
         if ddp._shards_grads:
             raise _error(f"PipelineStage {self.stage_index}: schedule.step() again before the optimizer step, on "
                          f"gradients already synced, under data_parallel_sharding_strategy='{ddp._strategy}': that "
-                         f"keeps only this rank's shard of each gradient, so the synced gradients cannot be set aside and "
-                         f"added back. Give one schedule.step() all of the optimizer step's micro-batches "
+                         f"keeps only this rank's shard of each gradient, so the synced gradients cannot be set aside "
+                         f"and added back. Give one schedule.step() all of the optimizer step's micro-batches "
                          f"(n_microbatches), or use data_parallel_sharding_strategy='optim' to accumulate across "
                          f"schedule.step() calls")
         set_aside = [(n, ddp.main_grad(n).clone()) for n, p in ddp.module.named_parameters() if p.requires_grad]
