@@ -87,7 +87,8 @@ def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean", s
 def whole_params(wrapped):
     """Copies of the params in (stage index, parameter) order; under optim_grads_params ddp.state_dict()
     gathers them (a collective over the chunk's DP group: every rank reads them)."""
-    return [t.detach().clone() for _, ddp in wrapped for t in ddp.state_dict().values()]
+    return [t.detach().clone() for _, ddp in wrapped
+            for t in (ddp.state_dict().values() if getattr(ddp, "_shards_params", False) else ddp.parameters())]
 
 
 def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=MICRO, storage=None):
