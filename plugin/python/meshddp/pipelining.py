@@ -143,12 +143,13 @@ def _error(what):
 #   AccumulateGrad node (_get_grad_fn_or_grad_acc) through t.view_as(t), outside backward: view_as's second
 #   argument is an ordinary (read) argument to the dispatcher, so the input pass was refused on a released unit.
 #   t.view(t.shape) finds the same node and reads nothing (a view of t). The input pass runs with torch's
-#   function swapped for that one (only for such a chunk, only during the pass), and the weight pass uses it
-#   always. The units themselves follow backward's gather-on-use: the input pass gathers the units it reads
-#   (every DP rank of the chunk runs the same schedule, so the same gathers in the same order); a unit stays
-#   gathered until each of its params has reported its gradient, i.e. until the weight pass; a forward of another
-#   micro-batch (or of the rank's other chunk) in between releases it, and the weight pass gathers it again if it
-#   reads it. The step releases every unit.
+#   function swapped for that one (only for such a chunk, only during the pass; stage_backward_input looks it up
+#   as its module's global: a torch that stops doing so gets the refusal naming view_as, not wrong gradients),
+#   and the weight pass uses it always. The units themselves follow backward's gather-on-use: the input pass
+#   gathers the units it reads (every DP rank of the chunk runs the same schedule: the same gathers in the same
+#   order); a unit stays gathered until each of its params has reported its gradient, i.e. until the weight
+#   pass; a forward of the same chunk in between releases it, and the weight pass gathers it again if it reads
+#   it. The optimizer step releases every unit.
 def _grad_node_reading_no_values(t):
     """torch's _get_grad_fn_or_grad_acc(t) (t's autograd node; a leaf's AccumulateGrad), through a view that
     reads no values (Note [Split backward under optim_grads_params])."""
