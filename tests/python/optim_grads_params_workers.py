@@ -152,7 +152,6 @@ def refusals(rank, world_size):
            "storage_bytes": weight.untyped_storage().nbytes()}
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     out["torch_optimizer"] = _message(sgd.step)
-    out["pipeline_stage"] = _message(lambda: meshddp.pipelining.PipelineStage(ddp, 0, 1, torch.device("cpu")))
     out["default_units"] = ddp._engine.fsdp_unit_names()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     out["block_units"] = meshddp.DistributedDataParallel(gpt(), mesh, config=meshddp.DdpConfig(

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import meshddp
 import meshddp.pipelining
-from pipelining_workers import LAYERS, LR, MICRO, SCHEDULES, STEPS, batch, build, full_model
+from pipelining_workers import LR, MICRO, SCHEDULES, STEPS, batch, blocks_of, build, full_model, params_of, whole_params
 
 MAX_NORM = 0.05  # below every step's norm (measured 0.3-0.6): each step is clipped
 
@@ -44,10 +44,11 @@ def _step_inputs(mesh, stages, step):
     return ((x,) if has_first else ()), dict(target=y if has_last else None)
 
 
-def clipped(rank, world_size, schedule="1F1B", zero1=False):
-    """(this rank's norms, golden norms, max |param - golden| over this rank's blocks)."""
+def clipped(rank, world_size, schedule="1F1B", zero1=False, strategy=""):
+    """(this rank's norms, golden norms, max |param - golden| over this rank's blocks); strategy: every chunk's
+    DdpConfig.data_parallel_sharding_strategy (with zero1)."""
     mesh = _mesh()
-    stages, wrapped = build(mesh, schedule, zero1=zero1)
+    stages, wrapped = build(mesh, schedule, zero1=zero1, strategy=strategy)
     cls, chunks = SCHEDULES[schedule]
     sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=F.mse_loss)
     ddps = [ddp for _, ddp in wrapped]
@@ -71,13 +72,9 @@ def clipped(rank, world_size, schedule="1F1B", zero1=False):
             norms.append(meshddp.clip_grad_norm_(ddps, MAX_NORM).item())
             opt.step()
     ref_norms, ref = golden(mesh["dp"].size())
-    per_stage = LAYERS // (mesh["pp"].size() * chunks)
-    worst = 0.0
-    for index, ddp in wrapped:
-        for k, block in enumerate(ddp.module):
-            ref_block = ref[index * per_stage + k]
-            for p, q in zip(block.parameters(), ref_block.parameters()):
-                worst = max(worst, (p.detach() - q.detach()).abs().max().item())
+    mine = whole_params(wrapped)  # under optim_grads_params gathered by state_dict(): every rank reads them
+    ref_params = params_of(ref, blocks_of(wrapped, schedule, mesh["pp"].size()))
+    worst = max((p - q).abs().max().item() for p, q in zip(mine, ref_params))
     return norms, ref_norms, worst
 
 

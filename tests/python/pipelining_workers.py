@@ -84,9 +84,18 @@ def build(mesh, schedule, zero1=False, torch_ddp=False, grad_reduction="mean", s
     return stages, wrapped
 
 
-def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=MICRO):
+def whole_params(wrapped):
+    """Copies of the params in (stage index, parameter) order; under optim_grads_params ddp.state_dict()
+    gathers them (a collective over the chunk's DP group: every rank reads them)."""
+    return [t.detach().clone() for _, ddp in wrapped
+            for t in (ddp.state_dict().values() if getattr(ddp, "_shards_params", False) else ddp.parameters())]
+
+
+def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=MICRO, storage=None):
     """STEPS SGD steps of `stages` on this DP rank's share of the global batches; returns the last step's
-    gradients (clones, after the sync) and the params, in (stage index, parameter) order."""
+    gradients (clones, after the sync) and the params, in (stage index, parameter) order. storage: a list
+    that gets, each step, each chunk's param_storage_bytes() after the sync and after the optimizer step, and
+    its peak_param_storage_bytes() in the step."""
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     cls, chunks = SCHEDULES[schedule]
     meshddp_stages = isinstance(stages[0], meshddp.pipelining.PipelineStage)
@@ -110,13 +119,19 @@ def train(mesh, stages, wrapped, schedule, scale_grads=True, zero1=False, micro=
         sched.step(*args, target=y if has_last else None)
         if meshddp_stages:
             meshddp.pipelining.finalize_model_grads(stages)
+        synced = [ddp.param_storage_bytes() for _, ddp in wrapped] if storage is not None else None
         # optim_grads: no whole gradient (.grad is None): NaN, and the caller compares params only.
-        grads = [p.grad.clone() if p.grad is not None else torch.full_like(p, float("nan")) for p in params]
+        grads = [p.grad.clone() if p.grad is not None else torch.full(p.shape, float("nan")) for p in params]
         if zero1:  # one step over every chunk this rank holds: one norm, one skip decision
             meshddp.DistributedOptimizer.step_together(opts)
         else:
             opts[0].step()
-    return grads, [p.detach().clone() for p in params]
+        if storage is not None:
+            storage.append((synced, [ddp.param_storage_bytes() for _, ddp in wrapped],
+                            [ddp.peak_param_storage_bytes() for _, ddp in wrapped]))
+            for _, ddp in wrapped:
+                ddp.reset_peak_param_storage()
+    return grads, whole_params(wrapped)
 
 
 def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, zero1=False, strategy=""):
@@ -140,19 +155,50 @@ def pipelined(rank, world_size, schedule="1F1B", scale_grads=True, broken=None, 
             s.backward_maybe_with_nosync = lambda t, kw, last_backward=False, s=s: (
                 tpp.PipelineStage.backward_maybe_with_nosync(s, t, kw, last_backward))
     grads, params = train(mesh, stages, wrapped, schedule, scale_grads=scale_grads, zero1=zero1)
+    ref_params, ref_grads = golden_of(wrapped, schedule, dp_size, pp_size)
+    return (max((g - r).abs().max().item() for g, r in zip(grads, ref_grads)),
+            max((p - r).abs().max().item() for p, r in zip(params, ref_params)))
+
+
+def golden_of(wrapped, schedule, dp_size, pp_size):
+    """The golden's params after STEPS steps and its last step's grads, for this rank's chunks (`wrapped`), in
+    train()'s (stage index, parameter) order."""
     ref, ref_grads = golden(dp_size)
+    blocks = blocks_of(wrapped, schedule, pp_size)
+    return params_of(ref, blocks), [ref_grads[2 * b + k] for b in blocks for k in (0, 1)]
+
+
+def blocks_of(wrapped, schedule, pp_size):
+    """The indices of the MLP's blocks in this rank's chunks (`wrapped`), in order."""
     per_stage = LAYERS // (pp_size * SCHEDULES[schedule][1])
-    grad_diff = param_diff = 0.0
-    i = 0
-    for index, _ in wrapped:
-        for block_index in range(index * per_stage, (index + 1) * per_stage):
-            for name in ("weight", "bias"):
-                p_ref = getattr(ref[block_index].fc, name)
-                g_ref = ref_grads[2 * block_index + (name == "bias")]
-                grad_diff = max(grad_diff, (grads[i] - g_ref).abs().max().item())
-                param_diff = max(param_diff, (params[i] - p_ref.detach()).abs().max().item())
-                i += 1
-    return grad_diff, param_diff
+    return [b for index, _ in wrapped for b in range(index * per_stage, (index + 1) * per_stage)]
+
+
+def params_of(model, blocks):
+    """The params of `model`'s `blocks` (whole model), in train()'s order."""
+    return [getattr(model[b].fc, name).detach() for b in blocks for name in ("weight", "bias")]
+
+
+def versus_optim(rank, world_size, schedule="1F1B"):
+    """The pipeline trained three times on this rank (ZeRO-1 SGD through meshddp.DistributedOptimizer), its
+    chunks under data_parallel_sharding_strategy 'optim', 'optim_grads' and 'optim_grads_params': {"vs_optim",
+    "vs_optim_grads": max |param - that run's param| of the optim_grads_params run, "vs_one": the same against
+    the golden, "optim_vs_one": optim's against the golden, "storage": each step's param_storage_bytes() of each
+    chunk (after the sync, after the optimizer step; its peak in the step), "shards": each chunk's
+    param_shard_bytes(), "whole": each chunk's param storage under optim}."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    runs = {}
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        stages, wrapped = build(mesh, schedule, zero1=True, strategy=strategy)
+        storage = []
+        _, params = train(mesh, stages, wrapped, schedule, zero1=True, storage=storage)
+        runs[strategy] = params, storage
+    ref, _ = golden_of(wrapped, schedule, 2, 2)
+    mine, storage = runs["optim_grads_params"]
+    worst = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))  # noqa: E731
+    return {"vs_optim": worst(mine, runs["optim"][0]), "vs_optim_grads": worst(mine, runs["optim_grads"][0]),
+            "vs_one": worst(mine, ref), "optim_vs_one": worst(runs["optim"][0], ref), "storage": storage,
+            "shards": [ddp.param_shard_bytes() for _, ddp in wrapped], "whole": runs["optim"][1][-1][1]}
 
 
 def versus_torch_ddp(rank, world_size, schedule="1F1B", broken=None):

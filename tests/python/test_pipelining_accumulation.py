@@ -10,8 +10,9 @@ What the cases check:
 - 2 schedule.step() calls per optimizer step (1F1B, Interleaved1F1B, ZBVZeroBubble, ZeRO-1; finish_grad_sync
   between or not; scale_grads on and off) vs one process on the same batches: within 3e-7 (measured 3e-8); a
   step after an optimizer step (torch's SGD, or meshddp's ZeRO-1 DistributedOptimizer) without
-  zero_grad_buffer() refused on every rank; under data_parallel_sharding_strategy='optim_grads' (no whole gradient
-  to set aside) the second schedule.step() refused on every rank, naming the strategy and the way out
+  zero_grad_buffer() refused on every rank; under data_parallel_sharding_strategy='optim_grads' and
+  'optim_grads_params' (no whole gradient to set aside) the second schedule.step() refused on every rank,
+  naming the strategy and the way out
 """
 
 import pytest
@@ -74,10 +75,11 @@ def test_a_step_after_an_optimizer_step_without_zeroing_is_refused_on_every_rank
         assert "still hold the gradients the optimizer stepped on" in m and "zero_grad_buffer() on every chunk" in m, m
 
 
-def test_accumulating_across_schedule_steps_under_optim_grads_is_refused_on_every_rank():
-    messages = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", zero1=True, strategy="optim_grads")
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_accumulating_across_schedule_steps_with_sharded_gradients_is_refused_on_every_rank(strategy):
+    messages = multiprocess.run(4, "pipelining_accumulation_workers.accumulated", zero1=True, strategy=strategy)
     for rank, message in enumerate(messages):
-        assert isinstance(message, str), f"rank {rank} accumulated under optim_grads: {message}"
-        for text in ("schedule.step() again before the optimizer step", "optim_grads", "n_microbatches",
+        assert isinstance(message, str), f"rank {rank} accumulated under {strategy}: {message}"
+        for text in ("schedule.step() again before the optimizer step", f"strategy='{strategy}'", "n_microbatches",
                      "data_parallel_sharding_strategy='optim'"):
             assert text in message, (rank, text, message)

@@ -4,7 +4,8 @@ Gloo, CPU), the MLP of test_pipelining.py, 3 SGD steps clipped to a norm below e
 - the gradient norm is the whole model's (every chunk of every stage), equal to torch's clip_grad_norm_ in
   one process on the global batch within 1e-6 relative (fp32 sums split differently; measured ~1e-7), and
   the clipped params equal one process's within 3e-7 (as test_pipelining.py): plain DDP through
-  meshddp.clip_grad_norm_(list of the rank's chunks), ZeRO-1 through DistributedOptimizer.step_together;
+  meshddp.clip_grad_norm_(list of the rank's chunks), ZeRO-1 through DistributedOptimizer.step_together, and so
+  under data_parallel_sharding_strategy='optim_grads_params' (interleaved, 2 chunks a rank; measured as ZeRO-1);
 - a NaN in one stage's gradient makes every stage skip the step (ZeRO-1), nothing updated anywhere;
 - a norm or a step over part of a rank's chunks is refused, naming the call to make; stages that clip to
   other bounds are refused on every rank; a second model pipelined over the same mesh is no extra chunk."""
@@ -23,6 +24,16 @@ TOL = 3e-7
 def test_clipping_by_the_pipelines_norm_matches_one_process(schedule, zero1):
     results = multiprocess.run(4, "pipelining_norm_workers.clipped", schedule=schedule, zero1=zero1)
     for norms, ref_norms, worst in results:
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+        assert worst < TOL, worst
+
+
+def test_clipping_under_optim_grads_params_matches_one_process():
+    """Every chunk's params sharded (ZeRO-3): the norm over the gradient shards of every chunk of every stage."""
+    results = multiprocess.run(4, "pipelining_norm_workers.clipped", schedule="Interleaved1F1B", zero1=True,
+                               strategy="optim_grads_params")
+    for norms, ref_norms, worst in results:
+        print(f"[optim_grads_params: norms {norms}, one process {ref_norms}; max param difference {worst:.3g}]")
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
         assert worst < TOL, worst
 
