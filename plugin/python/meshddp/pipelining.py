@@ -16,9 +16,8 @@ a flat-buffer DDP's optimizer does not read. This stage overrides those hooks:
   stage) was added to the stale slot, then overwritten by the next micro-batch's backward. Each gradient
   goes into its own input of its node (torch sums them into input 0), through the engine directly
   (torch.autograd.backward's shape check cannot read a compiled module's node).
-- chunks under data_parallel_sharding_strategy='optim_grads_params' (params gathered per unit on use): the
-  split backward finds the params' autograd nodes through views that read no values (Note [Split backward
-  under optim_grads_params]).
+- chunks under data_parallel_sharding_strategy='optim_grads_params' (params gathered per unit on use, Note
+  [Split backward under optim_grads_params]).
 - compiled stages under a split backward: the input pass keeps the graph of a compiled module's
   output alive for the weight pass (Note [Compiled stages under a split backward]).
 - perform_reduce_grad (the schedule's REDUCE_GRAD action, after the chunk's last backward) and
@@ -60,7 +59,6 @@ per-token loss: the sum over a micro-batch's valid tokens divided by the global 
 tokens, with the schedule's scale_grads=False): the DP reduction is then a sum, as torchtitan's
 FSDP with its gradient divide factor set to 1."""
 
-import contextlib
 import inspect
 import warnings
 import weakref
@@ -69,7 +67,6 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-from torch.distributed.pipelining import _backward as _torch_backward
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshddp import _C, _deprecated
@@ -137,44 +134,14 @@ def _error(what):
 
 # Note [Split backward under optim_grads_params]
 #   A param of a chunk under data_parallel_sharding_strategy='optim_grads_params' is a view of its FSDP unit's
-#   storage, which holds no bytes between the unit's uses; an op that reads it outside a forward through the
-#   wrapper and outside backward is refused naming it (Note [Sharded parameters], grad_buffer/sharded_params.h),
-#   as a gather there would be a collective only some ranks launch. torch's split backward maps each param to its
-#   AccumulateGrad node (_get_grad_fn_or_grad_acc) through t.view_as(t), outside backward: view_as's second
-#   argument is an ordinary (read) argument to the dispatcher, so the input pass was refused on a released unit.
-#   t.view(t.shape) finds the same node and reads nothing (a view of t). The input pass runs with torch's
-#   function swapped for that one (only for such a chunk, only during the pass; stage_backward_input looks it up
-#   as its module's global: a torch that stops doing so gets the refusal naming view_as, not wrong gradients),
-#   and the weight pass uses it always. The units themselves follow backward's gather-on-use: the input pass
-#   gathers the units it reads (every DP rank of the chunk runs the same schedule: the same gathers in the same
-#   order); a unit stays gathered until each of its params has reported its gradient, i.e. until the weight
-#   pass; a forward of the same chunk in between releases it, and the weight pass gathers it again if it reads
-#   it. The optimizer step releases every unit.
-def _grad_node_reading_no_values(t):
-    """torch's _get_grad_fn_or_grad_acc(t) (t's autograd node; a leaf's AccumulateGrad), through a view that
-    reads no values (Note [Split backward under optim_grads_params])."""
-    if t.requires_grad and t.grad_fn is None:
-        grad_fn = t.view(t.shape).grad_fn
-        if grad_fn is None:
-            raise RuntimeError(f"meshddp.pipelining: a tensor of shape {tuple(t.shape)} that requires grad has no "
-                               f"autograd node under torch.no_grad(); run the schedule's backward with grad enabled")
-        return grad_fn.next_functions[0][0]
-    return t.grad_fn
-
-
-@contextlib.contextmanager
-def _input_pass_reading_no_param_values(shards_params):
-    """torch's input pass (stage_backward_input) finding the params' nodes by _grad_node_reading_no_values, for a
-    chunk whose params are sharded (Note [Split backward under optim_grads_params])."""
-    if not shards_params:
-        yield
-        return
-    torch_lookup = _torch_backward._get_grad_fn_or_grad_acc
-    _torch_backward._get_grad_fn_or_grad_acc = _grad_node_reading_no_values
-    try:
-        yield
-    finally:
-        _torch_backward._get_grad_fn_or_grad_acc = torch_lookup
+#   storage, which holds no bytes between the unit's uses (Note [Sharded parameters], grad_buffer/sharded_params.h).
+#   torch's split backward maps each param to its AccumulateGrad node through t.view_as(t) outside backward: the
+#   param mode takes view_as's second argument as a read of sizes only (param_gather.cpp), so nothing is gathered
+#   or refused there. The units themselves follow backward's gather-on-use: the input pass gathers the units it
+#   reads (every DP rank of the chunk runs the same schedule: the same gathers in the same order); a unit stays
+#   gathered until each of its params has reported its gradient, i.e. until the weight pass; a forward of the same
+#   chunk in between releases it, and the weight pass gathers it again if it reads it. The optimizer step releases
+#   every unit.
 
 
 class PipelineStage(_TorchPipelineStage):
@@ -297,9 +264,7 @@ class PipelineStage(_TorchPipelineStage):
             roots = self._graph_roots(bwd_kwargs["stage_output"]) if backward_type == "input" else []
             # torch's base with a non-torch-DDP submod: a plain backward (stage_backward, or the split
             # stage_backward_input); the held sync makes it accumulate only.
-            with _input_pass_reading_no_param_values(backward_type == "input" and ddp._shards_params):
-                grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                                         last_backward=False)
+            grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
             for group in (param_groups or ()) if roots else ():
                 group["graph_roots"] = roots  # dropped by the weight pass, with the intermediates
             return grads, param_groups
@@ -326,7 +291,7 @@ class PipelineStage(_TorchPipelineStage):
         the gradients accumulated by autograd into the params, so that the buffer's hooks place them (see
         the module's docstring). Returns None for each param, as torch's callers ignore the result."""
         params = list(self.submod.parameters())
-        by_node = {_grad_node_reading_no_values(p): p for p in params}
+        by_node = {_get_grad_fn_or_grad_acc(p): p for p in params}
         for group in param_groups:
             edges, grads = [], []
             # Popped: the saved intermediates and their gradients are freed after use, as in torch's.
