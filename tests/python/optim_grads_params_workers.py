@@ -186,19 +186,6 @@ def backward_reads_gathered_params(rank, world_size):
     return {k: v for k, v in out.items() if k not in ("optim", "optim_grads_params")}
 
 
-def dtensor_refused(rank, world_size):
-    """A DTensor (tensor-parallel) model under optim_grads_params: every rank refuses at construction."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from workers import Block
-
-    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
-    model = Block()
-    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    return _message(lambda: meshddp.DistributedDataParallel(
-        model, mesh, "dp", meshddp.DdpConfig(data_parallel_sharding_strategy="optim_grads_params")))
-
-
 def checkpoint_save(rank, world_size, directory):
     """SAVE_AT steps under each of optim / optim_grads_params, then DCP and meshddp's format."""
     out = {}

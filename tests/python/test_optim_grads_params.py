@@ -100,12 +100,6 @@ def test_the_module_state_dict_and_a_dropped_wrappers_module_are_refused_naming_
         assert r["rewrap"] is not None and "holds no bytes" in r["rewrap"] and "parameter '" in r["rewrap"], r
 
 
-def test_a_dtensor_model_is_refused_at_construction_on_every_rank():
-    for message in multiprocess.run_once(2, "optim_grads_params_workers.dtensor_refused"):
-        assert message is not None, "a DTensor model was wrapped under optim_grads_params"
-        assert "fc1.weight" in message and "is a DTensor" in message and "optim_grads_params" in message, message
-
-
 @pytest.mark.parametrize("save_size,load_size", [(2, 4), (4, 2)])
 def test_checkpoint_saved_under_one_strategy_resumes_under_the_other_at_another_dp_size(save_size, load_size):
     with tempfile.TemporaryDirectory() as directory:
