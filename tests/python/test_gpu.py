@@ -6,7 +6,8 @@ set before anything runs), against the same model trained by torch alone on the 
   - plain DDP, gradients from nn.Linear and from meshddp.linear_with_grad_in_buffer, SGD + momentum;
   - ZeRO-1 (meshddp.DistributedOptimizer, AdamW: the fused CUDA kernel) against torch.optim.AdamW, and the
     same under data_parallel_sharding_strategy 'optim_grads' and 'optim_grads_params';
-  - DDP over two DP dims ("dp", "cp") of a dp 1 x cp 1 x tp 1 NCCL mesh, in a spawned rank.
+  - DDP over two DP dims ("dp", "cp") of a dp 1 x cp 1 x tp 1 NCCL mesh, in a spawned rank;
+  - ZeRO-3 with torch TP (DTensor params) at DP 2 x TP 2, four spawned ranks on the GPU over Gloo.
 Tolerance 1e-5 on the params after 10 steps: fp32 without TF32; the golden's AdamW is ATen's CUDA
 foreach path, ours the fused kernel (a few ulps per step apart, tests/optimizer/fused_step_test.cpp)."""
 
@@ -160,6 +161,25 @@ def test_two_ranks_on_cuda_tensors_over_gloo_match_torch():
         assert r["zero1"]["param_diff"] <= 1e-5, f"rank {rank}: ZeRO-1 differs by {r['zero1']['param_diff']}"
         assert r["zero1"]["skipped"] == [False] * 10
         assert r["zero1"]["reloaded_diff"] == 0.0
+
+
+def test_zero3_with_torch_tp_on_cuda_tensors_over_gloo_matches_one_process_and_zero1():
+    """Four spawned ranks on the one GPU, DP 2 x TP 2 (parallelize_module: DTensor params) under
+    'optim_grads_params': the DTensors' local shards sharded over DP, released between uses (CUDA storages
+    freed and re-grown), gathered when a DTensor op reads them (the mode sees through the DTensor). Against
+    one process (1e-5, as ZeRO-1 above) and the 'optim' run on the same GPU (bit for bit: the same reductions
+    of two values and the same kernels); only the shards held after the step."""
+    import multiprocess
+
+    zero3 = multiprocess.run(4, "tp_vs_single", dp=2, tp=2, optimizer="zero3", device="cuda")
+    zero1 = multiprocess.run(4, "tp_vs_single", dp=2, tp=2, optimizer="zero1", device="cuda")
+    for rank, (a, b) in enumerate(zip(zero3, zero1)):
+        assert a["param_diff"] <= 1e-5, f"rank {rank}: ZeRO-3 with TP differs from one process by {a['param_diff']}"
+        for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+            assert x.equal(y), f"rank {rank}: param {i} differs between optim_grads_params and optim"
+        held, shards, _ = a["param_bytes"]
+        assert held == shards, f"rank {rank}: {held} bytes of param storage after the step, its shards {shards}"
+        assert a["reloaded_equal"], f"rank {rank}: load_state_dict(state_dict()) changed the params on CUDA"
 
 
 def test_dp_x_cp_groups_on_nccl_match_one_process():

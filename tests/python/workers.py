@@ -177,18 +177,19 @@ def full(p):
     return p.full_tensor() if isinstance(p, DTensor) else p
 
 
-def tp_vs_single(rank, world_size, dp, tp, optimizer):
+def tp_vs_single(rank, world_size, dp, tp, optimizer, device="cpu"):
     """The Block parallelized with torch TP (parallelize_module over the mesh's "tp" dim) and wrapped
     in meshddp DDP on a dp x tp mesh, against the same Block at 1x1 (one process, global batch).
     optimizer: sgd | adamw (torch's, on the DTensor params) | zero1 (meshddp.DistributedOptimizer) | zero1_overlap
     (its param all-gathers overlapped with the next forward, each DTensor op waiting for its bucket) | zero2
     (the same under data_parallel_sharding_strategy='optim_grads') | zero3 ('optim_grads_params': the local
     shards of the DTensor params sharded again over DP, gathered per unit on use) | zero2_accum, zero3_accum
-    (each rank's batch in 2 micro-batches, the first under no_sync)."""
+    (each rank's batch in 2 micro-batches, the first under no_sync). device "cuda": every rank on the one GPU
+    (Gloo with CUDA tensors; tests/python/test_gpu.py)."""
     torch.manual_seed(0)
-    model = Block()
+    model = Block().to(device)
     golden = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     zero1 = optimizer.startswith("zero")
     strategy = {"zero1": "optim", "zero2": "optim_grads", "zero3": "optim_grads_params"}.get(optimizer[:5], "no_shard")
@@ -207,7 +208,7 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
     grads_seen = False  # any param's .grad set after a backward (optim_grads keeps none)
     for step in range(STEPS):
         ddp.zero_grad_buffer()
-        x, y = batch(step, dp_rank, 0, 16, 8)
+        x, y = (t.to(device) for t in batch(step, dp_rank, 0, 16, 8))
         for m, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
             ddp.set_requires_gradient_sync(m == micro_batches - 1)
             (F.mse_loss(ddp(xm), ym) / micro_batches).backward()
@@ -215,7 +216,7 @@ def tp_vs_single(rank, world_size, dp, tp, optimizer):
         ddp.finish_grad_sync()
         xs, ys = zip(*(batch(step, r, 0, 16, 8) for r in range(dp)))
         opt_golden.zero_grad()
-        F.mse_loss(golden(torch.cat(xs)), torch.cat(ys)).backward()
+        F.mse_loss(golden(torch.cat(xs).to(device)), torch.cat(ys).to(device)).backward()
         if step == 0 and not zero1:  # with ZeRO-1 only this rank's shard of each bucket is synced
             grad_diff = max_diff([full(p.grad) for p in ddp.parameters()], [p.grad for p in golden.parameters()])
         opt.step()
