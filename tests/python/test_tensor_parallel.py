@@ -13,12 +13,12 @@ What the cases check:
   gradient moved onto its local shard, reduce-scattered per bucket; param.grad None after backward)
   and 'optim_grads_params' (ZeRO-3: the local shards of the DTensor params sharded again over DP, gathered per
   unit on use, read back through the collective ddp.state_dict())
-- test_tensor_parallel.py::test_optim_grads_equals_optim_bit_for_bit_under_torch_tp: the ZeRO-2 run's params
-  are the ZeRO-1 run's bit for bit (each bucket's reduce-scatter is the same; the shard is 0 + it); with 2
-  micro-batches (each reduce-scattered and summed in the shard) within ACCUM_TOL of them (measured: printed)
-- test_tensor_parallel.py::test_optim_grads_params_equals_optim_bit_for_bit_under_torch_tp: the same for
-  ZeRO-3, whose param storage after the last step is its shards alone, whose state_dict() holds DTensors at
-  the params' placements, and whose load_state_dict() of that dict writes back the same values
+- test_tensor_parallel.py::test_sharded_strategies_equal_optim_bit_for_bit_under_torch_tp[zero2,zero3]: the
+  ZeRO-2 and ZeRO-3 runs' params are the ZeRO-1 run's bit for bit (each bucket's reduce-scatter is the same;
+  the shard is 0 + it); with 2 micro-batches (each reduce-scattered and summed in the shard) within ACCUM_TOL
+  of them (measured: printed). ZeRO-3's param storage after the last step is its shards alone, its
+  state_dict() holds DTensors at the params' placements, and load_state_dict() of that dict, and of whole
+  tensors, writes back the same values
 """
 
 import pytest
@@ -43,32 +43,23 @@ def test_torch_tp_2x2_matches_1x1(optimizer):
         assert r["param_diff"] <= TOL, f"rank {rank}: params after 10 steps differ from 1x1 by {r['param_diff']}"
 
 
-def test_optim_grads_equals_optim_bit_for_bit_under_torch_tp():
+@pytest.mark.parametrize("case,strategy", [("zero2", "optim_grads"), ("zero3", "optim_grads_params")])
+def test_sharded_strategies_equal_optim_bit_for_bit_under_torch_tp(case, strategy):
     for rank, results in enumerate(suite()):
-        zero1, zero2 = results["zero1"], results["zero2"]
-        assert not zero2["grads_seen"], f"rank {rank}: param.grad must be None after backward under optim_grads"
-        for i, (a, b) in enumerate(zip(zero1["params"], zero2["params"])):
-            assert a.equal(b), f"rank {rank}: param {i} differs between optim and optim_grads by {(a - b).abs().max()}"
-        accum = max((a - b).abs().max().item() for a, b in zip(zero1["params"], results["zero2_accum"]["params"]))
-        print(f"[rank {rank}: optim_grads with 2 micro-batches vs optim with 1: {accum:.3g}]")
-        assert accum <= ACCUM_TOL, f"rank {rank}: optim_grads with 2 micro-batches differs from optim by {accum}"
-        assert not results["zero2_accum"]["grads_seen"], f"rank {rank}: param.grad set under optim_grads"
-
-
-def test_optim_grads_params_equals_optim_bit_for_bit_under_torch_tp():
-    for rank, results in enumerate(suite()):
-        zero1, zero3 = results["zero1"], results["zero3"]
-        assert not zero3["grads_seen"], f"rank {rank}: param.grad must be None after backward under optim_grads_params"
-        for i, (a, b) in enumerate(zip(zero1["params"], zero3["params"])):
-            assert a.equal(b), f"rank {rank}: param {i} differs between optim and optim_grads_params by {(a - b).abs().max()}"
-        accum = max((a - b).abs().max().item() for a, b in zip(zero1["params"], results["zero3_accum"]["params"]))
-        print(f"[rank {rank}: optim_grads_params with 2 micro-batches vs optim with 1: {accum:.3g}]")
-        assert accum <= ACCUM_TOL, f"rank {rank}: optim_grads_params with 2 micro-batches differs from optim by {accum}"
-        held, shards, whole = zero3["param_bytes"]
-        assert held == shards, f"rank {rank}: {held} bytes of param storage held after the step, its shards are {shards}"
-        assert shards < whole, f"rank {rank}: shards of {shards} bytes for {whole} bytes of local params"
-        assert zero3["dtensors_in_state_dict"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], zero3
-        assert zero3["reloaded_equal"], f"rank {rank}: load_state_dict(state_dict()) changed the params"
+        zero1, sharded, accumulated = results["zero1"], results[case], results[f"{case}_accum"]
+        for r in (sharded, accumulated):
+            assert not r["grads_seen"], f"rank {rank}: param.grad must be None after backward under {strategy}"
+        for i, (a, b) in enumerate(zip(zero1["params"], sharded["params"])):
+            assert a.equal(b), f"rank {rank}: param {i} differs between optim and {strategy} by {(a - b).abs().max()}"
+        accum = max((a - b).abs().max().item() for a, b in zip(zero1["params"], accumulated["params"]))
+        print(f"[rank {rank}: {strategy} with 2 micro-batches vs optim with 1: {accum:.3g}]")
+        assert accum <= ACCUM_TOL, f"rank {rank}: {strategy} with 2 micro-batches differs from optim by {accum}"
+        if case == "zero3":
+            held, shards, whole = sharded["param_bytes"]
+            assert held == shards, f"rank {rank}: {held} bytes of param storage held after the step, shards {shards}"
+            assert shards < whole, f"rank {rank}: shards of {shards} bytes for {whole} bytes of local params"
+            assert sharded["dtensors_in_state_dict"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], sharded
+            assert sharded["reloaded_equal"], f"rank {rank}: load_state_dict(state_dict()) changed the params"
 
 
 def test_a_dtensor_on_another_mesh_of_the_tp_size_is_an_error_naming_the_param():
