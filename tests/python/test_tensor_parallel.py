@@ -7,9 +7,10 @@ Tolerance 5e-7 on gradients and on params after 10 steps (measured: gradients <=
 mean is a pre-divided Gloo sum.
 
 What the cases check:
-- test_tensor_parallel.py::test_torch_tp_2x2_matches_1x1[sgd,adamw,zero1]: a block parallelized with
-  parallelize_module on a 2x2 mesh vs the same block at 1x1, with torch SGD, torch AdamW and meshddp's ZeRO-1
-  (5e-7; measured <= 6e-8), and under data_parallel_sharding_strategy='optim_grads' (ZeRO-2: each new DTensor
+- test_tensor_parallel.py::test_torch_tp_2x2_matches_1x1[...]: a block parallelized with parallelize_module
+  on a 2x2 mesh vs the same block at 1x1, with torch SGD, torch AdamW and meshddp's ZeRO-1 (5e-7; measured
+  <= 6e-8), ZeRO-1 with its param all-gathers overlapped with the next forward (each DTensor op waits for its
+  local tensor's bucket), and under data_parallel_sharding_strategy='optim_grads' (ZeRO-2: each new DTensor
   gradient moved onto its local shard, reduce-scattered per bucket; param.grad None after backward)
   and 'optim_grads_params' (ZeRO-3: the local shards of the DTensor params sharded again over DP, gathered per
   unit on use, read back through the collective ddp.state_dict())
@@ -33,7 +34,8 @@ def suite():
     return multiprocess.run_once(4, "tp_suite", dp=2, tp=2)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "zero1", "zero2", "zero2_accum", "zero3", "zero3_accum"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "zero1", "zero1_overlap", "zero2", "zero2_accum", "zero3",
+                                       "zero3_accum"])
 def test_torch_tp_2x2_matches_1x1(optimizer):
     for rank, results in enumerate(suite()):
         r = results[optimizer]
