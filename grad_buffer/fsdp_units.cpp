@@ -69,7 +69,7 @@ bool matches_a_module(const std::string& pattern, const std::vector<std::string>
 FsdpUnits assign_fsdp_units(const std::vector<std::string>& param_names, const std::string& patterns) {
   const std::vector<std::string> globs = split_patterns(patterns);
   for (const std::string& glob : globs) {
-    if (matches_a_module(glob, param_names)) continue;
+    if (param_names.empty() || matches_a_module(glob, param_names)) continue;  // no model yet: the config's check
     const std::string example = param_names.empty() ? std::string("(no params)") : default_unit(param_names.front());
     TORCH_WARN("DdpConfig: fsdp_unit_modules pattern '", glob, "' matches no module path of the model (the dotted ",
                "prefixes of its parameter names, e.g. '", example, "'), so no unit is made from it: the params it was ",

@@ -198,12 +198,33 @@ void ShardedParams::launch_gather(int64_t u) {
 void ShardedParams::wait_gather(int64_t u) {
   Unit& unit = units_[u];
   const c10::impl::ExcludeDispatchKeyGuard no_use(kUseMode);
-  for (int64_t b : unit.buckets) {
-    BucketState& bucket = buckets_[b];
-    if (!bucket.work) continue;
-    auto work = std::move(bucket.work);
-    bucket.work.reset();
-    wait_collective(work, *bucket.info.group, bucket.info.what);
+  try {
+    for (int64_t b : unit.buckets) {
+      BucketState& bucket = buckets_[b];
+      if (!bucket.work) continue;
+      auto work = std::move(bucket.work);
+      bucket.work.reset();
+      wait_collective(work, *bucket.info.group, bucket.info.what);
+    }
+  } catch (...) {
+    // A failed gather (a peer gone, a timeout) wrote nothing to trust: the unit goes back to no bytes, so that
+    // nothing reads what was never written as values (a read fails instead; the error says why).
+    for (int64_t b : unit.buckets) {
+      BucketState& bucket = buckets_[b];
+      if (bucket.work) {
+        auto work = std::move(bucket.work);
+        bucket.work.reset();
+        try {
+          wait_collective(work, *bucket.info.group, bucket.info.what);
+        } catch (...) {  // the first failure is the one rethrown
+        }
+      }
+      release_storage(bucket.full);
+      resident_ -= bucket.nbytes;
+    }
+    unit.state = UnitState::kReleased;
+    unit.prefetched = false;
+    throw;
   }
   unit.state = UnitState::kGathered;
 }

@@ -68,6 +68,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -107,6 +108,9 @@ class ShardedParams {
   // A release_all() in between (a step wrote new shards, a load) gathers the new values again.
   void hold_all();
   void end_hold();
+  // Expires when this object is destroyed: a gather_full_params() scope that outlives its wrapper (destroyed
+  // inside the scope) ends without touching it.
+  std::weak_ptr<const void> lifetime() const { return lifetime_; }
   // For a module outliving its wrapper: gathers every unit and points each of `params` (tensors in
   // these buckets' storages) at a plain copy of its whole value (Note [Sharded parameters]).
   void leave_whole(const std::vector<at::Tensor>& params);
@@ -211,6 +215,7 @@ class ShardedParams {
   std::vector<ParamPlace> places_;
   int64_t scopes_open_ = 0;  // UseScopes alive: a forward through the wrapper is running
   int64_t holds_ = 0;        // hold_all() not yet ended: every unit stays gathered
+  std::shared_ptr<const void> lifetime_ = std::make_shared<int>(0);  // lifetime()
   std::unordered_map<const void*, int64_t> bucket_of_storage_;
   mutable std::mutex mutex_;
   int64_t resident_ = 0;

@@ -84,11 +84,13 @@ ShardedParams* DdpEngine::sharded_params() const {
 }
 
 DdpEngine::FullParamsScope::FullParamsScope(ShardedParams* sharded) : sharded_(sharded) {
-  if (sharded_) sharded_->hold_all();
+  if (sharded_ == nullptr) return;
+  alive_ = sharded_->lifetime();
+  sharded_->hold_all();
 }
 
 DdpEngine::FullParamsScope::~FullParamsScope() {
-  if (sharded_ == nullptr) return;
+  if (sharded_ == nullptr || alive_.expired()) return;  // the wrapper went first: nothing left to release
   try {
     sharded_->end_hold();
   } catch (const std::exception& e) {  // a failed wait for a gather: the scope's own error is the one to see

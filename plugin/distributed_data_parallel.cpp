@@ -330,6 +330,21 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   sync_tied_params_at_construction();
 }
 
+// A param whose storage has no bytes: one of a module whose "optim_grads_params" wrapper was destroyed while
+// its unit was released (an exception unwinding, a gather at destruction that failed: Note [A module outliving
+// its ZeRO-3 wrapper], ddp_engine_controls.cpp). Its values are gone; the broadcast would read no memory.
+static void refuse_params_without_bytes(const std::vector<NamedTensor>& params) {
+  for (const NamedTensor& p : params) {
+    const at::Tensor& t = p.tensor;
+    const bool released = t.numel() > 0 && !t.is_meta() && t.has_storage() && t.storage().nbytes() == 0;
+    TORCH_CHECK(
+        !released, "DistributedDataParallel: parameter '", p.name, "' holds no bytes: it belonged to an FSDP ",
+        "unit of a wrapper under data_parallel_sharding_strategy 'optim_grads_params' that was destroyed while ",
+        "the unit was released (an exception unwinding, or a gather at its destruction that failed), so its ",
+        "values are gone. Load them from a checkpoint into this module before wrapping it again");
+  }
+}
+
 void DdpEngine::agree_on_settings(InitState& s) {
   // The agreement checks below use CPU tensors: a group a user made NCCL-only gets a Gloo backend for
   // them first (Note [Control plane on any group], mesh/process_group_factory.h).
@@ -338,6 +353,7 @@ void DdpEngine::agree_on_settings(InitState& s) {
   }
   // Before any collective: a param another live engine reduces is refused (Python ranks all wrap alike).
   claim_ = std::make_unique<ParamClaim>(s.params);
+  refuse_params_without_bytes(s.params);
   // First, before any collective whose kind depends on them: the settings agree on every rank, then
   // they are validated (Note [Agree first, then validate], mesh/config_fields.h).
   s.has_experts = has_expert_params(s.params) || has_expert_params(s.buffers);

@@ -201,6 +201,7 @@ class DdpEngine {
 
    private:
     ShardedParams* sharded_ = nullptr;
+    std::weak_ptr<const void> alive_;  // expired: the wrapper was destroyed inside the scope (its params left whole)
   };
   [[nodiscard]] FullParamsScope gather_full_params();
 

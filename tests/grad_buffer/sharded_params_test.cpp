@@ -259,6 +259,13 @@ TEST(FsdpUnits, APatternMatchingNoModuleIsWarnedAboutByName) {
   ASSERT_EQ(captured.messages.size(), 1u);
   EXPECT_THAT(captured.messages[0], HasSubstr("pattern 'wtx' matches no module path"));
   EXPECT_THAT(captured.messages[0], HasSubstr("e.g. 'wte'"));
+  // Patterns that all match warn nothing, nor does the config's own check, which has no model to match against.
+  captured.messages.clear();
+  assign_fsdp_units({"wte.weight", "blocks.0.fc.weight"}, "blocks.*,wte");
+  GradBufferConfig config = strategy(kShardOptimGradsParams);
+  config.fsdp_unit_modules = "blocks.*,wte";
+  config.validate();
+  EXPECT_EQ(captured.messages, std::vector<std::string>{});
 }
 
 // shard_policy "whole_param" (Muon): every param lies whole inside one rank's shard of its bucket, and the

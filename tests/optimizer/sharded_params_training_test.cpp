@@ -184,6 +184,46 @@ TEST(ShardedParamsTraining, AModuleOutlivingItsWrapperKeepsItsWholeTrainedParams
   });
 }
 
+// The wrapper destroyed inside a gather_full_params() scope: its destruction leaves the params whole (the
+// trained values), and the scope's end, after it, touches nothing of the wrapper (it is gone).
+TEST(ShardedParamsTraining, AWrapperDestroyedInsideGatherFullParamsLeavesItsParamsWhole) {
+  const std::vector<torch::Tensor> want = train_zero({.world = 2, .steps = kSteps});
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    ZeroRank rank(mesh, {.world = 2, .steps = kSteps, .strategy = kShardOptimGradsParams},
+                  kZeroSeed + 31 * mesh.rank());
+    rank.train(0, kSteps);
+    rank.opt->finish_param_sync();
+    {
+      auto whole = rank.ddp->gather_full_params();
+      rank.opt.reset();
+      rank.ddp.reset();
+    }
+    expect_equal_params(read_params(rank), want, "after the wrapper's destruction inside the scope");
+  });
+}
+
+// A wrapper destroyed while an exception unwinds leaves its units released (no collective then: Note [A module
+// outliving its ZeRO-3 wrapper]): wrapping the module again is refused naming a param without bytes, on every
+// rank, before any collective (it read no memory: a segfault in the initial broadcast).
+TEST(ShardedParamsTraining, WrappingAgainAModuleLeftWithoutBytesIsRefusedNamingTheParam) {
+  run_on_mesh({2}, {"dp"}, [&](DeviceMesh& mesh) {
+    Mlp model = make_mlp(kZeroSeed, kZeroIn, kZeroHidden, kZeroOut);
+    DdpConfig config;
+    config.data_parallel_sharding_strategy = kShardOptimGradsParams;
+    try {
+      DistributedDataParallel<MlpImpl> ddp(model.ptr(), mesh, "dp", config);
+      throw std::runtime_error("the training loop failed");
+    } catch (const std::runtime_error&) {
+    }
+    try {
+      DistributedDataParallel<MlpImpl> again(model.ptr(), mesh, "dp", config);
+      ADD_FAILURE() << "a module whose params hold no bytes was wrapped";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("parameter 'fc1.weight' holds no bytes"));
+    }
+  });
+}
+
 namespace {
 
 constexpr int kMuonSteps = 8;
