@@ -18,7 +18,9 @@ Note [Compiled sections under optim_grads_params]
   - backward: AOT autograd's compiled backward reads the params it saved, again without any op. A pre-hook on the
     autograd node of each of the section's outputs (each runs before the section's compiled backward node) gathers
     the same units again (gather_for_compiled_backward); the existing rule releases a unit once every param of it
-    has reported its gradient.
+    has reported its gradient. An output that is a view of an input has that input's (an earlier) node: its hook
+    gathers the units once more there, which then stay until the step; missing a hook instead would let the
+    compiled backward read released storage.
   A rank so holds its shards plus about one section's units (and the next one prefetched), as in eager.
   Compile time: Dynamo and AOT autograd trace fake tensors made from the released params (shapes and strides
   only), and torch's section compiler calls each compiled section once on fake tensors: nothing gathers then.

@@ -15,6 +15,9 @@ How it is wired (Note [Compiling through the wrapper]):
   layout (`_Ddp._param_buckets`: each param's bucket in launch order) instead of a byte count.
 - Each section is compiled by the user's backend through torch's DDPOptimizer machinery
   (SubmodCompiler, which fakifies inputs and keeps AOT metadata per section).
+- Under data_parallel_sharding_strategy='optim_grads_params' each compiled section's callable is wrapped so
+  that it gathers the FSDP units it reads, before its forward and its backward (Note [Compiled sections
+  under optim_grads_params], meshddp/_compiled_sections.py).
 
 Private torch internals used here are checked at import against what this file was written for
 (torch 2.11): a difference fails the import naming them, as meshddp.pipelining does for PipelineStage.
