@@ -381,6 +381,19 @@ void ShardedParams::grad_ready(int64_t param) {
   if (current_ == unit_of_param_[param]) current_ = -1;
 }
 
+std::vector<at::Tensor> ShardedParams::use_units_of(const std::vector<at::Tensor>& tensors, const char* what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> used;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const auto it = bucket_of_storage_.find(t.storage().unsafeGetStorageImpl());
+    if (it == bucket_of_storage_.end()) continue;  // not a param (an activation, a frozen param)
+    use(it->second, t, what, Access::kRead);
+    used.push_back(t);
+  }
+  return used;
+}
+
 int64_t ShardedParams::resident_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return resident_;

@@ -53,6 +53,9 @@
 //   unit is released, and backward would re-gather the old values (gradients of weights the forward
 //   did not use). So such an op is refused naming the param, on a thread with the mode on; the
 //   shards change only through the DistributedOptimizer or a checkpoint load.
+//   Compiled code reads storage without any op, so nothing above sees it: torch.compile of the wrapper
+//   gathers each compiled section's units itself, before its forward and again before its backward
+//   (use_units_of(); Note [Compiled sections under optim_grads_params], plugin/python/meshddp/_compiled_sections.py).
 //   Cost: while a ShardedParams lives, every op on a thread with the mode on passes the mode's boxed
 //   fallback, which looks up each tensor argument's storage among the live buckets without a lock (Note
 //   [Finding a bucket's storage without a lock], sharded_params.cpp). Measured on CPU
@@ -117,6 +120,14 @@ class ShardedParams {
   // Called once a param's gradient of this backward is in (GradBuffer's hook): releases its unit
   // when it was the unit's last.
   void grad_ready(int64_t param);
+  // For code whose reads of params no op interception sees (a compiled section of the wrapped module: Note
+  // [Compiled sections under optim_grads_params], plugin/python/meshddp/_compiled_sections.py): uses each of
+  // `tensors` that lives in a bucket's storage as an op reading it would (its unit gathered and waited for; in
+  // forward the other units released, in backward none; the next unit prefetched), and returns those tensors.
+  // In forward, hold one OpScope over this call and the code's run: every unit used here, and by the ops of
+  // that code the interception does see (extern kernels), is then kept until it ends. `what` names the code
+  // in messages.
+  std::vector<at::Tensor> use_units_of(const std::vector<at::Tensor>& tensors, const char* what);
 
   // Bytes of param storage this rank holds now: its shards plus the buckets of the units in use or
   // in flight; the most it held since construction or reset_peak(); the shards alone; and the bytes

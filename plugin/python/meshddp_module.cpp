@@ -207,6 +207,8 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<PythonDdp::ForwardScope>(m, "_ForwardScope");
+  py::class_<PythonDdp::CompiledSectionScope>(m, "_CompiledSectionScope")
+      .def("params", &PythonDdp::CompiledSectionScope::params);
 
   py::class_<PythonDdp, EngineHolder<PythonDdp>>(m, "_Ddp")
       .def(py::init([](const std::vector<std::pair<std::string, at::Tensor>>& params,
@@ -279,6 +281,9 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_peak_param_storage", &PythonDdp::reset_peak_param_storage)
       .def("param_shard_bytes", &PythonDdp::param_shard_bytes)
       .def("fsdp_unit_names", &PythonDdp::fsdp_unit_names)
+      // torch.compile(ddp) under "optim_grads_params": each compiled section's units (meshddp/_compiled_sections.py).
+      .def("open_compiled_section", &PythonDdp::open_compiled_section, py::arg("inputs"), Release())
+      .def("gather_for_compiled_backward", &PythonDdp::gather_for_compiled_backward, py::arg("params"), Release())
       .def("num_buckets", [](const PythonDdp& d) { return d.grad_buffer()->layout().buckets.size(); })
       // Per bucket (is_expert, the size of the group it is sharded over, the size of its cross-instance
       // group or 0): how ZeRO-1 shards each bucket (grad_buffer/bucket_reduction.h), for tests.

@@ -188,6 +188,22 @@ int64_t PythonDdp::param_shard_bytes() const {
   return sharded ? sharded->shard_bytes() : whole_param_bytes(grad_buffer());
 }
 
+PythonDdp::CompiledSectionScope::CompiledSectionScope(ShardedParams& sharded, const std::vector<at::Tensor>& inputs)
+    : params_(sharded.use_units_of(inputs, "a compiled section of the wrapped module's forward")) {}
+
+std::unique_ptr<PythonDdp::CompiledSectionScope> PythonDdp::open_compiled_section(
+    const std::vector<at::Tensor>& inputs) const {
+  ShardedParams& sharded = sharded_or_throw(sharded_params(), config(), "open_compiled_section()");
+  return std::make_unique<CompiledSectionScope>(sharded, inputs);
+}
+
+void PythonDdp::gather_for_compiled_backward(const std::vector<at::Tensor>& params) const {
+  ShardedParams& sharded = sharded_or_throw(sharded_params(), config(), "gather_for_compiled_backward()");
+  TORCH_INTERNAL_ASSERT(torch::autograd::get_current_node() != nullptr,
+                        "PythonDdp: gather_for_compiled_backward() outside backward");
+  sharded.use_units_of(params, "a compiled section's backward");
+}
+
 std::vector<std::string> PythonDdp::fsdp_unit_names() const {
   const ShardedParams& sharded = sharded_or_throw(sharded_params(), config(), "fsdp_unit_names()");
   std::vector<std::string> names;

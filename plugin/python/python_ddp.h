@@ -23,6 +23,7 @@
 #pragma once
 
 #include "grad_buffer/param_gather.h"
+#include "grad_buffer/sharded_params.h"
 #include "plugin/distributed_data_parallel.h"
 
 #include <memory>
@@ -102,6 +103,23 @@ class PythonDdp : public DdpEngine {
   int64_t peak_param_storage_bytes() const;
   void reset_peak_param_storage();
   int64_t param_shard_bytes() const;
+  // A compiled section of the wrapped module (torch.compile(ddp), split at the buckets: Note [Compiled sections
+  // under optim_grads_params], meshddp/_compiled_sections.py), whose kernels read params without the op
+  // interception. Opened just before the section's forward runs, inside the wrapper's forward: the units its
+  // `inputs` live in are gathered and waited for, and kept until the scope ends, just after the section ran
+  // (the ops the interception still sees, such as extern kernels, share its OpScope). params(): those inputs,
+  // for gather_for_compiled_backward() just before the section's backward (which reads what it saved).
+  class CompiledSectionScope {
+   public:
+    CompiledSectionScope(ShardedParams& sharded, const std::vector<at::Tensor>& inputs);
+    const std::vector<at::Tensor>& params() const { return params_; }
+
+   private:
+    ShardedParams::OpScope op_;  // before params_: the units are used inside it
+    std::vector<at::Tensor> params_;
+  };
+  std::unique_ptr<CompiledSectionScope> open_compiled_section(const std::vector<at::Tensor>& inputs) const;
+  void gather_for_compiled_backward(const std::vector<at::Tensor>& params) const;
   // The FSDP units (DdpConfig::fsdp_unit_modules over the params' module paths), in the order of their
   // first param: what the units are made of, by name.
   std::vector<std::string> fsdp_unit_names() const;

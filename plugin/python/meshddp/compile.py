@@ -15,6 +15,9 @@ How it is wired (Note [Compiling through the wrapper]):
   layout (`_Ddp._param_buckets`: each param's bucket in launch order) instead of a byte count.
 - Each section is compiled by the user's backend through torch's DDPOptimizer machinery
   (SubmodCompiler, which fakifies inputs and keeps AOT metadata per section).
+- Under data_parallel_sharding_strategy='optim_grads_params' each compiled section's callable is wrapped so
+  that it gathers the FSDP units it reads, before its forward and its backward (Note [Compiled sections
+  under optim_grads_params], meshddp/_compiled_sections.py).
 
 Private torch internals used here are checked at import against what this file was written for
 (torch 2.11): a difference fails the import naming them, as meshddp.pipelining does for PipelineStage.
@@ -86,11 +89,14 @@ SPLIT_REASON = "meshddp bucket split: a graph section ends where a bucket fills 
 class BucketSplitter:
     """A Dynamo backend that cuts a traced forward graph where meshddp's buckets fill in backward and
     compiles each section with `backend` (the user's). `param_bucket`: id(param) -> the global index
-    of its bucket (launch order), for the wrapped module's trainable params."""
+    of its bucket (launch order), for the wrapped module's trainable params. `wrap_section`: applied to
+    each compiled section's callable, or None (under optim_grads_params it gathers the section's units:
+    meshddp/_compiled_sections.py)."""
 
-    def __init__(self, backend, param_bucket):
+    def __init__(self, backend, param_bucket, wrap_section=None):
         self.backend = backend
         self.param_bucket = param_bucket
+        self.wrap_section = wrap_section or (lambda compiled: compiled)
         self.sections = []  # per compiled graph: how many sections it was cut into
         self.warned_dtensor = False
 
@@ -155,18 +161,18 @@ class BucketSplitter:
                               "backward; compile each block instead (block.compile()) to keep them overlapped "
                               "(docs/guide/compile.md)", stacklevel=2)
             self.sections.append(1)
-            return self.backend(gm, example_inputs)
+            return self.wrap_section(self.backend(gm, example_inputs))
         section_of, count = self.sections_of(gm, example_inputs)
         self.sections.append(count)
         if count == 1:
-            return self.backend(gm, example_inputs)
+            return self.wrap_section(self.backend(gm, example_inputs))
         split_gm = fx.passes.split_module.split_module(gm, None, lambda node: section_of[node])
         _ddp_optimizer.propagate_dynamo_source(gm, split_gm)
         _ddp_optimizer.propagate_metadata(gm, split_gm)
         fake_mode = _dynamo_utils.detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
-        compiler = _SectionCompiler(split_gm, self.backend, fake_mode)
+        compiler = _SectionCompiler(split_gm, self.backend, fake_mode, self.wrap_section)
         with _dynamo_utils._disable_saved_tensors_hooks_during_tracing():
             compiler.run(*example_inputs)
         split_gm.recompile()
@@ -182,10 +188,10 @@ class _SectionCompiler(_ddp_optimizer.SubmodCompiler):
     """torch's DDPOptimizer section compiler, handing each section to the backend with meshddp's reason
     on it (torch._dynamo.explain lists it among the break reasons)."""
 
-    def __init__(self, module, backend, fake_mode):
+    def __init__(self, module, backend, fake_mode, wrap_section):
         def compile_section(section, example_inputs):
             section.compile_subgraph_reason = GraphCompileReason(SPLIT_REASON, [])
-            return backend(section, example_inputs)
+            return wrap_section(backend(section, example_inputs))
 
         super().__init__(module, compile_section, fake_mode)
 
@@ -202,11 +208,11 @@ def is_compiling_callback(callback):
     return isinstance(callback, _convert_frame.CatchErrorsWrapper)
 
 
-def split_callback(wrapper, callback):
+def split_callback(wrapper, callback, wrap_section=None):
     """The callback to run the wrapped module under: a clone of torch.compile's `callback` whose backend
     splits the graph at `wrapper`'s buckets (one per pair, kept: Dynamo guards compiled code on its
     backend, so a new clone per step would recompile), or `callback` itself when optimize_ddp is off, it
-    is not compiling, or it cannot clone itself."""
+    is not compiling, or it cannot clone itself. wrap_section: BucketSplitter's."""
     if not is_compiling_callback(callback) or _dynamo_utils.get_optimize_ddp_mode() != "ddp_optimizer":
         return callback
     convert = callback._torchdynamo_orig_backend
@@ -220,7 +226,7 @@ def split_callback(wrapper, callback):
     clones = _split_callbacks.setdefault(callback, {})
     entry = clones.get(id(wrapper))
     if entry is None or entry[0]() is not wrapper:
-        splitter = BucketSplitter(backend, wrapper._param_buckets())
+        splitter = BucketSplitter(backend, wrapper._param_buckets(), wrap_section)
         clone = _convert_frame.catch_errors_wrapper(convert._clone_with_backend(splitter), callback.hooks)
         entry = clones[id(wrapper)] = (weakref.ref(wrapper), clone, splitter)
     return entry[1]

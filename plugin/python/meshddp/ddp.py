@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from meshddp import _C, _deprecated, _grad_shards, _groups, _guards, _sharded_params
+from meshddp import _C, _compiled_sections, _deprecated, _grad_shards, _groups, _guards, _sharded_params
 from meshddp import compile as _compile
 
 
@@ -304,6 +304,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._strategy = config.data_parallel_sharding_strategy
         self._shards_grads = self._strategy in ("optim_grads", "optim_grads_params")
         self._shards_params = self._strategy == "optim_grads_params"
+        self._wrap_section = _compiled_sections.section_wrapper(self) if self._shards_params else None
         if self._shards_params:
             self._engine.intercept_param_reads_in_this_thread()
             _sharded_params.refuse_released_in_state_dict(module)
@@ -383,16 +384,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine.check_before_forward()
         compiling = _compile.is_compiling_callback(callback)
         _compile.refuse_compiled_autograd(compiling)
-        if self._shards_params and (compiling or _compile.may_run_compiled_code(self.module)):
-            raise _error("torch.compile is not supported under data_parallel_sharding_strategy='optim_grads_params': "
-                         "compiled kernels read the params' storage directly, without the dispatcher that gathers "
-                         "each FSDP unit on use, and would read released (empty) storage. Run the model eagerly, or "
-                         "use 'optim_grads'")
+        # Under optim_grads_params each compiled section gathers its own units (meshddp/_compiled_sections.py).
+        split = _compile.split_callback(self, callback, self._wrap_section)
+        if self._shards_params:
+            _compiled_sections.refuse_unsupported(self.module, compiling, split is not callback)
         if self._engine.pending_param_gathers() > 0 and (compiling or _compile.may_run_compiled_code(self.module)):
             self._engine.finish_param_gathers()
         scope = self._engine.open_forward_scope()
         try:
-            output = _compile.call_with_callback(self.module, args, kwargs, _compile.split_callback(self, callback))
+            output = _compile.call_with_callback(self.module, args, kwargs, split)
         finally:
             del scope
         if self._find_unused:
