@@ -64,6 +64,12 @@ def test_sharded_strategies_equal_optim_bit_for_bit_under_torch_tp(case, strateg
             assert sharded["reloaded_equal"], f"rank {rank}: load_state_dict(state_dict()) changed the params"
 
 
+def test_compiling_a_dtensor_model_under_optim_grads_params_is_refused_on_every_rank():
+    for rank, results in enumerate(suite()):
+        message = results["zero3_compile"]
+        assert "DTensor (torch TP) params is not supported" in message and "optim_grads" in message, message
+
+
 def test_a_dtensor_on_another_mesh_of_the_tp_size_is_an_error_naming_the_param():
     # parallelize_module over mesh["dp"]: a 1-D mesh of the TP size, but not the TP sub-mesh.
     for rank, results in enumerate(suite()):

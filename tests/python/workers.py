@@ -290,10 +290,26 @@ def tp_group_checks(rank, world_size, dp, tp):
     return {"head_after_init": head, "replica_error": error}
 
 
+def tp_zero3_compile_refused(dp, tp):
+    """torch.compile of a DTensor model's wrapper under optim_grads_params: the error (refused before tracing)."""
+    torch.manual_seed(0)
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(
+        data_parallel_sharding_strategy="optim_grads_params"))
+    try:
+        torch.compile(ddp, backend="eager")(torch.randn(4, 16))
+    except RuntimeError as e:
+        return str(e)
+    return "(no error)"
+
+
 def tp_suite(rank, world_size, dp, tp):
     cases = ("sgd", "adamw", "zero1", "zero1_overlap", "zero2", "zero2_accum", "zero3", "zero3_accum")
     out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in cases}
     out["wrong_mesh"] = tp_wrong_mesh_error(rank, world_size, dp, tp)
+    out["zero3_compile"] = tp_zero3_compile_refused(dp, tp)
     out["tp_group"] = tp_group_checks(rank, world_size, dp, tp)
     return out
 

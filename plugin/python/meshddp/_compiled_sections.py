@@ -35,6 +35,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from meshddp import compile as _compile
@@ -96,6 +97,12 @@ def _error(what):
 def refuse_unsupported(module, compiling, split):
     """Raises when `module`'s forward would run compiled code that reads released params (see the Note).
     compiling: torch.compile of the wrapper runs it; split: its graph is split at the buckets (sections gather)."""
+    if compiling and any(isinstance(p, DTensor) for p in module.parameters()):
+        raise _error("torch.compile of the wrapper under data_parallel_sharding_strategy='optim_grads_params' with "
+                     "DTensor (torch TP) params is not supported: their graph is not split at the buckets (torch's "
+                     "section compiler cannot pass DTensors between sections), and its one compiled graph would read "
+                     "every unit's storage with none gathered. Run the model eagerly, or use 'optim_grads' (compiled "
+                     "DTensor models work there)")
     if compiling and not split:
         raise _error("torch.compile of the wrapper under data_parallel_sharding_strategy='optim_grads_params' needs "
                      "the compiled graph split at meshddp's buckets (each section gathers the FSDP units it reads), "
