@@ -330,18 +330,19 @@ void DdpEngine::init(std::vector<NamedTensor> params, std::vector<NamedTensor> b
   sync_tied_params_at_construction();
 }
 
-// A param whose storage has no bytes: one of a module whose "optim_grads_params" wrapper was destroyed while
-// its unit was released (an exception unwinding, a gather at destruction that failed: Note [A module outliving
-// its ZeRO-3 wrapper], ddp_engine_controls.cpp). Its values are gone; the broadcast would read no memory.
+// A param whose storage has no bytes: one of a module whose "optim_grads_params" wrapper is gone while its
+// unit was released (Note [A module outliving its ZeRO-3 wrapper], ddp_engine_controls.cpp). Its values are
+// gone; the initial broadcast would read no memory. Checked after the claim (a module still wrapped is named so).
 static void refuse_params_without_bytes(const std::vector<NamedTensor>& params) {
   for (const NamedTensor& p : params) {
     const at::Tensor& t = p.tensor;
     const bool released = t.numel() > 0 && !t.is_meta() && t.has_storage() && t.storage().nbytes() == 0;
-    TORCH_CHECK(
-        !released, "DistributedDataParallel: parameter '", p.name, "' holds no bytes: it belonged to an FSDP ",
-        "unit of a wrapper under data_parallel_sharding_strategy 'optim_grads_params' that was destroyed while ",
-        "the unit was released (an exception unwinding, or a gather at its destruction that failed), so its ",
-        "values are gone. Load them from a checkpoint into this module before wrapping it again");
+    TORCH_CHECK(!released, "DistributedDataParallel: parameter '", p.name, "' holds no bytes: it belonged to an FSDP ",
+                "unit of a wrapper under data_parallel_sharding_strategy 'optim_grads_params' that is gone while the ",
+                "unit was released (a Python wrapper dropped: it does not gather the params back; a C++ one destroyed ",
+                "while an exception unwound, or whose gather at destruction failed), so its values are gone. Wrap a ",
+                "freshly built module instead and load a checkpoint (or a state dict taken before) through the new ",
+                "wrapper");
   }
 }
 

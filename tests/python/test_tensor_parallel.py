@@ -70,6 +70,17 @@ def test_compiling_a_dtensor_model_under_optim_grads_params_is_refused_on_every_
         assert "DTensor (torch TP) params is not supported" in message and "optim_grads" in message, message
 
 
+def test_loading_whole_tensors_under_optim_grads_params_cuts_the_tp_shard_of_a_frozen_dtensor_too():
+    for rank, results in enumerate(suite()):
+        assert results["zero3_frozen_load"] == [], f"rank {rank}: not loaded: {results['zero3_frozen_load']}"
+
+
+def test_parallelizing_after_wrapping_is_refused_at_the_first_forward_naming_the_param():
+    for rank, results in enumerate(suite()):
+        message = results["parallelized_after"]
+        assert "parameter 'fc1.weight' is not the tensor it was when the wrapper was built" in message, message
+
+
 def test_a_dtensor_on_another_mesh_of_the_tp_size_is_an_error_naming_the_param():
     # parallelize_module over mesh["dp"]: a 1-D mesh of the TP size, but not the TP sub-mesh.
     for rank, results in enumerate(suite()):

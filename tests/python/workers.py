@@ -305,11 +305,45 @@ def tp_zero3_compile_refused(dp, tp):
     return "(no error)"
 
 
+def tp_zero3_load_with_a_frozen_dtensor(dp, tp):
+    """optim_grads_params with a frozen DTensor param (whole on every rank, not in a unit): load_state_dict of
+    whole tensors cuts each rank's TP shard of every param, the frozen one too. Returns the keys whose values
+    differ from the given ones afterwards."""
+    torch.manual_seed(0)
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    model.fc1.weight.requires_grad_(False)
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(
+        data_parallel_sharding_strategy="optim_grads_params"))
+    torch.manual_seed(5)
+    given = Block().state_dict()
+    ddp.load_state_dict(given)
+    return sorted(k for k, v in ddp.state_dict().items() if not full(v).equal(given[k]))
+
+
+def tp_parallelized_after_wrapping(dp, tp):
+    """parallelize_module after wrapping (the params replaced by DTensors the engine never saw): the first
+    forward's error (before: under 'optim' the replaced layers never changed, silently)."""
+    torch.manual_seed(0)
+    model = Block()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    ddp = meshddp.DistributedDataParallel(model, mesh, "dp", meshddp.DdpConfig(use_distributed_optimizer=True))
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    try:
+        ddp(torch.randn(4, 16))
+    except RuntimeError as e:
+        return str(e)
+    return "(no error)"
+
+
 def tp_suite(rank, world_size, dp, tp):
     cases = ("sgd", "adamw", "zero1", "zero1_overlap", "zero2", "zero2_accum", "zero3", "zero3_accum")
     out = {o: tp_vs_single(rank, world_size, dp, tp, o) for o in cases}
     out["wrong_mesh"] = tp_wrong_mesh_error(rank, world_size, dp, tp)
     out["zero3_compile"] = tp_zero3_compile_refused(dp, tp)
+    out["zero3_frozen_load"] = tp_zero3_load_with_a_frozen_dtensor(dp, tp)
+    out["parallelized_after"] = tp_parallelized_after_wrapping(dp, tp)
     out["tp_group"] = tp_group_checks(rank, world_size, dp, tp)
     return out
 

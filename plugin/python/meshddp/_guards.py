@@ -74,6 +74,26 @@ def _unmark(module_ref, names):
         del module._ddp_params_and_buffers_to_ignore
 
 
+def remember_params(wrapper, module):
+    """The module's params as wrapped, for check_params_unchanged at the first forward."""
+    wrapper._params_at_wrap = list(module.named_parameters())
+
+
+def check_params_unchanged(wrapper):
+    """At the first forward: a param replaced since wrapping (parallelize_module, or a new nn.Parameter assigned,
+    after the wrapper was built) would never be reduced or stepped, silently: refused naming it."""
+    at_wrap, wrapper._params_at_wrap = wrapper._params_at_wrap, None
+    if at_wrap is None:
+        return
+    now = dict(wrapper.module.named_parameters())
+    for name, p in at_wrap:
+        if now.get(name) is not p:
+            raise _error(f"parameter '{name}' is not the tensor it was when the wrapper was built: it was replaced "
+                         f"after wrapping (parallelize_module, or a new nn.Parameter assigned), and meshddp syncs the "
+                         f"tensors it was given, so the new one would never be reduced or stepped. Parallelize the "
+                         f"module (and replace params) before wrapping it")
+
+
 def check_outer_torch_ddp(wrapper):
     """In meshddp's forward: refuses a torch DDP whose forward is running around it and that reduces
     one of meshddp's params. Checked once per torch DDP."""

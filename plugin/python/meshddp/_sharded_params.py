@@ -56,37 +56,40 @@ def load_state_dict(ddp, given, strict=True):
         if key in own and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(own[key].shape)):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise _error(f"'{key}' has shape {shape} in the state dict but {tuple(own[key].shape)} in the module")
-    ddp._engine.before_params_written(_WHO)
     sharded = set(ddp._engine.param_names())
     aliases = {}  # a tied param's other names, for a dict that holds it under one of them only
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     module_name = {engine: name for name, engine in ddp._engine_names.items()}  # expert DTensors: engine names
+    with torch.no_grad():
+        # Every value as this rank holds it (a DTensor's: its local shard), made before anything is written (a
+        # value that cannot be made fails with nothing changed) and in the same order on every rank (a DTensor
+        # given at other placements is redistributed: a collective over TP).
+        local = {}
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            names = aliases.get(id(tensor), [name])
+            source = next((given[n] for n in names if n in given), None)
+            if source is not None:
+                local[name] = _local_values(source.detach(), tensor)
+    ddp._engine.before_params_written(_WHO)
     try:
         with torch.no_grad():
-            # Every param's values as the engine holds them (a DTensor's: its local shard), made in the same
-            # order on every rank (a DTensor given at other placements is redistributed: a collective over TP).
-            local = {}
-            for name, p in module.named_parameters():
-                source = next((given[n] for n in aliases[id(p)] if n in given), None)
-                if source is not None:
-                    local[name] = _local_values(source.detach(), p)
             for name, offset, piece in ddp._engine.param_shard_pieces():
                 source = local.get(module_name.get(name, name))
                 if source is not None:
                     flat = source.reshape(-1)[offset:offset + piece.numel()]
                     piece.copy_(flat.to(device=piece.device, dtype=piece.dtype))
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-                if name not in sharded and name in given:  # frozen params and buffers: whole on every rank
-                    tensor.copy_(given[name])
+                if name not in sharded and name in local:  # frozen params and buffers: whole on every rank
+                    (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(local[name])
     finally:
         ddp._engine.notify_params_changed()  # also after a partial load: the masters are reloaded
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def _local_values(source, param):
-    """What `param`'s engine tensor holds of `source`, a whole tensor or a DTensor: for a DTensor param its local
-    shard at the param's placements (a whole tensor is cut locally, as distribute_tensor without a source rank)."""
+    """What this rank holds of `source` (a whole tensor or a DTensor) for `param` (or a buffer): for a DTensor its
+    local shard at its placements (a whole tensor is cut locally, as distribute_tensor without a source rank)."""
     if not isinstance(param, DTensor):
         return source.full_tensor() if isinstance(source, DTensor) else source
     if isinstance(source, DTensor):
@@ -117,16 +120,3 @@ def refuse_released_in_state_dict(module):
                     f"gathers the units and returns whole copies), or use data_parallel_sharding_strategy='optim'")
 
     return module.register_state_dict_post_hook(check)
-
-
-def refuse_params_without_bytes(module):
-    """Wrapping a module whose params hold no bytes: those of a module whose optim_grads_params wrapper was
-    dropped (Note [A module outliving its ZeRO-3 wrapper], plugin/ddp_engine_controls.cpp)."""
-    for name, p in module.named_parameters():
-        local = getattr(p, "_local_tensor", p)
-        if _released(local):
-            raise RuntimeError(
-                f"meshddp.DistributedDataParallel: parameter '{name}' holds no bytes: it belonged to an FSDP unit of a "
-                f"wrapper under data_parallel_sharding_strategy='optim_grads_params' that was dropped while the unit "
-                f"was released (from Python the wrapper does not gather the params back when it goes). Load the "
-                f"values from a checkpoint (or ddp.state_dict() taken before dropping the wrapper) into a new model")

@@ -264,7 +264,6 @@ class DistributedDataParallel(torch.nn.Module):
 
         _check_wrappable(module)
         _guards.refuse_torch_ddp_inside(module)
-        _sharded_params.refuse_params_without_bytes(module)
         params, dtensors = [], []
         self._engine_names = {}  # module path -> the engine's name, where they differ (EP DTensor shards)
         for name, p in module.named_parameters():  # deduplicated: a tied tensor keeps its first name
@@ -354,6 +353,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._ddp_params_and_buffers_to_ignore = _guards.names_for_torch_ddp(module)
         _guards.mark_wrapped_module(self, module)
         self._torch_ddp_checked = None
+        _guards.remember_params(self, module)
         _guards.watch_optimizer_steps(self)
         if config.use_distributed_optimizer:
             _guards.guard_raw_forward(self, module)
@@ -381,6 +381,7 @@ class DistributedDataParallel(torch.nn.Module):
     @torch.compiler.disable
     def _forward_eagerly(self, callback, args, kwargs):
         _guards.check_outer_torch_ddp(self)
+        _guards.check_params_unchanged(self)
         self._engine.check_before_forward()
         compiling = _compile.is_compiling_callback(callback)
         _compile.refuse_compiled_autograd(compiling)
