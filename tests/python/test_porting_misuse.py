@@ -213,8 +213,9 @@ def test_a_torch_optimizer_over_a_zero1_wrapper_is_refused_naming_the_param(mesh
     ddp(torch.randn(3, 4)).sum().backward()
     ddp.finish_grad_sync()
     before = snapshot(m)
-    with pytest.raises(RuntimeError, match=r"SGD.step\(\) on parameter '0.weight', whose gradient buffer is sharded "
-                                           r"for the ZeRO-1 distributed optimizer.*meshddp.DistributedOptimizer"):
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) on parameter '0.weight', whose gradient is sharded for "
+                                           r"the distributed optimizer \(DdpConfig data_parallel_sharding_strategy='optim'\)"
+                                           r".*meshddp.DistributedOptimizer"):
         opt.step()
     assert unchanged(m, before)
 

@@ -177,8 +177,8 @@ def test_torch_clip_under_zero1_is_refused_at_step(mesh):
     assert all(p.equal(before[n]) for n, p in ddp.named_parameters())
     backward(ddp)  # a step without it goes through
     assert not opt.step().skipped
-    with pytest.raises(RuntimeError, match=r"meshddp.clip_grad_norm_: the grad buffer is sharded for the ZeRO-1 "
-                                           r"distributed optimizer"):
+    with pytest.raises(RuntimeError, match=r"meshddp.clip_grad_norm_: the gradients are sharded for the "
+                                           r"distributed optimizer \(data_parallel_sharding_strategy='optim'\)"):
         meshddp.clip_grad_norm_(ddp, 1.0)
 
 

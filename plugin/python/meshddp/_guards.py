@@ -133,12 +133,12 @@ def _before_optimizer_step(optimizer, args, kwargs):
                     if id(p) in ddp._zero1_param_ids:
                         name = next(n for n, q in ddp.module.named_parameters() if q is p)
                         raise _error(
-                            f"{type(optimizer).__name__}.step() on parameter '{name}', whose gradient buffer is sharded "
-                            f"for the ZeRO-1 distributed optimizer (DdpConfig use_distributed_optimizer=True): each DP "
+                            f"{type(optimizer).__name__}.step() on parameter '{name}', whose gradient is sharded for "
+                            f"the distributed optimizer (DdpConfig data_parallel_sharding_strategy='{ddp._strategy}'): each DP "
                             f"rank holds the reduced gradient of its own shard only, so a torch optimizer would step "
                             f"every rank on a different gradient and the ranks' params would diverge. Use "
                             f"meshddp.DistributedOptimizer(ddp, meshddp.DistributedOptimizerConfig(...)), or build the wrapper with "
-                            f"use_distributed_optimizer=False for a torch optimizer")
+                            f"data_parallel_sharding_strategy='no_shard' for a torch optimizer")
         fp32_main_grads = ddp._fp32_main_grad_params
         for group in optimizer.param_groups if fp32_main_grads else ():
             for p in group["params"]:

@@ -300,7 +300,7 @@ class DistributedDataParallel(torch.nn.Module):
         # optim_grads (and optim_grads_params): no whole gradient buffer (grads are sharded after each bucket's
         # reduce-scatter): param.main_grad is refused by name (meshddp/_grad_shards.py), param.grad is None after
         # backward. optim_grads_params: the params are shards too, gathered per unit on use (_sharded_params.py).
-        self._strategy = config.data_parallel_sharding_strategy
+        self._strategy = config.data_parallel_sharding_strategy or ("optim" if config.use_distributed_optimizer else "no_shard")
         self._shards_grads = self._strategy in ("optim_grads", "optim_grads_params")
         self._shards_params = self._strategy == "optim_grads_params"
         self._wrap_section = _compiled_sections.section_wrapper(self) if self._shards_params else None

@@ -105,8 +105,8 @@ def _plain_ddp(ddp, who):
                         f"ranks hold which gradient), not {type(ddp).__name__}")
     if ddp.config.use_distributed_optimizer:
         raise RuntimeError(
-            f"meshddp.{who}: the grad buffer is sharded for the ZeRO-1 distributed optimizer "
-            f"(use_distributed_optimizer), so each DP rank holds the reduced gradient of its shard only; set "
+            f"meshddp.{who}: the gradients are sharded for the distributed optimizer (data_parallel_sharding_strategy="
+            f"'{ddp._strategy}'), so each DP rank holds the reduced gradient of its shard only; set "
             f"meshddp.DistributedOptimizerConfig(clip_grad_norm=max_norm) instead (its step() clips and reports "
             f"StepResult.grad_norm)")
     ddp.finish_grad_sync()  # a no-op once done; through the DDP, for its checks
