@@ -272,14 +272,14 @@ void ShardedParams::use(int64_t bucket, const at::Tensor& t, const char* op, Acc
   if (!backward && scopes_open_ == 0) {
     if (access == Access::kView) return;                     // no values read
     if (unit.state == UnitState::kInFlight) wait_gather(u);  // launched by every rank (a prefetch)
-    TORCH_CHECK(unit.state == UnitState::kGathered, "ShardedParams: ", op, " reads ", param_at(bucket, t),
-                " (FSDP unit '", unit.name,
-                "') outside a forward through DistributedDataParallel and outside backward, while ",
-                "its unit is released (data_parallel_sharding_strategy 'optim_grads_params' keeps only this ",
-                "rank's shards between steps). Gathering it here would be a collective that only the ranks ",
-                "reading it launch: a hang, or shards mixed up with another collective. Run the module's forward ",
-                "through the wrapper, read params inside DistributedDataParallel::gather_full_params() (called on ",
-                "every rank), or read a checkpoint");
+    TORCH_CHECK(
+        unit.state == UnitState::kGathered, "ShardedParams: ", op, " reads ", param_at(bucket, t), " (FSDP unit '",
+        unit.name, "') outside a forward through DistributedDataParallel and outside backward, while ",
+        "its unit is released (data_parallel_sharding_strategy 'optim_grads_params' keeps only this ",
+        "rank's shards between steps). Gathering it here would be a collective that only the ranks ",
+        "reading it launch: a hang, or shards mixed up with another collective. Run the module's forward ",
+        "through the wrapper, read params inside DistributedDataParallel::gather_full_params() (called on ",
+        "every rank), from Python through ddp.state_dict() (on every rank: whole copies), or read a checkpoint");
     return;
   }
   unit.op = current_op;
