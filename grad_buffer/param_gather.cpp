@@ -76,13 +76,14 @@ ShardedParams::Access access_of(const c10::FunctionSchema& schema, size_t i) {
 
 std::atomic<TensorValuesOf> subclass_values{nullptr};  // Note [Tensor subclasses under the param modes]
 
-// `t`, or for a tensor subclass the tensor holding its values (its storage is the one a bucket may own).
-at::Tensor values_of(const at::Tensor& t) {
+// `t`, or for a tensor subclass the tensor holding its values (its storage is the one a bucket may own), kept
+// alive by `holder`. A plain tensor is returned as it is: no reference count touched on the per-op path.
+const at::Tensor& values_of(const at::Tensor& t, at::Tensor& holder) {
   if (!t.defined() || !t.key_set().has(c10::DispatchKey::Python)) return t;
   const TensorValuesOf lookup = subclass_values.load(std::memory_order_acquire);
   if (lookup == nullptr) return t;
-  at::Tensor inner = lookup(t);
-  return inner.defined() ? inner : t;
+  holder = lookup(t);
+  return holder.defined() ? holder : t;
 }
 
 void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -95,18 +96,19 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
   const char* name = schema.name().c_str();
   const ShardedParams::OpScope one_op;  // its arguments' units are kept together
   const size_t first = stack->size() - num_args;
+  at::Tensor holder;  // a subclass argument's values (values_of)
   for (size_t i = first; i < stack->size(); ++i) {
     const c10::IValue& arg = (*stack)[i];
     const ShardedParams::Access written = access_of(schema, i - first);
     if (arg.isTensor()) {
-      any_pending = ShardedParams::on_use(values_of(arg.toTensor()), name, written) || any_pending;
+      any_pending = ShardedParams::on_use(values_of(arg.toTensor(), holder), name, written) || any_pending;
     } else if (arg.isTensorList()) {
       for (const at::Tensor& t : arg.toTensorList().vec()) {
-        any_pending = ShardedParams::on_use(values_of(t), name, written) || any_pending;
+        any_pending = ShardedParams::on_use(values_of(t, holder), name, written) || any_pending;
       }
     } else if (arg.isOptionalTensorList()) {
       for (const std::optional<at::Tensor>& t : arg.toOptionalTensorList().vec()) {
-        if (t.has_value()) any_pending = ShardedParams::on_use(values_of(*t), name, written) || any_pending;
+        if (t.has_value()) any_pending = ShardedParams::on_use(values_of(*t, holder), name, written) || any_pending;
       }
     }
   }
@@ -117,9 +119,9 @@ void wait_for_params_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet
     for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
       const c10::IValue& arg = (*stack)[i];
       if (arg.isTensor()) {
-        gather->wait_if_pending(values_of(arg.toTensor()));
+        gather->wait_if_pending(values_of(arg.toTensor(), holder));
       } else if (arg.isTensorList()) {
-        for (const at::Tensor& t : arg.toTensorList().vec()) gather->wait_if_pending(values_of(t));
+        for (const at::Tensor& t : arg.toTensorList().vec()) gather->wait_if_pending(values_of(t, holder));
       }
     }
     any_pending = any_pending || gather->pending() > 0;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -198,33 +199,28 @@ void ShardedParams::launch_gather(int64_t u) {
 void ShardedParams::wait_gather(int64_t u) {
   Unit& unit = units_[u];
   const c10::impl::ExcludeDispatchKeyGuard no_use(kUseMode);
-  try {
-    for (int64_t b : unit.buckets) {
-      BucketState& bucket = buckets_[b];
-      if (!bucket.work) continue;
-      auto work = std::move(bucket.work);
-      bucket.work.reset();
+  std::exception_ptr failure;  // the first failed wait; the unit's other gathers are still waited for
+  for (int64_t b : unit.buckets) {
+    BucketState& bucket = buckets_[b];
+    if (!bucket.work) continue;
+    auto work = std::move(bucket.work);
+    bucket.work.reset();
+    try {
       wait_collective(work, *bucket.info.group, bucket.info.what);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
     }
-  } catch (...) {
+  }
+  if (failure) {
     // A failed gather (a peer gone, a timeout) wrote nothing to trust: the unit goes back to no bytes, so that
     // nothing reads what was never written as values (a read fails instead; the error says why).
     for (int64_t b : unit.buckets) {
-      BucketState& bucket = buckets_[b];
-      if (bucket.work) {
-        auto work = std::move(bucket.work);
-        bucket.work.reset();
-        try {
-          wait_collective(work, *bucket.info.group, bucket.info.what);
-        } catch (...) {  // the first failure is the one rethrown
-        }
-      }
-      release_storage(bucket.full);
-      resident_ -= bucket.nbytes;
+      release_storage(buckets_[b].full);
+      resident_ -= buckets_[b].nbytes;
     }
     unit.state = UnitState::kReleased;
     unit.prefetched = false;
-    throw;
+    std::rethrow_exception(failure);
   }
   unit.state = UnitState::kGathered;
 }
